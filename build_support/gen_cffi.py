@@ -45,6 +45,13 @@ extern "Python" bool _pyllamacpp_eval_cb(struct ggml_tensor *, bool, void *);
 extern "Python" bool _pyllamacpp_progress_cb(float, void *);
 const char *pyllamacpp_build_info(void);
 """
+# pyllamacpp's own C helpers (build_support/helpers.h): what Python may call of them.
+_HELPERS_CDEF = """
+typedef struct { int abort_requested; int watch_sigint; ...; } pyl_abort_state;
+bool pyl_abort_flag_cb(void *);
+int pyl_sigint_watch(void);
+int pyl_sigint_unwatch(void);
+"""
 _CALLBACK_CHECKS = """
 /* The compiler checks that each Python trampoline has the type llama.cpp expects. */
 static ggml_log_callback const _pyllamacpp_check_log = _pyllamacpp_log_cb;
@@ -180,7 +187,7 @@ def main() -> None:
                               "ggml-opt.h", "gguf.h", *(h.name for h in headers)})
     names = integer_macros(preprocess(cc, headers, include_dirs, macros=True), headers_text)
     cdef += "".join(f"#define {n} ...\n" for n in names)
-    cdef += _PYTHON_CALLBACKS
+    cdef += _PYTHON_CALLBACKS + _HELPERS_CDEF
 
     info = json.loads(args.info_file.read_text())
     info["llama_h_sha256"] = hashlib.sha256((src / "include" / "llama.h").read_bytes()).hexdigest()
@@ -194,7 +201,8 @@ def main() -> None:
     ffi.set_source(
         "pyllamacpp._pyllamacpp",
         "".join(f'#include "{h}"\n' for h in headers)
-        + f"static const char *pyllamacpp_build_info(void) {{ return {info_c}; }}\n",
+        + f"static const char *pyllamacpp_build_info(void) {{ return {info_c}; }}\n"
+        + (Path(__file__).with_name("helpers.h")).read_text(),
         # After cffi's own code, so its declarations of the trampolines are in scope.
     )
     args.out_cdef.parent.mkdir(parents=True, exist_ok=True)

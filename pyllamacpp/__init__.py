@@ -1,2 +1,43 @@
-"""pyllamacpp: llama.cpp's C API, compiled with cffi, and a numpy layer over it."""
-__version__ = "0.1.0"
+"""pyllamacpp: llama.cpp's C API through a compiled cffi extension, and a numpy layer over it.
+
+``pyllamacpp.ffi`` / ``pyllamacpp.lib`` are the raw binding: every function, struct, enum and
+integer ``#define`` of ``llama.h`` (and the ggml headers it includes), checked by the C compiler.
+The compiled parts load on first use, so pure-Python parts (``pyllamacpp.state``, ``models``)
+import without them.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ._version import __version__
+from .errors import (ClosedError, ContextError, DecodeAborted, DecodeError, InvalidBatchError,
+                     KVCacheFullError, LlamaError, ModelLoadError, StateError)
+from .models import default_model_path
+
+# name -> module that defines it; imported on first access (PEP 562).
+_LAZY = {
+    "ffi": "._lib", "lib": "._lib", "build_info": "._lib",
+    "ContextParams": ".params", "ModelParams": ".params",
+    "Model": ".model", "Batch": ".batch",
+    "Context": ".context", "Memory": ".context", "SeqState": ".context", "StateFlags": ".context",
+    "Sampler": ".sampling", "generate": ".generate", "generate_parallel": ".generate",
+}
+
+
+def __getattr__(name: str):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'pyllamacpp' has no attribute {name!r}")
+    importlib.import_module("._log", __name__)  # route llama.cpp's log before anything runs
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = ["__version__", "default_model_path", "LlamaError", "ModelLoadError", "ContextError",
+           "DecodeError", "InvalidBatchError", "KVCacheFullError", "DecodeAborted", "StateError",
+           "ClosedError", *_LAZY]

@@ -1,0 +1,39 @@
+"""Lifetimes of C objects and of the numpy views over their memory.
+
+A :class:`Handle` owns one C pointer (freed by ``ffi.gc`` when the last reference goes) and keeps
+the handles it depends on alive (a context's handle holds its model's). Python objects drop their
+handle on ``close()``; a numpy view made by :func:`view` holds the handle too, so memory under a
+live view is never freed: ``close()`` followed by reading an old view reads valid memory.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._lib import ffi
+
+
+class Handle:
+    __slots__ = ("ptr", "deps", "__weakref__")
+
+    def __init__(self, ptr, free, deps: tuple = ()):
+        self.ptr = ffi.gc(ptr, free)
+        self.deps = deps  # freed after this one: they outlive every reference to it
+
+
+class _Mem:
+    """What numpy sees as a view's base: the address, and the handle that keeps it valid."""
+    __slots__ = ("__array_interface__", "owner", "__weakref__")
+
+    def __init__(self, addr: int, shape: tuple, typestr: str, owner, readonly: bool):
+        self.__array_interface__ = {"data": (addr, readonly), "shape": shape, "typestr": typestr,
+                                    "version": 3}
+        self.owner = owner
+
+
+def view(ptr, shape: tuple, dtype, owner, *, readonly: bool = False) -> np.ndarray:
+    """A numpy array over ``ptr`` (a cdata pointer) that keeps ``owner`` alive."""
+    dtype = np.dtype(dtype)
+    addr = int(ffi.cast("uintptr_t", ptr))
+    if addr == 0:
+        raise ValueError("view of a NULL pointer")
+    return np.asarray(_Mem(addr, tuple(int(s) for s in shape), dtype.str, owner, readonly))

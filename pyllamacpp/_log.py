@@ -1,0 +1,103 @@
+"""Route llama.cpp's and ggml's log into Python ``logging`` (logger ``pyllamacpp.llama``).
+
+Installed at import, before any model or context exists, so llama.cpp never prints on its own.
+Code that needs what llama.cpp said during one call (an error's reason, the buffer sizes logged
+when a context is created) wraps the call in :func:`capture`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from ._lib import ffi, lib
+
+logger = logging.getLogger("pyllamacpp.llama")
+
+_PY_LEVEL = {
+    lib.GGML_LOG_LEVEL_NONE: logging.INFO,
+    lib.GGML_LOG_LEVEL_DEBUG: logging.DEBUG,
+    lib.GGML_LOG_LEVEL_INFO: logging.INFO,
+    lib.GGML_LOG_LEVEL_WARN: logging.WARNING,
+    lib.GGML_LOG_LEVEL_ERROR: logging.ERROR,
+}
+
+
+@dataclass
+class Capture:
+    """Log lines emitted on this thread while the ``capture()`` block ran: (level, text) pairs."""
+    lines: list[tuple[int, str]] = field(default_factory=list)
+
+    def reason(self) -> str | None:
+        """The last ERROR line, else the last WARNING line, else None."""
+        for want in (logging.ERROR, logging.WARNING):
+            for level, text in reversed(self.lines):
+                if level == want:
+                    return text.strip()
+        return None
+
+    def text(self) -> str:
+        return "\n".join(t for _, t in self.lines)
+
+
+class _ThreadState(threading.local):
+    def __init__(self):
+        self.partial = ""  # text of a line not yet ended by "\n"
+        self.level = logging.INFO  # for GGML_LOG_LEVEL_CONT
+        self.captures: list[Capture] = []
+
+
+_tls = _ThreadState()
+_errors: list[BaseException] = []  # raised by a logging handler inside the callback
+
+
+def _emit(level: int, line: str) -> None:
+    for cap in _tls.captures:
+        cap.lines.append((level, line))
+    if logger.isEnabledFor(level):
+        logger.log(level, line)
+
+
+def _on_error(exc_type, exc, tb):
+    # Never let an exception cross into C: keep it; pop_callback_error() re-raises it later.
+    _errors.append(exc)
+
+
+@ffi.def_extern(onerror=_on_error)
+def _pyllamacpp_log_cb(level, text, user_data):
+    s = ffi.string(text).decode("utf-8", "replace")
+    if level != lib.GGML_LOG_LEVEL_CONT:
+        _tls.level = _PY_LEVEL.get(level, logging.INFO)
+    buf = _tls.partial + s
+    *lines, _tls.partial = buf.split("\n")
+    for line in lines:
+        _emit(_tls.level, line)
+
+
+@contextlib.contextmanager
+def capture():
+    """Collect the log lines this thread emits inside the block."""
+    cap = Capture()
+    _tls.captures.append(cap)
+    try:
+        yield cap
+    finally:
+        if _tls.partial:  # a last line without "\n" belongs to this call
+            _emit(_tls.level, _tls.partial)
+            _tls.partial = ""
+        _tls.captures.remove(cap)
+
+
+def pop_callback_error() -> BaseException | None:
+    """An exception a logging handler raised inside the C callback, if any (and forget it)."""
+    return _errors.pop(0) if _errors else None
+
+
+def install() -> None:
+    """Point llama.cpp's and ggml's loggers (``llama_log_set`` sets both) at Python."""
+    lib.llama_log_set(lib._pyllamacpp_log_cb, ffi.NULL)
+
+
+install()
+lib.llama_backend_init()

@@ -1,0 +1,235 @@
+"""``Batch``: a ``llama_batch`` from ``llama_batch_init`` with numpy views over its arrays.
+
+``llama_batch_init`` mallocs one small ``seq_id`` array per slot. To give a single 2-D numpy view
+(capacity x n_seq_max), the batch points each slot's ``seq_id[i]`` at a row of one contiguous
+array it owns, and puts llama.cpp's own pointers back before ``llama_batch_free``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._handle import view
+from ._lib import ffi, lib
+from .errors import ClosedError
+
+_I32 = np.iinfo(np.int32)
+
+
+def _as_int_array(values, what: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.dtype == np.int32:
+        return arr.reshape(-1)
+    if arr.size == 0:
+        return np.zeros(0, np.int32)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
+    if arr.min() < _I32.min or arr.max() > _I32.max:
+        raise ValueError(f"{what} do not fit in int32")
+    return arr.astype(np.int32).reshape(-1)
+
+
+class _BatchMem:
+    """Owns the ``llama_batch``: views hold it, so the arrays outlive ``close()`` while viewed."""
+    __slots__ = ("p", "cap", "orig", "seq", "__weakref__")
+
+    def __init__(self, p, cap):
+        self.p, self.cap, self.orig, self.seq = p, cap, None, None
+
+    def __del__(self):
+        if self.orig is not None:
+            ptrs = np.frombuffer(ffi.buffer(self.p.seq_id, self.cap * ffi.sizeof("void *")), np.uintp)
+            ptrs[:] = self.orig  # llama_batch_free frees llama.cpp's own per-slot seq_id arrays
+        lib.llama_batch_free(self.p[0])
+
+
+class Batch:
+    """``llama_batch_init(capacity, embd, n_seq_max)``, freed with ``llama_batch_free``.
+
+    Views (of the filled part, ``len(batch)`` slots): ``token``, ``pos``, ``n_seq_id``, ``seq_id``
+    (2-D), ``logits`` (int8 flags); ``embd`` (2-D) for an embedding batch. Each is a numpy view over
+    the memory ``llama_decode`` reads, valid as long as the view exists.
+    Pass ``model=`` to have tokens checked against its vocabulary.
+    """
+
+    def __init__(self, capacity: int, n_seq_max: int = 1, embd: int = 0, *, model=None):
+        if capacity <= 0 or n_seq_max <= 0 or embd < 0:
+            raise ValueError(f"Batch(capacity={capacity}, n_seq_max={n_seq_max}, embd={embd}): "
+                             "capacity and n_seq_max must be positive, embd >= 0")
+        self.capacity, self.n_seq_max, self.n_embd = int(capacity), int(n_seq_max), int(embd)
+        self._n_vocab = model.n_vocab if model is not None else None
+        p = ffi.new("struct llama_batch *")
+        p[0] = lib.llama_batch_init(self.capacity, self.n_embd, self.n_seq_max)
+        self._p = p
+        mem = self._mem = _BatchMem(p, self.capacity)
+        cap = self.capacity
+        # numpy views over llama.cpp's arrays, full capacity; the public ones are sliced to n.
+        self._token = view(p.token, (cap,), np.int32, mem) if not embd else None
+        self._embd = view(p.embd, (cap, embd), np.float32, mem) if embd else None
+        self._pos = view(p.pos, (cap,), np.int32, mem)
+        self._n_seq_id = view(p.n_seq_id, (cap,), np.int32, mem)
+        self._logits = view(p.logits, (cap,), np.int8, mem)
+        # One contiguous seq_id block; the slot pointers are rewritten to point into it.
+        self._seq = mem.seq = np.zeros((cap, self.n_seq_max), np.int32)
+        ptrs = view(p.seq_id, (cap,), np.uintp, mem)
+        mem.orig = ptrs.copy()
+        ptrs[:] = self._seq.ctypes.data + np.arange(cap, dtype=np.uintp) * (self.n_seq_max * 4)
+        p.n_tokens = 0
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop the batch; ``llama_batch_free`` runs once no view of it is left. Idempotent."""
+        self._mem = None
+
+    @property
+    def closed(self) -> bool:
+        return self._mem is None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def struct(self):
+        """The ``struct llama_batch`` to pass to ``llama_decode`` (by value)."""
+        if self._mem is None:
+            raise ClosedError("the batch is closed", func="llama_batch_free")
+        return self._p[0]
+
+    # -- the filled part -----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self._p.n_tokens)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self._p.n_tokens)
+
+    @property
+    def token(self) -> np.ndarray:
+        if self._token is None:
+            raise AttributeError("an embedding batch (embd > 0) has no token array")
+        return self._token[: len(self)]
+
+    @property
+    def embd(self) -> np.ndarray:
+        if self._embd is None:
+            raise AttributeError("a token batch (embd == 0) has no embd array")
+        return self._embd[: len(self)]
+
+    @property
+    def pos(self) -> np.ndarray:
+        return self._pos[: len(self)]
+
+    @property
+    def n_seq_id(self) -> np.ndarray:
+        return self._n_seq_id[: len(self)]
+
+    @property
+    def seq_id(self) -> np.ndarray:
+        return self._seq[: len(self)]
+
+    @property
+    def logits(self) -> np.ndarray:
+        return self._logits[: len(self)]
+
+    @property
+    def n_outputs(self) -> int:
+        return int(np.count_nonzero(self.logits))
+
+    def clear(self) -> None:
+        self._p.n_tokens = 0
+
+    # -- filling -------------------------------------------------------------------------------
+    def _check_room(self, n: int) -> int:
+        if self._mem is None:
+            raise ClosedError("the batch is closed", func="llama_batch_free")
+        i0 = len(self)
+        if i0 + n > self.capacity:
+            raise ValueError(f"batch capacity exceeded: {i0} + {n} tokens > capacity {self.capacity}")
+        return i0
+
+    def _check_seq_ids(self, seq_ids) -> np.ndarray:
+        ids = _as_int_array([seq_ids] if np.isscalar(seq_ids) else seq_ids, "seq_ids")
+        if ids.size == 0 or ids.size > self.n_seq_max:
+            raise ValueError(f"a token needs 1..{self.n_seq_max} seq ids, got {ids.size}")
+        if ids.min() < 0 or ids.max() >= self.n_seq_max:
+            raise ValueError(f"seq id outside [0, {self.n_seq_max}): {ids.tolist()}")
+        if np.unique(ids).size != ids.size:
+            raise ValueError(f"duplicate seq ids for one token: {ids.tolist()}")
+        return ids
+
+    def _check_tokens(self, tokens: np.ndarray) -> None:
+        if self._n_vocab is not None and tokens.size and (tokens.min() < 0 or tokens.max() >= self._n_vocab):
+            bad = tokens[(tokens < 0) | (tokens >= self._n_vocab)][0]
+            raise ValueError(f"token {int(bad)} is outside the vocabulary [0, {self._n_vocab})")
+
+    def add(self, token: int, pos: int, seq_ids=0, logits: bool = False) -> int:
+        """Fill one slot; returns its index (the output index for ``ctx.logits`` when flagged)."""
+        if self._token is None:
+            raise TypeError("an embedding batch takes add_embd(), not add()")
+        tok = _as_int_array([token], "token")
+        self._check_tokens(tok)
+        ids = self._check_seq_ids(seq_ids)
+        i = self._check_room(1)
+        self._token[i] = tok[0]
+        self._pos[i] = int(pos)
+        self._n_seq_id[i] = ids.size
+        self._seq[i, : ids.size] = ids
+        self._logits[i] = bool(logits)
+        self._p.n_tokens = i + 1
+        return i
+
+    def add_sequence(self, tokens, seq_ids=0, start_pos: int = 0, logits="last") -> slice:
+        """Append ``tokens`` at positions ``start_pos, start_pos+1, ...`` for ``seq_ids``.
+
+        ``seq_ids``: one id or several (a shared prefix: each token stored once, in every listed
+        sequence). ``logits``: ``"last"``, ``"all"``, ``"none"`` or a boolean mask. Returns the
+        slice of slots filled. Vectorized: no Python loop per token.
+        """
+        if self._token is None:
+            raise TypeError("an embedding batch takes add_embd(), not add_sequence()")
+        toks = _as_int_array(tokens, "tokens")
+        n = toks.size
+        self._check_tokens(toks)
+        ids = self._check_seq_ids(seq_ids)
+        i0 = self._check_room(n)
+        i1 = i0 + n
+        self._token[i0:i1] = toks
+        self._pos[i0:i1] = np.arange(start_pos, start_pos + n, dtype=np.int32)
+        self._n_seq_id[i0:i1] = ids.size
+        self._seq[i0:i1, : ids.size] = ids
+        out = self._logits[i0:i1]
+        if isinstance(logits, str):
+            if logits not in ("last", "all", "none"):
+                raise ValueError(f"logits must be 'last', 'all', 'none' or a mask, got {logits!r}")
+            out[:] = 1 if logits == "all" else 0
+            if logits == "last" and n:
+                out[-1] = 1
+        else:
+            mask = np.asarray(logits)
+            if mask.shape != (n,):
+                raise ValueError(f"logits mask has shape {mask.shape}, expected ({n},)")
+            out[:] = mask.astype(bool)
+        self._p.n_tokens = i1
+        return slice(i0, i1)
+
+    def add_embd(self, embd, pos: int, seq_ids=0, logits: bool = False) -> int:
+        """Fill one slot of an embedding batch with a vector of size ``embd``."""
+        if self._embd is None:
+            raise TypeError("a token batch (embd == 0) takes add(), not add_embd()")
+        vec = np.asarray(embd, dtype=np.float32).reshape(-1)
+        if vec.size != self.n_embd:
+            raise ValueError(f"embedding has {vec.size} values, the batch takes {self.n_embd}")
+        ids = self._check_seq_ids(seq_ids)
+        i = self._check_room(1)
+        self._embd[i] = vec
+        self._pos[i] = int(pos)
+        self._n_seq_id[i] = ids.size
+        self._seq[i, : ids.size] = ids
+        self._logits[i] = bool(logits)
+        self._p.n_tokens = i + 1
+        return i
+
+    def __repr__(self):
+        return f"<Batch {len(self)}/{self.capacity} tokens, n_seq_max={self.n_seq_max}>"

@@ -1,0 +1,489 @@
+"""``Context``: a ``llama_context`` — decode, outputs, memory (sequences) and state."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import signal
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from . import _log
+from ._handle import Handle, view
+from ._lib import ffi, lib
+from .batch import Batch
+from .errors import (ClosedError, ContextError, DecodeAborted, LlamaError, StateError, check_decode)
+from .model import Model, parse_buffer_sizes
+from .params import ContextParams, context_params
+
+
+class StateFlags(enum.IntFlag):
+    """``LLAMA_STATE_SEQ_FLAGS_*`` (values from the header of this build)."""
+    NONE = lib.LLAMA_STATE_SEQ_FLAGS_NONE
+    PARTIAL_ONLY = lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # == SWA_ONLY (its old name)
+    SWA_ONLY = lib.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
+    ON_DEVICE = lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+
+
+PerfContextData = dataclasses.make_dataclass(
+    "PerfContextData", [(n, float if f.type.cname == "double" else int)
+                        for n, f in ffi.typeof("struct llama_perf_context_data").fields])
+PerfContextData.__doc__ = "Every field of ``llama_perf_context_data`` (times in ms)."
+PerfContextData.__module__ = __name__
+
+
+@dataclasses.dataclass
+class SeqState:
+    """One sequence's state as ``llama_state_seq_get_data_ext`` wrote it: bytes you own.
+
+    Picklable; restore with ``ctx.set_seq_state(seq_id, state)``."""
+    data: np.ndarray  # uint8
+    seq_id: int
+    flags: int = 0
+
+    def __len__(self) -> int:
+        return int(self.data.size)
+
+    def __bytes__(self) -> bytes:
+        return self.data.tobytes()
+
+    def __buffer__(self, flags):  # Python >= 3.12 buffer protocol
+        return memoryview(self.data)
+
+
+def _as_uint8(data) -> np.ndarray:
+    if isinstance(data, SeqState):
+        data = data.data
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+
+
+class Memory:
+    """``llama_get_memory(ctx)``: the context's sequences (KV cache or recurrent state).
+
+    Sequence ids are checked against ``[0, n_seq_max)`` in Python first: llama.cpp asserts
+    (and aborts the process) on some out-of-range ids."""
+
+    def __init__(self, ctx: "Context"):
+        self._ctx = weakref.ref(ctx)
+
+    def _mem(self):
+        ctx = self._ctx()
+        if ctx is None:
+            raise ClosedError("the context is gone", func="llama_get_memory")
+        return lib.llama_get_memory(ctx.ptr), ctx
+
+    def _seq(self, ctx, seq_id, *, allow_all=False) -> int:
+        seq_id = int(seq_id)
+        if allow_all and seq_id < 0:
+            return -1
+        if not 0 <= seq_id < ctx.n_seq_max:
+            raise ValueError(f"seq_id {seq_id} is outside [0, {ctx.n_seq_max}) (n_seq_max)")
+        return seq_id
+
+    def clear(self, data: bool = True) -> None:
+        """``llama_memory_clear``."""
+        mem, _ = self._mem()
+        lib.llama_memory_clear(mem, data)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """``llama_memory_seq_rm``: remove positions [p0, p1) of ``seq_id`` (-1: all sequences)."""
+        mem, ctx = self._mem()
+        return bool(lib.llama_memory_seq_rm(mem, self._seq(ctx, seq_id, allow_all=True), p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """``llama_memory_seq_cp``."""
+        mem, ctx = self._mem()
+        lib.llama_memory_seq_cp(mem, self._seq(ctx, src), self._seq(ctx, dst), p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        """``llama_memory_seq_keep``."""
+        mem, ctx = self._mem()
+        lib.llama_memory_seq_keep(mem, self._seq(ctx, seq_id))
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """``llama_memory_seq_add``: shift positions [p0, p1) by ``delta``."""
+        mem, ctx = self._mem()
+        if not lib.llama_memory_can_shift(mem):
+            raise LlamaError("this memory cannot shift positions", func="llama_memory_seq_add")
+        lib.llama_memory_seq_add(mem, self._seq(ctx, seq_id), p0, p1, delta)
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """``llama_memory_seq_div``: integer-divide positions [p0, p1) by ``d``."""
+        mem, ctx = self._mem()
+        if d <= 0:
+            raise ValueError(f"seq_div: d must be positive, got {d}")
+        if not lib.llama_memory_can_shift(mem):
+            raise LlamaError("this memory cannot shift positions", func="llama_memory_seq_div")
+        lib.llama_memory_seq_div(mem, self._seq(ctx, seq_id), p0, p1, d)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        mem, ctx = self._mem()
+        return lib.llama_memory_seq_pos_min(mem, self._seq(ctx, seq_id))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        mem, ctx = self._mem()
+        return lib.llama_memory_seq_pos_max(mem, self._seq(ctx, seq_id))
+
+    @property
+    def can_shift(self) -> bool:
+        mem, _ = self._mem()
+        return bool(lib.llama_memory_can_shift(mem))
+
+
+class Context:
+    """``llama_init_from_model(model, params)``; a context manager; ``close()`` frees it.
+
+    Keeps its model alive. Any use after ``close()`` raises :class:`ClosedError`.
+    Keywords are fields of :class:`ContextParams` (``n_ctx``, ``n_batch``, ``n_ubatch``,
+    ``n_seq_max``, ``type_k``, ``flash_attn``, ``kv_unified``...).
+    """
+
+    def __init__(self, model: Model, params: ContextParams | None = None, *, handle_sigint: bool = True,
+                 **kwargs):
+        self.model = model
+        self.params = context_params(params, **kwargs)
+        self.handle_sigint = handle_sigint
+        cparams = self.params.to_c()
+        # Abort through a C flag (no GIL in ggml's threads) unless the caller brings a callback.
+        self._abort_state = ffi.new("pyl_abort_state *")
+        if self.params.abort_callback is None:
+            cparams.abort_callback = ffi.addressof(lib, "pyl_abort_flag_cb")
+            cparams.abort_callback_data = self._abort_state
+        with _log.capture() as cap:
+            ptr = lib.llama_init_from_model(model.ptr, cparams[0])
+        if ptr == ffi.NULL:
+            raise ContextError("llama_init_from_model() failed", func="llama_init_from_model",
+                               reason=cap.reason())
+        self._h = Handle(ptr, lib.llama_free, deps=(model._h, self._abort_state))
+        self.buffers: dict[str, dict[str, float]] = {**model.load_buffers}
+        for backend, kinds in parse_buffer_sizes(cap.lines).items():
+            self.buffers.setdefault(backend, {}).update(kinds)
+        """MiB per backend buffer and kind, as llama.cpp logged them (model, KV, compute, output)."""
+        self.creation_log = cap.lines
+        self.memory = Memory(self)
+        self._lock = threading.Lock()
+        self._n_outputs = 0
+        self._out_reserved = self.n_seq_max  # llama.cpp reserves outputs for n_seq_max at start
+        self._views: weakref.WeakSet = weakref.WeakSet()
+        self._batch: Batch | None = None
+        model._contexts.add(self)
+
+    # -- lifetime ------------------------------------------------------------------------------
+    @property
+    def ptr(self):
+        """The ``struct llama_context *`` (raises :class:`ClosedError` after ``close()``)."""
+        h = self._h
+        if h is None:
+            raise ClosedError("the context is closed", func="llama_free")
+        return h.ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def close(self) -> None:
+        """``llama_free`` (idempotent). Output views still alive keep the memory valid until they go."""
+        self._h = None
+        self._batch = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        if self.closed:
+            return "<Context closed>"
+        return f"<Context n_ctx={self.n_ctx} n_batch={self.n_batch} n_ubatch={self.n_ubatch} n_seq_max={self.n_seq_max}>"
+
+    # -- effective sizes (after llama.cpp's clamps) --------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return lib.llama_n_ctx(self.ptr)
+
+    @property
+    def n_ctx_seq(self) -> int:
+        return lib.llama_n_ctx_seq(self.ptr)
+
+    @property
+    def n_batch(self) -> int:
+        return lib.llama_n_batch(self.ptr)
+
+    @property
+    def n_ubatch(self) -> int:
+        return lib.llama_n_ubatch(self.ptr)
+
+    @property
+    def n_seq_max(self) -> int:
+        return lib.llama_n_seq_max(self.ptr)
+
+    @property
+    def n_threads(self) -> int:
+        return lib.llama_n_threads(self.ptr)
+
+    # -- decode --------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Stop the running (or next) ``decode`` through the abort callback; it raises DecodeAborted."""
+        self._abort_state.abort_requested = 1
+
+    def decode(self, batch: Batch) -> None:
+        """``llama_decode``. Return codes become exceptions: 1 KVCacheFullError, 2 DecodeAborted,
+        -1 InvalidBatchError (with llama.cpp's logged reason), other negatives DecodeError.
+
+        Output views (``logits()``...) of the previous decode are overwritten by this one."""
+        self._run(lib.llama_decode, batch)
+
+    def encode(self, batch: Batch) -> None:
+        """``llama_encode`` (encoder models), same error mapping as ``decode``."""
+        self._run(lib.llama_encode, batch)
+
+    def _run(self, fn, batch: Batch) -> None:
+        ptr = self.ptr
+        cbatch = batch.struct
+        n_out = max(batch.n_outputs, 1)
+        if n_out > self._out_reserved and len(self._views):
+            # llama.cpp would reallocate its output buffer under the live views.
+            raise LlamaError(
+                f"{len(self._views)} output view(s) of an earlier decode are still alive and this batch "
+                f"asks for {n_out} outputs (more than the {self._out_reserved} reserved so far), which "
+                "makes llama.cpp reallocate the buffer they point into; copy or delete them first",
+                func=fn.__name__ if hasattr(fn, "__name__") else "llama_decode")
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("this context is being used by another thread; use one context per thread")
+        watch = self.handle_sigint and threading.current_thread() is threading.main_thread()
+        sigint = 0
+        try:
+            self._abort_state.abort_requested = 0
+            if watch:
+                self._abort_state.watch_sigint = lib.pyl_sigint_watch()
+            with _log.capture() as cap:
+                rc = fn(ptr, cbatch)
+        finally:
+            if watch:
+                sigint = lib.pyl_sigint_unwatch()
+                self._abort_state.watch_sigint = 0
+            self._lock.release()
+        if rc == 0:
+            self._n_outputs = batch.n_outputs
+            self._out_reserved = max(self._out_reserved, n_out)
+            if sigint:  # Ctrl-C came too late to stop this decode: deliver it now
+                signal.raise_signal(signal.SIGINT)
+            return
+        self._n_outputs = 0
+        if rc == 2 and sigint:
+            raise DecodeAborted("llama_decode() aborted by Ctrl-C (SIGINT)", func="llama_decode", code=2)
+        check_decode(rc, "llama_decode" if fn is lib.llama_decode else "llama_encode", reason=cap.reason())
+
+    def _prefill_batch(self) -> Batch:
+        if self._batch is None or self._batch.capacity < self.n_batch:
+            self._batch = Batch(self.n_batch, self.n_seq_max, model=self.model)
+        return self._batch
+
+    def prefill(self, tokens, seq_id: int = 0, start_pos: int | None = None) -> int:
+        """Feed ``tokens`` to ``seq_id`` as consecutive ``llama_decode`` calls of at most
+        ``n_batch`` tokens (5000 at n_batch 2048: 2048, 2048, 904), logits for the last token only.
+
+        ``start_pos`` defaults to the sequence's ``seq_pos_max + 1``. Returns the next position."""
+        toks = np.asarray(tokens)
+        if toks.size == 0:
+            raise ValueError("prefill: no tokens")
+        if start_pos is None:
+            start_pos = self.memory.seq_pos_max(seq_id) + 1
+        batch = self._prefill_batch()
+        n_batch = self.n_batch
+        for i0 in range(0, toks.size, n_batch):
+            chunk = toks[i0:i0 + n_batch]
+            batch.clear()
+            last = i0 + n_batch >= toks.size
+            batch.add_sequence(chunk, seq_id, start_pos + i0, logits="last" if last else "none")
+            self.decode(batch)
+        return start_pos + toks.size
+
+    # -- outputs (views) -----------------------------------------------------------------------
+    def _view(self, ptr, shape, func: str) -> np.ndarray:
+        if ptr == ffi.NULL:
+            raise IndexError(f"{func}() returned NULL (no such output in the last batch)")
+        arr = view(ptr, shape, np.float32, self._h)
+        self._views.add(arr.base)  # the base, which every slice of the view shares
+        return arr
+
+    @property
+    def n_outputs(self) -> int:
+        """Outputs of the last successful decode (tokens with their logits flag set)."""
+        return self._n_outputs
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """``llama_get_logits_ith``: (n_vocab,) float32 view of output ``i`` of the last batch
+        (``i`` is the batch slot; -1 the last output). Overwritten by the next decode."""
+        ptr = self.ptr
+        if self._n_outputs == 0:
+            raise IndexError("no outputs: the last decode asked for no logits (or failed)")
+        with _log.capture():
+            p = lib.llama_get_logits_ith(ptr, int(i))
+        return self._view(p, (self.model.n_vocab,), "llama_get_logits_ith")
+
+    def logits_all(self) -> np.ndarray:
+        """``llama_get_logits``: (n_outputs, n_vocab) view, rows in output order."""
+        ptr = self.ptr
+        if self._n_outputs == 0:
+            raise IndexError("no outputs: the last decode asked for no logits (or failed)")
+        return self._view(lib.llama_get_logits(ptr), (self._n_outputs, self.model.n_vocab), "llama_get_logits")
+
+    def embeddings(self, i: int = -1) -> np.ndarray:
+        """``llama_get_embeddings_ith``: (n_embd_out,) view (context made with ``embeddings=True``)."""
+        ptr = self.ptr
+        with _log.capture():
+            p = lib.llama_get_embeddings_ith(ptr, int(i))
+        return self._view(p, (lib.llama_model_n_embd_out(self.model.ptr),), "llama_get_embeddings_ith")
+
+    def seq_embeddings(self, seq_id: int) -> np.ndarray:
+        """``llama_get_embeddings_seq``: pooled embedding of ``seq_id`` (pooling_type != none)."""
+        ptr = self.ptr
+        p = lib.llama_get_embeddings_seq(ptr, int(seq_id))
+        n = lib.llama_model_n_embd_out(self.model.ptr)
+        if lib.llama_pooling_type(ptr) == lib.LLAMA_POOLING_TYPE_RANK:
+            n = max(1, lib.llama_model_n_cls_out(self.model.ptr))
+        return self._view(p, (n,), "llama_get_embeddings_seq")
+
+    # -- state ---------------------------------------------------------------------------------
+    def seq_state(self, seq_id: int, flags: int = 0) -> SeqState:
+        """``llama_state_seq_get_size_ext`` + ``llama_state_seq_get_data_ext``: one copy into
+        a numpy buffer you own."""
+        ptr = self.ptr
+        seq_id = self.memory._seq(self, seq_id)
+        size = lib.llama_state_seq_get_size_ext(ptr, seq_id, int(flags))
+        out = np.empty(size, dtype=np.uint8)
+        with _log.capture() as cap:
+            n = lib.llama_state_seq_get_data_ext(ptr, ffi.from_buffer(out), size, seq_id, int(flags))
+        if n != size:
+            raise StateError(f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
+                             func="llama_state_seq_get_data_ext", reason=cap.reason())
+        return SeqState(out, seq_id, int(flags))
+
+    def set_seq_state(self, seq_id: int, data, flags: int = 0) -> int:
+        """``llama_state_seq_set_data_ext``: load a sequence state into ``seq_id``.
+
+        Raises :class:`StateError` when llama.cpp reads 0 bytes; the sequence then holds what it
+        held before (llama.cpp clears it on failure, so a non-empty one is saved and put back)."""
+        ptr = self.ptr
+        seq_id = self.memory._seq(self, seq_id)
+        buf = _as_uint8(data)
+        if buf.size == 0:
+            raise StateError("empty state", func="llama_state_seq_set_data_ext")
+        backup = self.seq_state(seq_id) if self.memory.seq_pos_max(seq_id) >= 0 else None
+        with _log.capture() as cap:
+            n = lib.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(buf), buf.size, seq_id, int(flags))
+        if n == 0:
+            self.memory.seq_rm(seq_id)
+            if backup is not None:
+                with _log.capture():
+                    lib.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(backup.data), len(backup), seq_id, 0)
+            raise StateError("llama_state_seq_set_data_ext() read 0 bytes; the sequence is unchanged",
+                             func="llama_state_seq_set_data_ext", reason=cap.reason())
+        return int(n)
+
+    def save_seq_state(self, path, seq_id: int, tokens=()) -> int:
+        """``llama_state_seq_save_file`` (written to a temporary file, then renamed)."""
+        ptr = self.ptr
+        seq_id = self.memory._seq(self, seq_id)
+        toks = np.ascontiguousarray(tokens, dtype=np.int32)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        with _log.capture() as cap:
+            n = lib.llama_state_seq_save_file(ptr, os.fsencode(tmp), seq_id,
+                                              ffi.from_buffer("llama_token[]", toks), toks.size)
+        if n == 0:
+            tmp.unlink(missing_ok=True)
+            raise OSError(f"llama_state_seq_save_file() could not write {path}: {cap.reason() or 'failed'}")
+        os.replace(tmp, path)
+        return int(n)
+
+    def load_seq_state(self, path, seq_id: int, max_tokens: int | None = None) -> np.ndarray:
+        """``llama_state_seq_load_file`` into ``seq_id``; returns the tokens stored in the file."""
+        ptr = self.ptr
+        seq_id = self.memory._seq(self, seq_id)
+        cap_tokens = max_tokens if max_tokens is not None else self.n_ctx
+        toks = np.empty(cap_tokens, dtype=np.int32)
+        count = ffi.new("size_t *")
+        if not Path(path).is_file():
+            raise FileNotFoundError(path)
+        with _log.capture() as cap:
+            n = lib.llama_state_seq_load_file(ptr, os.fsencode(path), seq_id,
+                                              ffi.from_buffer("llama_token[]", toks), cap_tokens, count)
+        if n == 0:
+            raise StateError(f"llama_state_seq_load_file() could not load {path}",
+                             func="llama_state_seq_load_file", reason=cap.reason())
+        return toks[: count[0]].copy()
+
+    def state(self) -> np.ndarray:
+        """``llama_state_get_size`` + ``llama_state_get_data``: the whole context's state."""
+        ptr = self.ptr
+        size = lib.llama_state_get_size(ptr)
+        out = np.empty(size, dtype=np.uint8)
+        n = lib.llama_state_get_data(ptr, ffi.from_buffer(out), size)
+        if n != size:
+            raise StateError(f"llama_state_get_data() wrote {n} of {size} bytes", func="llama_state_get_data")
+        return out
+
+    def set_state(self, data) -> int:
+        """``llama_state_set_data``: load a whole-context state."""
+        ptr = self.ptr
+        buf = _as_uint8(data)
+        if len(self._views):
+            raise LlamaError("output views are alive: loading a whole state may reallocate the output "
+                             "buffer they point into; copy or delete them first", func="llama_state_set_data")
+        with _log.capture() as cap:
+            n = lib.llama_state_set_data(ptr, ffi.from_buffer(buf), buf.size)
+        if n == 0:
+            raise StateError("llama_state_set_data() read 0 bytes", func="llama_state_set_data",
+                             reason=cap.reason())
+        self._out_reserved = max(self._out_reserved, self.n_batch)
+        return int(n)
+
+    def save_state(self, path, tokens=()) -> None:
+        """``llama_state_save_file`` (session file; temporary file, then renamed)."""
+        ptr = self.ptr
+        toks = np.ascontiguousarray(tokens, dtype=np.int32)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        with _log.capture() as cap:
+            ok = lib.llama_state_save_file(ptr, os.fsencode(tmp), ffi.from_buffer("llama_token[]", toks), toks.size)
+        if not ok:
+            tmp.unlink(missing_ok=True)
+            raise OSError(f"llama_state_save_file() could not write {path}: {cap.reason() or 'failed'}")
+        os.replace(tmp, path)
+
+    def load_state(self, path, max_tokens: int | None = None) -> np.ndarray:
+        """``llama_state_load_file``; returns the tokens stored in the session file."""
+        ptr = self.ptr
+        if not Path(path).is_file():
+            raise FileNotFoundError(path)
+        if len(self._views):
+            raise LlamaError("output views are alive; copy or delete them before loading a whole state",
+                             func="llama_state_load_file")
+        cap_tokens = max_tokens if max_tokens is not None else self.n_ctx
+        toks = np.empty(cap_tokens, dtype=np.int32)
+        count = ffi.new("size_t *")
+        with _log.capture() as cap:
+            ok = lib.llama_state_load_file(ptr, os.fsencode(path), ffi.from_buffer("llama_token[]", toks),
+                                           cap_tokens, count)
+        if not ok:
+            raise StateError(f"llama_state_load_file() could not load {path}", func="llama_state_load_file",
+                             reason=cap.reason())
+        self._out_reserved = max(self._out_reserved, self.n_batch)
+        return toks[: count[0]].copy()
+
+    # -- performance ---------------------------------------------------------------------------
+    def perf(self) -> PerfContextData:
+        """``llama_perf_context`` (the context must not have been made with ``no_perf=True``)."""
+        d = lib.llama_perf_context(self.ptr)
+        return PerfContextData(**{f.name: getattr(d, f.name) for f in dataclasses.fields(PerfContextData)})
+
+    def perf_reset(self) -> None:
+        lib.llama_perf_context_reset(self.ptr)

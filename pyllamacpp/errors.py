@@ -1,0 +1,81 @@
+"""The LlamaError hierarchy and the few helpers every C return code and pointer passes through."""
+from __future__ import annotations
+
+
+class LlamaError(RuntimeError):
+    """Base class of every error pyllamacpp raises for llama.cpp.
+
+    ``func`` names the C function, ``code`` its return code (when it has one) and ``reason`` the
+    last error or warning line llama.cpp logged during the call (when it logged one).
+    """
+
+    def __init__(self, message: str, *, func: str | None = None, code: int | None = None,
+                 reason: str | None = None):
+        self.func, self.code, self.reason = func, code, reason
+        if reason:
+            message = f"{message}: {reason}"
+        super().__init__(message)
+
+
+class ModelLoadError(LlamaError):
+    """``llama_model_load_from_file`` returned NULL."""
+
+
+class ContextError(LlamaError):
+    """A context could not be created, or was used after ``close()``."""
+
+
+class DecodeError(LlamaError):
+    """``llama_decode`` returned a negative code other than -1."""
+
+
+class InvalidBatchError(DecodeError):
+    """``llama_decode`` returned -1: llama.cpp rejected the batch (reason from its log)."""
+
+
+class KVCacheFullError(DecodeError):
+    """``llama_decode`` returned 1: no KV cache slot for the batch."""
+
+
+class DecodeAborted(DecodeError):
+    """``llama_decode`` returned 2: the abort callback stopped it."""
+
+
+class StateError(LlamaError):
+    """A state get/set/save/load call failed."""
+
+
+class ClosedError(LlamaError, ValueError):
+    """An object was used after ``close()``."""
+
+
+def check_ptr(ptr, func: str, *, error=LlamaError, reason: str | None = None, what: str = ""):
+    """Return ``ptr``, or raise ``error`` naming ``func`` when it is NULL."""
+    from ._lib import ffi
+    if ptr == ffi.NULL:
+        raise error(f"{func}() returned NULL{(' ' + what) if what else ''}", func=func, reason=reason)
+    return ptr
+
+
+_DECODE_ERRORS = {1: KVCacheFullError, 2: DecodeAborted, -1: InvalidBatchError}
+_DECODE_TEXT = {1: "no KV cache slot for the batch (KV cache full)", 2: "aborted by the abort callback",
+                -1: "invalid batch"}
+
+
+def check_decode(rc: int, func: str = "llama_decode", *, reason: str | None = None) -> int:
+    """Map ``llama_decode``/``llama_encode`` return codes to exceptions; return 0 otherwise."""
+    if rc == 0:
+        return 0
+    if rc in _DECODE_ERRORS:
+        raise _DECODE_ERRORS[rc](f"{func}() returned {rc}, {_DECODE_TEXT[rc]}", func=func, code=rc, reason=reason)
+    if rc < 0:
+        raise DecodeError(f"{func}() returned {rc}", func=func, code=rc, reason=reason)
+    # Positive codes other than 1 and 2 are warnings in llama.h; keep them visible.
+    raise DecodeError(f"{func}() returned {rc} (a warning code)", func=func, code=rc, reason=reason)
+
+
+def check_rc(rc: int, func: str, *, error=LlamaError, ok=(0,), reason: str | None = None) -> int:
+    """Raise ``error`` naming ``func`` unless ``rc`` is one of ``ok``."""
+    if rc not in ok:
+        raise error(f"{func}() returned {rc}", func=func, code=rc, reason=reason)
+    return rc

@@ -1,0 +1,304 @@
+"""``Model``: a loaded GGUF (``llama_model``) with its vocabulary."""
+from __future__ import annotations
+
+import os
+import re
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from . import _log
+from ._handle import Handle
+from ._lib import ffi, lib
+from .errors import ClosedError, ModelLoadError
+from .params import ggml_type, model_params
+
+_BUFFER_LINE = re.compile(r"(\w+)\s+(model|KV|compute|output|RS|compute_meta)\s+buffer size\s*=\s*([\d.]+)\s*MiB")
+
+
+def parse_buffer_sizes(lines) -> dict[str, dict[str, float]]:
+    """``{backend buffer name: {kind: MiB}}`` from llama.cpp's ``... buffer size = N MiB`` log lines.
+
+    Kinds are llama.cpp's words: ``model`` (weights), ``KV`` (KV cache), ``RS`` (recurrent state),
+    ``compute`` (scheduler's compute buffer), ``output`` (logits/embeddings).
+    """
+    out: dict[str, dict[str, float]] = {}
+    for _, text in lines:
+        m = _BUFFER_LINE.search(text)
+        if m:
+            backend, kind, mib = m.group(1), m.group(2), float(m.group(3))
+            out.setdefault(backend, {})
+            out[backend][kind] = out[backend].get(kind, 0.0) + mib
+    return out
+
+
+def _string(fn, *args, size: int = 256) -> str:
+    """Call a llama.cpp ``(..., char *buf, size_t size)`` function that returns the needed length."""
+    buf = ffi.new("char[]", size)
+    n = fn(*args, buf, size)
+    if n < 0:
+        return ""
+    if n >= size:
+        buf = ffi.new("char[]", n + 1)
+        n = fn(*args, buf, n + 1)
+    return ffi.string(buf, n).decode("utf-8", "replace")
+
+
+class Model:
+    """``llama_model_load_from_file``: a model and its vocabulary.
+
+    ``path=None`` loads the default model (``pyllamacpp.default_model_path()``). Every field of
+    ``llama_model_params`` is a keyword (``n_gpu_layers``, ``vocab_only``, ``load_mode``...);
+    ``use_mmap=False`` is kept as a shorthand for ``load_mode="none"``.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, **params):
+        if path is None:
+            from .models import default_model_path
+            path = default_model_path()
+        self.path = Path(path)
+        self.params = model_params(**params)
+        if not self.path.is_file():
+            raise ModelLoadError(f"cannot load {self.path}", func="llama_model_load_from_file",
+                                 reason="no such file")
+        cparams = self.params.to_c()
+        with _log.capture() as cap:
+            ptr = lib.llama_model_load_from_file(os.fsencode(self.path), cparams[0])
+        if ptr == ffi.NULL:
+            raise ModelLoadError(f"llama_model_load_from_file() could not load {self.path}",
+                                 func="llama_model_load_from_file", reason=cap.reason())
+        self._h = Handle(ptr, lib.llama_model_free)
+        self._vocab = lib.llama_model_get_vocab(ptr)
+        self._contexts: weakref.WeakSet = weakref.WeakSet()
+        self.load_buffers = parse_buffer_sizes(cap.lines)
+        self._metadata: dict[str, str] | None = None
+
+    # -- lifetime ------------------------------------------------------------------------------
+    @property
+    def ptr(self):
+        """The ``struct llama_model *`` (raises :class:`ClosedError` after ``close()``)."""
+        h = self._h
+        if h is None:
+            raise ClosedError("the model is closed", func="llama_model_free")
+        return h.ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def close(self) -> None:
+        """Close this model's contexts, then free the model (``llama_model_free``); idempotent.
+
+        Memory still viewed by a numpy array stays valid until the view goes."""
+        for ctx in list(self._contexts):
+            ctx.close()
+        self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{self.description}, {self.n_layer} layers"
+        return f"<Model {self.path.name}: {state}>"
+
+    # -- properties, read from the library -------------------------------------------------------
+    @property
+    def description(self) -> str:
+        return _string(lib.llama_model_desc, self.ptr)
+
+    @property
+    def arch(self) -> str:
+        return self.meta("general.architecture") or ""
+
+    @property
+    def n_params(self) -> int:
+        return lib.llama_model_n_params(self.ptr)
+
+    @property
+    def size(self) -> int:
+        """Bytes of all tensors (``llama_model_size``)."""
+        return lib.llama_model_size(self.ptr)
+
+    @property
+    def n_layer(self) -> int:
+        return lib.llama_model_n_layer(self.ptr)
+
+    @property
+    def n_embd(self) -> int:
+        return lib.llama_model_n_embd(self.ptr)
+
+    @property
+    def n_head(self) -> int:
+        return lib.llama_model_n_head(self.ptr)
+
+    @property
+    def n_head_kv(self) -> int:
+        return lib.llama_model_n_head_kv(self.ptr)
+
+    @property
+    def n_ctx_train(self) -> int:
+        return lib.llama_model_n_ctx_train(self.ptr)
+
+    @property
+    def n_swa(self) -> int:
+        return lib.llama_model_n_swa(self.ptr)
+
+    @property
+    def n_vocab(self) -> int:
+        return lib.llama_vocab_n_tokens(self._vocab_ptr())
+
+    def meta(self, key: str) -> str | None:
+        """One GGUF metadata value as a string (``llama_model_meta_val_str``), or None."""
+        buf = ffi.new("char[]", 512)
+        n = lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, 512)
+        if n < 0:
+            return None
+        if n >= 512:
+            buf = ffi.new("char[]", n + 1)
+            lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, n + 1)
+        return ffi.string(buf).decode("utf-8", "replace")
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """All GGUF key/values as llama.cpp renders them (``llama_model_meta_*_by_index``)."""
+        if self._metadata is None:
+            ptr = self.ptr
+            self._metadata = {
+                _string(lib.llama_model_meta_key_by_index, ptr, i):
+                _string(lib.llama_model_meta_val_str_by_index, ptr, i, size=1024)
+                for i in range(lib.llama_model_meta_count(ptr))}
+        return dict(self._metadata)
+
+    def _meta_list(self, key: str, default: int) -> list[int]:
+        """A per-layer integer from metadata (a scalar or an array), expanded to n_layer values."""
+        value = self.meta(f"{self.arch}.{key}")
+        n = self.n_layer
+        if value is None:
+            return [default] * n
+        nums = [int(x) for x in re.findall(r"-?\d+", value)]
+        return nums if len(nums) == n else [nums[0]] * n
+
+    def kv_bytes_per_token(self, type_k="f16", type_v="f16") -> int:
+        """Bytes of K and V cache one token takes, summed over layers.
+
+        Per layer: ``ggml_row_size(type_k, n_embd_k_gqa) + ggml_row_size(type_v, n_embd_v_gqa)``
+        with ``n_embd_k_gqa = key_length x head_count_kv[il]`` (and ``value_length`` for V), read
+        from the GGUF metadata as llama.cpp's hparams do: ``<arch>.attention.head_count_kv`` (a
+        number or one per layer; 0 for a layer without attention), ``<arch>.attention.key_length``
+        / ``value_length`` (default ``n_embd / n_head``). Cell metadata is not included.
+        """
+        tk, tv = ggml_type(type_k, "type_k"), ggml_type(type_v, "type_v")
+        head_dim = self.n_embd // max(self.n_head, 1)
+        k_len = int(self.meta(f"{self.arch}.attention.key_length") or head_dim)
+        v_len = int(self.meta(f"{self.arch}.attention.value_length") or head_dim)
+        total = 0
+        for n_kv in self._meta_list("attention.head_count_kv", self.n_head_kv):
+            if n_kv > 0:
+                total += lib.ggml_row_size(tk, k_len * n_kv) + lib.ggml_row_size(tv, v_len * n_kv)
+        return int(total)
+
+    # -- vocabulary ----------------------------------------------------------------------------
+    def _vocab_ptr(self):
+        self.ptr  # raises when closed
+        return self._vocab
+
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
+        """``llama_tokenize`` -> int32 array."""
+        raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        vocab = self._vocab_ptr()
+        cap = len(raw) + 8
+        out = np.empty(cap, dtype=np.int32)
+        n = lib.llama_tokenize(vocab, raw, len(raw), ffi.from_buffer("llama_token[]", out), cap,
+                               add_special, parse_special)
+        if n < 0:  # too small: -n is the size needed
+            cap = -n
+            out = np.empty(cap, dtype=np.int32)
+            n = lib.llama_tokenize(vocab, raw, len(raw), ffi.from_buffer("llama_token[]", out), cap,
+                                   add_special, parse_special)
+        if n < 0:
+            raise ValueError(f"llama_tokenize() failed with {n}")
+        return out[:n]
+
+    def _check_token(self, token: int) -> int:
+        token = int(token)
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token {token} is outside the vocabulary [0, {self.n_vocab})")
+        return token
+
+    def token_to_bytes(self, token: int, special: bool = False) -> bytes:
+        """``llama_token_to_piece``: the bytes of one token (may be part of a UTF-8 character)."""
+        token = self._check_token(token)
+        buf = ffi.new("char[]", 64)
+        n = lib.llama_token_to_piece(self._vocab_ptr(), token, buf, 64, 0, special)
+        if n < 0:
+            buf = ffi.new("char[]", -n)
+            n = lib.llama_token_to_piece(self._vocab_ptr(), token, buf, -n, 0, special)
+        return ffi.buffer(buf, n)[:]
+
+    def token_to_piece(self, token: int, special: bool = False) -> str:
+        return self.token_to_bytes(token, special).decode("utf-8", "replace")
+
+    def detokenize(self, tokens, remove_special: bool = False, unparse_special: bool = False) -> str:
+        """``llama_detokenize``."""
+        arr = np.ascontiguousarray(tokens, dtype=np.int32)
+        n_vocab = self.n_vocab
+        if arr.size and (arr.min() < 0 or arr.max() >= n_vocab):
+            raise ValueError(f"tokens outside the vocabulary [0, {n_vocab})")
+        cap = max(16, arr.size * 8)
+        for _ in range(2):
+            buf = ffi.new("char[]", cap)
+            n = lib.llama_detokenize(self._vocab_ptr(), ffi.from_buffer("llama_token[]", arr), arr.size,
+                                     buf, cap, remove_special, unparse_special)
+            if n >= 0:
+                return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
+            cap = -n
+        raise ValueError("llama_detokenize() failed")
+
+    @property
+    def bos(self) -> int:
+        return lib.llama_vocab_bos(self._vocab_ptr())
+
+    @property
+    def eos(self) -> int:
+        return lib.llama_vocab_eos(self._vocab_ptr())
+
+    @property
+    def eot(self) -> int:
+        return lib.llama_vocab_eot(self._vocab_ptr())
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lib.llama_vocab_is_eog(self._vocab_ptr(), int(token)))
+
+    def apply_chat_template(self, messages, add_assistant: bool = True, template: str | None = None) -> str:
+        """``llama_chat_apply_template`` with the model's template (or ``template``).
+
+        ``messages``: a list of ``{"role": ..., "content": ...}``."""
+        tmpl = template.encode() if template is not None else lib.llama_model_chat_template(self.ptr, ffi.NULL)
+        if tmpl == ffi.NULL:
+            raise ValueError("the model has no chat template; pass template=")
+        keep = []
+        chat = ffi.new("struct llama_chat_message[]", len(messages))
+        for i, m in enumerate(messages):
+            role, content = ffi.new("char[]", m["role"].encode()), ffi.new("char[]", m["content"].encode())
+            keep += [role, content]
+            chat[i].role, chat[i].content = role, content
+        size = 2 * sum(len(m["content"]) + len(m["role"]) for m in messages) + 256
+        for _ in range(2):
+            buf = ffi.new("char[]", size)
+            n = lib.llama_chat_apply_template(tmpl, chat, len(messages), add_assistant, buf, size)
+            if n < 0:
+                raise ValueError("llama_chat_apply_template() failed: template not supported")
+            if n <= size:
+                return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
+            size = n
+        raise ValueError("llama_chat_apply_template() kept growing")
+
+    # -- contexts ------------------------------------------------------------------------------
+    def context(self, params=None, **kwargs):
+        """A :class:`pyllamacpp.Context` over this model (``llama_init_from_model``)."""
+        from .context import Context
+        return Context(self, params, **kwargs)

@@ -1,0 +1,189 @@
+"""Model and context parameters: every field of ``llama_model_params`` / ``llama_context_params``.
+
+The dataclasses are built from the C structs at import (``ffi.typeof(...).fields``), with defaults
+from ``llama_model_default_params()`` / ``llama_context_default_params()`` at run time, so a
+llama.cpp bump that adds a field adds it here with no edit. Values are checked and converted in
+Python, naming the field, before anything reaches C:
+
+- ``enum ggml_type`` fields (``type_k``, ``type_v``) take a ggml type name (``"f16"``, ``"q8_0"``,
+  ``"bf16"``...) or value;
+- ``flash_attn_type`` (alias ``flash_attn``) takes ``"auto"``, ``"on"``, ``"off"``, a bool or the value;
+- any other enum takes its value or the tail of its C name (``pooling_type="mean"``);
+- unsigned fields reject negatives, ``n_seq_max`` is checked against ``llama_max_parallel_sequences()``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ._lib import ffi, lib
+
+_U32 = {"uint32_t": (0, 2**32 - 1), "int32_t": (-(2**31), 2**31 - 1), "uint64_t": (0, 2**64 - 1),
+        "int64_t": (-(2**63), 2**63 - 1), "size_t": (0, 2**64 - 1)}
+
+
+def ggml_type_names() -> dict[str, int]:
+    """``{"f32": 0, "f16": 1, "q4_0": 2, ...}`` from ``ggml_type_name`` of this build."""
+    names = {}
+    for i in range(lib.GGML_TYPE_COUNT):
+        p = lib.ggml_type_name(i)
+        if p != ffi.NULL:
+            name = ffi.string(p).decode()
+            if name and " " not in name and not name.startswith("DEPRECATED"):
+                names[name.lower()] = i
+    return names
+
+
+_GGML_TYPES = ggml_type_names()
+_FLASH_ATTN = {"auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+               "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED, "enabled": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+               "disabled": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED, True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+               False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+
+def ggml_type(value, field: str = "type") -> int:
+    """A ggml type from its name or value; ValueError naming ``field`` otherwise."""
+    if isinstance(value, str):
+        key = value.lower()
+        if key not in _GGML_TYPES:
+            raise ValueError(f"{field}: unknown ggml type {value!r}; known: {', '.join(sorted(_GGML_TYPES))}")
+        return _GGML_TYPES[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value not in _GGML_TYPES.values():
+        raise ValueError(f"{field}: {value!r} is not a ggml type of this build")
+    return int(value)
+
+
+def ggml_type_name(value: int) -> str:
+    return ffi.string(lib.ggml_type_name(value)).decode()
+
+
+def _enum_value(ctype, value, field: str) -> int:
+    if isinstance(value, str):
+        by_name = {k.lower(): v for k, v in ctype.relements.items()}
+        key = value.lower()
+        for name, v in by_name.items():
+            if name == key or name.endswith("_" + key):
+                return v
+        raise ValueError(f"{field}: {value!r} is not one of {sorted(ctype.relements)}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field}: expected an int or a name of {ctype.cname}, got {value!r}")
+    if value not in ctype.elements:
+        raise ValueError(f"{field}: {value} is not a value of {ctype.cname}")
+    return int(value)
+
+
+def _convert(name: str, ctype, value):
+    """Check one field's value against its C type; return what to store."""
+    if value is None and ctype.kind in ("pointer", "function"):
+        return None
+    if name == "flash_attn_type":
+        if isinstance(value, str):
+            value = value.lower()
+        if value in _FLASH_ATTN and (isinstance(value, (str, bool))):
+            return _FLASH_ATTN[value]
+        return _enum_value(ctype, value, name)
+    if ctype.kind == "enum":
+        if ctype.cname == "enum ggml_type":
+            return ggml_type(value, name)
+        return _enum_value(ctype, value, name)
+    if ctype.kind == "primitive":
+        if ctype.cname == "_Bool":
+            if not isinstance(value, (bool, int)):
+                raise ValueError(f"{name}: expected a bool, got {value!r}")
+            return bool(value)
+        if ctype.cname in ("float", "double"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise ValueError(f"{name}: expected a number, got {value!r}")
+            return float(value)
+        lo, hi = _U32.get(ctype.cname, (None, None))
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}: expected an integer, got {value!r}")
+        if lo is not None and not lo <= value <= hi:
+            raise ValueError(f"{name}: {value} is outside the range of {ctype.cname} [{lo}, {hi}]")
+        return int(value)
+    return value  # pointers and callbacks: cdata (or a Python object the owner converts)
+
+
+def _make(cls_name: str, struct: str, defaults_fn, doc: str):
+    c_defaults = defaults_fn()
+    fields = []
+    for name, f in ffi.typeof(struct).fields:
+        if f.type.kind in ("pointer", "function"):
+            default = None  # NULL
+        elif f.type.kind == "array":
+            continue
+        else:
+            default = getattr(c_defaults, name)
+        fields.append((name, object, dataclasses.field(default=default)))
+
+    def __post_init__(self):
+        for name, ctype in self._ctypes.items():
+            setattr(self, name, _convert(name, ctype, getattr(self, name)))
+        self._check()
+
+    def _check(self):
+        pass
+
+    def to_c(self):
+        """A ``struct`` cdata (owned) holding these values; pointers left NULL where None."""
+        p = ffi.new(f"{struct} *", defaults_fn())
+        for name, ctype in self._ctypes.items():
+            value = getattr(self, name)
+            if value is None:
+                setattr(p, name, ffi.NULL)
+            else:
+                setattr(p, name, value)
+        return p
+
+    cls = dataclasses.make_dataclass(cls_name, fields, namespace={
+        "__post_init__": __post_init__, "_check": _check, "to_c": to_c,
+        "_ctypes": {n: f.type for n, f in ffi.typeof(struct).fields if f.type.kind != "array"},
+        "__doc__": doc})
+    cls.__module__ = __name__
+    return cls
+
+
+ContextParams = _make(
+    "ContextParams", "struct llama_context_params", lambda: lib.llama_context_default_params(),
+    "Every field of ``llama_context_params``; defaults from ``llama_context_default_params()``.")
+ModelParams = _make(
+    "ModelParams", "struct llama_model_params", lambda: lib.llama_model_default_params(),
+    "Every field of ``llama_model_params``; defaults from ``llama_model_default_params()``.")
+
+
+def _check_context(self):
+    max_seq = lib.llama_max_parallel_sequences()
+    if not 1 <= self.n_seq_max <= max_seq:
+        raise ValueError(f"n_seq_max: {self.n_seq_max} is outside [1, {max_seq}] (llama_max_parallel_sequences)")
+    for name in ("n_threads", "n_threads_batch"):
+        if getattr(self, name) <= 0:
+            raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+
+
+ContextParams._check = _check_context
+
+_ALIASES = {"flash_attn": "flash_attn_type"}
+
+
+def context_params(params: "ContextParams | None" = None, **kwargs) -> "ContextParams":
+    """A ContextParams from an optional base and keyword overrides (``flash_attn`` = ``flash_attn_type``)."""
+    for alias, real in _ALIASES.items():
+        if alias in kwargs:
+            kwargs[real] = kwargs.pop(alias)
+    unknown = set(kwargs) - {f.name for f in dataclasses.fields(ContextParams)}
+    if unknown:
+        raise TypeError(f"unknown context parameter(s): {', '.join(sorted(unknown))}")
+    base = params if params is not None else ContextParams()
+    return dataclasses.replace(base, **kwargs)
+
+
+def model_params(**kwargs) -> "ModelParams":
+    """A ModelParams from keywords. ``use_mmap=True/False`` maps to ``load_mode`` MMAP/NONE
+    (this llama.cpp replaced the ``use_mmap`` field by ``load_mode``)."""
+    if "use_mmap" in kwargs:
+        use_mmap = kwargs.pop("use_mmap")
+        kwargs.setdefault("load_mode", lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE)
+    unknown = set(kwargs) - {f.name for f in dataclasses.fields(ModelParams)}
+    if unknown:
+        raise TypeError(f"unknown model parameter(s): {', '.join(sorted(unknown))}")
+    return ModelParams(**kwargs)

@@ -1,0 +1,23 @@
+"""Shared fixtures: the real compiled library and the real default model (no mocks)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def llama_cpp_dir() -> Path:
+    """The llama.cpp source the extension was built from (vendored, or LLAMA_CPP_DIR)."""
+    import pyllamacpp
+    source = pyllamacpp.build_info()["llama_cpp_source"]
+    if source.startswith("LLAMA_CPP_DIR="):
+        return Path(source.split("=", 1)[1])
+    return ROOT / "vendor" / "llama.cpp"
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    import pyllamacpp
+    return pyllamacpp.default_model_path()
