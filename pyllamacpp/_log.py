@@ -30,9 +30,10 @@ class Capture:
     lines: list[tuple[int, str]] = field(default_factory=list)
 
     def reason(self) -> str | None:
-        """The last ERROR line, else the last WARNING line, else None."""
+        """The first ERROR line (llama.cpp logs the cause first, then each caller's "failed"),
+        else the first WARNING line, else None."""
         for want in (logging.ERROR, logging.WARNING):
-            for level, text in reversed(self.lines):
+            for level, text in self.lines:
                 if level == want:
                     return text.strip()
         return None

@@ -481,8 +481,13 @@ class Context:
 
     # -- performance ---------------------------------------------------------------------------
     def perf(self) -> PerfContextData:
-        """``llama_perf_context`` (the context must not have been made with ``no_perf=True``)."""
-        d = lib.llama_perf_context(self.ptr)
+        """``llama_perf_context`` (times need a context made with ``no_perf=False``).
+
+        Synchronizes first: llama.cpp adds a decode to the counters only at the next
+        synchronization (next decode or output read), so without it the last decode is missing."""
+        ptr = self.ptr
+        lib.llama_synchronize(ptr)
+        d = lib.llama_perf_context(ptr)
         return PerfContextData(**{f.name: getattr(d, f.name) for f in dataclasses.fields(PerfContextData)})
 
     def perf_reset(self) -> None:

@@ -2,7 +2,7 @@
 
 Build it step by step, in the order the steps run::
 
-    Sampler().penalties(64, 1.1).top_k(40).top_p(0.95).min_p(0.05).temp(0.8).dist(seed=42)
+    Sampler(model).penalties(64, 1.1).top_k(40).top_p(0.95).min_p(0.05).temp(0.8).dist(seed=42)
     Sampler.greedy()
 
 A chain must end with a step that picks a token (``greedy`` or ``dist``).
@@ -15,7 +15,8 @@ from .errors import ClosedError, LlamaError
 
 
 class Sampler:
-    def __init__(self, *, no_perf: bool = True):
+    def __init__(self, model=None, *, no_perf: bool = True):
+        self.model = model  # needed by steps that know the vocabulary (penalties, grammar)
         params = lib.llama_sampler_chain_default_params()
         params.no_perf = no_perf
         ptr = lib.llama_sampler_chain_init(params)
@@ -58,9 +59,13 @@ class Sampler:
         return self._add(lib.llama_sampler_init_temp(float(t)), f"temp({t})")
 
     def penalties(self, last_n: int = 64, repeat: float = 1.0, freq: float = 0.0, present: float = 0.0) -> "Sampler":
+        """``llama_sampler_init_penalties(n_vocab, ...)``: needs ``Sampler(model)``."""
+        if self.model is None:
+            raise ValueError("penalties: make the sampler with Sampler(model), it needs n_vocab")
         if repeat <= 0:
             raise ValueError("penalties: repeat must be > 0 (1.0 disables it)")
-        return self._add(lib.llama_sampler_init_penalties(int(last_n), float(repeat), float(freq), float(present)),
+        return self._add(lib.llama_sampler_init_penalties(self.model.n_vocab, int(last_n), float(repeat),
+                                                          float(freq), float(present)),
                          f"penalties({last_n}, {repeat}, {freq}, {present})")
 
     def grammar(self, model, grammar: str, root: str = "root") -> "Sampler":

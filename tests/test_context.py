@@ -1,0 +1,255 @@
+"""Context: decode and its errors, outputs as views, memory, state, abort, buffers, lifetimes."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pyllamacpp as pl
+from pyllamacpp import ffi, lib
+from conftest import PROMPT
+
+
+def _greedy_next(ctx):
+    return int(np.argmax(ctx.logits()))
+
+
+def test_decode_and_logits_are_views(model, ctx):
+    toks = model.tokenize(PROMPT)
+    b = pl.Batch(64, model=model)
+    b.add_sequence(toks, 0, 0, logits="all")
+    ctx.decode(b)
+    assert ctx.n_outputs == 7
+    la = ctx.logits_all()
+    assert la.shape == (7, model.n_vocab) and la.dtype == np.float32 and np.isfinite(la).all()
+    last = ctx.logits(-1)
+    assert not last.flags.owndata and np.shares_memory(last, la)  # views of one buffer
+    p = lib.llama_get_logits_ith(ctx.ptr, -1)
+    assert last.ctypes.data == int(ffi.cast("uintptr_t", p))
+    np.testing.assert_array_equal(last, la[-1])
+    np.testing.assert_array_equal(ctx.logits(3), la[3])
+
+
+def test_decode_errors_leave_the_context_usable(model):
+    with model.context(n_ctx=64, n_batch=64, n_threads=2) as ctx:
+        b = pl.Batch(64)  # no model: the bad token reaches llama.cpp
+        b.add(model.n_vocab + 5, 0, 0, logits=True)
+        with pytest.raises(pl.InvalidBatchError) as e:
+            ctx.decode(b)
+        assert e.value.code == -1 and "token" in (e.value.reason or "")
+        # positions that go backwards inside one sequence
+        b.clear()
+        b.add_sequence([1, 2], 0, 0)
+        b.add(3, 0, 0, logits=True)
+        with pytest.raises(pl.InvalidBatchError):
+            ctx.decode(b)
+        assert ctx.memory.seq_pos_max(0) == -1
+        # KV cache full: every cell used, then one more token
+        n = ctx.n_ctx  # llama.cpp pads n_ctx up (64 -> 256)
+        ctx.prefill(np.full(n, 100))
+        b.clear()
+        b.add(100, n, 0, logits=True)
+        with pytest.raises(pl.KVCacheFullError) as e:
+            ctx.decode(b)
+        assert e.value.code == 1
+        assert ctx.memory.seq_pos_max(0) == n - 1  # the sequence is as it was
+        ctx.memory.seq_rm(0, 32, -1)
+        b.clear()
+        b.add(100, 32, 0, logits=True)
+        ctx.decode(b)  # usable again
+        assert np.isfinite(ctx.logits()).all()
+
+
+def test_prefill_splits_by_n_batch(model):
+    seen = []
+
+    class Recording(pl.Context):
+        def decode(self, batch):
+            seen.append(len(batch))
+            super().decode(batch)
+
+    toks = np.resize(model.tokenize(PROMPT), 600)
+    with Recording(model, n_ctx=1024, n_batch=256, n_ubatch=128, n_threads=2) as ctx:
+        nxt = ctx.prefill(toks)
+        assert seen == [256, 256, 88] and nxt == 600
+        assert ctx.memory.seq_pos_max(0) == 599
+        assert ctx.n_outputs == 1
+
+
+def test_memory_operations(model):
+    with model.context(n_ctx=256, n_seq_max=4, kv_unified=True, n_threads=2) as ctx:
+        mem = ctx.memory
+        ctx.prefill(model.tokenize(PROMPT), 0)
+        mem.seq_cp(0, 1)
+        assert (mem.seq_pos_min(1), mem.seq_pos_max(1)) == (0, 6)
+        assert mem.seq_rm(1, 3, -1) and mem.seq_pos_max(1) == 2
+        assert mem.can_shift
+        mem.seq_add(1, 0, -1, 10)
+        assert (mem.seq_pos_min(1), mem.seq_pos_max(1)) == (10, 12)
+        mem.seq_div(1, 0, -1, 2)
+        assert mem.seq_pos_max(1) == 6
+        mem.seq_keep(0)
+        assert mem.seq_pos_max(1) == -1 and mem.seq_pos_max(0) == 6
+        with pytest.raises(ValueError, match="seq_id 4"):
+            mem.seq_cp(0, 4)
+        mem.clear()
+        assert mem.seq_pos_max(0) == -1
+
+
+def test_seq_state_round_trip_and_failed_set(model, ctx):
+    toks = model.tokenize(PROMPT)
+    ctx.prefill(toks)
+    ref_state = ctx.seq_state(0)
+    assert len(ref_state) == 162_108  # LLAMA_CPP_FACTS: 7-token prompt, F16, one stream
+    b = pl.Batch(1, model=model)
+    b.add(504, 7, 0, logits=True)
+    ctx.decode(b)
+    ref = ctx.logits().copy()
+    ctx.memory.clear()
+    assert ctx.set_seq_state(0, ref_state) == len(ref_state)
+    ctx.decode(b)
+    np.testing.assert_array_equal(ctx.logits(), ref)  # same cells: bit-identical
+    # A bad blob: StateError, and the sequence holds what it held
+    ctx.memory.seq_rm(0, 7, -1)
+    garbage = ref_state.data.copy()
+    garbage[40:80] = 0xFF
+    with pytest.raises(pl.StateError):
+        ctx.set_seq_state(0, garbage)
+    assert ctx.memory.seq_pos_max(0) == 6
+    ctx.decode(b)
+    np.testing.assert_array_equal(ctx.logits(), ref)
+    import pickle
+    again = pickle.loads(pickle.dumps(ref_state))
+    assert bytes(again) == bytes(ref_state) and again.seq_id == 0
+
+
+def test_state_files(model, ctx, tmp_path):
+    toks = model.tokenize(PROMPT)
+    ctx.prefill(toks)
+    path = tmp_path / "seq.bin"
+    n = ctx.save_seq_state(path, 0, toks)
+    assert path.stat().st_size == n and not list(tmp_path.glob(".*tmp*"))
+    ctx.memory.clear()
+    assert ctx.load_seq_state(path, 0).tolist() == toks.tolist()
+    assert ctx.memory.seq_pos_max(0) == 6
+    whole = tmp_path / "session.bin"
+    ctx.save_state(whole, toks)
+    blob = ctx.state()
+    ctx.memory.clear()
+    assert ctx.load_state(whole).tolist() == toks.tolist()
+    assert ctx.memory.seq_pos_max(0) == 6
+    ctx.memory.clear()
+    assert ctx.set_state(blob) == blob.size and ctx.memory.seq_pos_max(0) == 6
+    with pytest.raises(OSError):
+        ctx.save_seq_state(tmp_path / "no" / "such" / "dir.bin", 0, toks)
+
+
+def test_buffers_are_captured_from_the_log(model):
+    with model.context(n_ctx=512, n_ubatch=512, n_threads=2) as big, \
+         model.context(n_ctx=512, n_ubatch=64, n_threads=2) as small:
+        kv = big.buffers["CPU"]["KV"]
+        assert kv == pytest.approx(512 * model.kv_bytes_per_token() / 2**20, abs=0.01)
+        assert big.buffers["CPU"]["compute"] > small.buffers["CPU"]["compute"] > 0
+        assert any("model" in kinds for kinds in big.buffers.values())
+
+
+def test_abort_from_another_thread(model):
+    toks = np.resize(model.tokenize(PROMPT), 1024)
+    with model.context(n_ctx=1024, n_batch=1024, n_ubatch=1024, n_threads=2) as ctx:
+        b = pl.Batch(1024, model=model)
+        b.add_sequence(toks)
+        threading.Timer(0.05, ctx.abort).start()
+        t0 = time.perf_counter()
+        with pytest.raises(pl.DecodeAborted):
+            ctx.decode(b)
+        assert time.perf_counter() - t0 < 2.0
+        b.clear()
+        b.add_sequence(toks[:8])
+        ctx.decode(b)  # usable afterwards
+        assert np.isfinite(ctx.logits()).all()
+
+
+def test_ctrl_c_aborts_a_decode(model):
+    toks = np.resize(model.tokenize(PROMPT), 1024)
+    with model.context(n_ctx=1024, n_batch=1024, n_ubatch=1024, n_threads=2) as ctx:
+        b = pl.Batch(1024, model=model)
+        b.add_sequence(toks)
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(pl.DecodeAborted, match="SIGINT"):
+            ctx.decode(b)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's handler is back
+
+
+def test_gil_is_released_during_decode(model):
+    toks = np.resize(model.tokenize(PROMPT), 512)
+    ticks = []
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    with model.context(n_ctx=512, n_batch=512, n_threads=2) as ctx:
+        b = pl.Batch(512, model=model)
+        b.add_sequence(toks)
+        t = threading.Thread(target=count)
+        t.start()
+        time.sleep(0.01)
+        t0 = time.perf_counter()
+        ctx.decode(b)
+        t1 = time.perf_counter()
+        stop.set()
+        t.join()
+    during = [x for x in ticks if t0 < x < t1]
+    assert t1 - t0 > 0.05 and len(during) > 10, (t1 - t0, len(during))
+
+
+def test_views_survive_close_and_guard_reallocation(model):
+    ctx = model.context(n_ctx=256, n_threads=2)
+    ctx.prefill(model.tokenize(PROMPT))
+    view = ctx.logits()
+    keep = view.copy()
+    b = pl.Batch(16, model=model)
+    b.add_sequence(model.tokenize(" and"), 0, 7, logits="all")
+    b.add_sequence(model.tokenize(" the dog"), 0, 8, logits="all")
+    with pytest.raises(pl.LlamaError, match="view"):
+        ctx.decode(b)  # 3 outputs > 1 reserved while `view` is alive
+    ctx.close()
+    with pytest.raises(pl.ClosedError):
+        ctx.logits()
+    np.testing.assert_array_equal(view, keep)  # memory kept alive by the view
+    del view
+
+
+def test_use_after_close_raises(model):
+    ctx = model.context(n_ctx=128, n_threads=2)
+    ctx.close()
+    ctx.close()
+    for call in (lambda: ctx.n_ctx, lambda: ctx.prefill([1, 2]), lambda: ctx.seq_state(0),
+                 lambda: ctx.memory.clear(), lambda: ctx.perf()):
+        with pytest.raises(pl.ClosedError):
+            call()
+
+
+def test_closing_the_model_closes_its_contexts(model_path):
+    m = pl.Model(model_path)
+    ctx = m.context(n_ctx=128, n_threads=2)
+    m.close()
+    assert ctx.closed
+    with pytest.raises(pl.ClosedError):
+        ctx.prefill([1])
+
+
+def test_perf(model):
+    with model.context(n_ctx=128, n_threads=2, no_perf=False) as ctx:
+        ctx.prefill(model.tokenize(PROMPT))
+        p = ctx.perf()
+        assert p.n_p_eval == 7 and p.t_p_eval_ms > 0
+        ctx.perf_reset()
+        p = ctx.perf()
+        assert p.t_p_eval_ms == 0 and p.n_p_eval == 1  # llama.cpp reports max(1, n_p_eval)

@@ -1,0 +1,77 @@
+"""Sampler, generate and generate_parallel against the raw binding and against each other."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyllamacpp as pl
+from pyllamacpp import ffi, lib
+from conftest import PROMPT
+
+
+def _raw_greedy(model, tokens, n):
+    """Greedy continuation through the raw binding only."""
+    cparams = lib.llama_context_default_params()
+    cparams.n_ctx, cparams.n_threads, cparams.n_threads_batch = 256, 2, 2
+    ctx = lib.llama_init_from_model(model.ptr, cparams)
+    batch = lib.llama_batch_init(64, 0, 1)
+    out = []
+    try:
+        toks, pos = list(tokens), 0
+        for _ in range(n):
+            batch.n_tokens = len(toks)
+            for i, t in enumerate(toks):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos + i, 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = i == len(toks) - 1
+            assert lib.llama_decode(ctx, batch) == 0
+            pos += len(toks)
+            logits = np.frombuffer(ffi.buffer(lib.llama_get_logits_ith(ctx, -1), model.n_vocab * 4), np.float32)
+            nxt = int(np.argmax(logits))
+            out.append(nxt)
+            toks = [nxt]
+    finally:
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
+    return out
+
+
+def test_generate_greedy_equals_raw_binding(model):
+    toks = model.tokenize(PROMPT)
+    with model.context(n_ctx=256, n_threads=2) as ctx:
+        got = list(pl.generate(ctx, toks, 16))
+    assert got == _raw_greedy(model, toks, 16)
+
+
+def test_sampler_chain_is_deterministic_with_a_seed(model):
+    toks = model.tokenize(PROMPT)
+    runs = []
+    for _ in range(2):
+        s = pl.Sampler(model).penalties(64, 1.1).top_k(40).top_p(0.95).min_p(0.05).temp(0.9).dist(seed=1234)
+        with model.context(n_ctx=256, n_threads=2) as ctx:
+            runs.append(list(pl.generate(ctx, toks, 12, s)))
+    assert runs[0] == runs[1]
+    assert "top_k(40)" in repr(s)
+
+
+def test_grammar_constrains_output(model):
+    s = pl.Sampler().grammar(model, 'root ::= "yes" | "no"').pick_greedy()
+    with model.context(n_ctx=256, n_threads=2) as ctx:
+        out = list(pl.generate(ctx, model.tokenize("Is the sky blue? Answer:"), 4, s))
+    text = model.detokenize([t for t in out if not model.is_eog(t)])
+    assert text in ("yes", "no")
+    with pytest.raises(ValueError):
+        pl.Sampler().grammar(model, "root ::= ((")
+
+
+@pytest.mark.parametrize("kv_unified", [True, False])
+def test_generate_parallel_equals_each_sequence_alone(model, kv_unified):
+    prompt = "Once upon a time"
+    with model.context(n_ctx=1024, n_seq_max=4, kv_unified=kv_unified, n_threads=2) as ctx:
+        results = pl.generate_parallel(ctx, prompt, 4, 12)
+    with model.context(n_ctx=256, n_threads=2) as ctx:
+        alone = list(pl.generate(ctx, model.tokenize(prompt), 12))
+    assert [r.seq_id for r in results] == [0, 1, 2, 3]
+    for r in results:
+        assert r.tokens == alone
+        assert r.finished_by in ("eog", "n_predict") and r.text
