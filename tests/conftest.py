@@ -21,3 +21,22 @@ def llama_cpp_dir() -> Path:
 def model_path() -> Path:
     import pyllamacpp
     return pyllamacpp.default_model_path()
+
+
+@pytest.fixture(scope="session")
+def model(model_path):
+    import pyllamacpp
+    m = pyllamacpp.Model(model_path)
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def ctx(model):
+    """A small single-sequence context, 2 threads."""
+    c = model.context(n_ctx=512, n_threads=2, n_threads_batch=2)
+    yield c
+    c.close()
+
+
+PROMPT = "The cat sat on the mat."

@@ -103,7 +103,8 @@ def test_import_fails_clearly_on_a_version_mismatch(tmp_path):
         except ImportError as e:
             print("IMPORTERROR", e)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+    # run outside the checkout, so the installed package (not the source folder) is imported
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path).stdout
     assert "IMPORTERROR" in out and "999.0" in out and "rebuild" in out
 
 
