@@ -1,0 +1,92 @@
+"""The text summary behind ``KVState.describe()`` / ``str(state)``."""
+from __future__ import annotations
+
+import numpy as np
+
+from ._state import _SOURCES
+
+
+def _ids(cells) -> str:
+    ids = sorted({int(i) for i in np.unique(cells["seq_id"]) if i >= 0})
+    return str(ids) if len(ids) <= 8 else f"[{ids[0]} .. {ids[-1]}] ({len(ids)} ids)"
+
+
+def _record_text(r) -> str:
+    shape = f"{r.n_head} x {r.head_dim}" if r.n_head else f"{r.n_embd}"
+    notes = [", transposed" if r.transposed else "",
+             ", Hadamard-rotated if llama.cpp's attn_rot was on (dequantize(unrotate=True))"
+             if r.type.quantized and r.kind in "KV" else ""]
+    return f"{r.kind} {r.type.name} ({shape} values, {r.row_size} B/cell{''.join(notes)})"
+
+
+def _first_values(r, n_cells: int, n_values: int) -> list[str]:
+    with np.errstate(all="ignore"):  # a corrupt block scale may give inf/nan: show it, do not warn
+        return _values_text(r, n_cells, n_values)
+
+
+def _values_text(r, n_cells: int, n_values: int) -> list[str]:
+    n = min(n_cells, r.n_cells)
+    if not r.type.quantized or r.transposed:
+        vals = np.asarray(r.values[:n], dtype=np.float32) if r.type.name != "bf16" else r.dequantize()[:n]
+    else:  # dequantize only the rows shown
+        vals = r.type.dequantize(r.rows[:n])
+    vals = vals.reshape(n, -1)[:, :n_values]
+    return [" ".join(f"{v:+.4f}" for v in row) for row in vals]
+
+
+def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
+    h = state.header
+    access = "writable" if state.writable else "read-only"
+    out = [f"{state.kind} ({_SOURCES[state.kind]}): {state.nbytes:,} bytes, from {state.source} ({access})"]
+    fields = []
+    if h.magic is not None:
+        fields.append(f"magic 0x{h.magic:08x}")
+    if h.version is not None:
+        fields.append(f"version {h.version}")
+    if h.seq_id is not None:
+        fields.append(f"seq_id {h.seq_id}")
+    if h.arch is not None:
+        fields.append(f"arch {h.arch}")
+    if h.tokens is not None:
+        toks = h.tokens[:12].tolist()
+        fields.append(f"{len(h.tokens)} tokens {toks}{' ...' if len(h.tokens) > 12 else ''}")
+    out.append("header: " + (", ".join(fields) if fields else "-") + f" ({h.nbytes} bytes)")
+    out.append(f"memory: {state.options['memory']}, n_head_kv={state.n_head_kv}"
+               + (", cells carry llama_kv_cell_ext" if state.options.get("cell_ext") else ""))
+    for p in state.parts:
+        what = "KV cache" if p.kind == "kv" else "recurrent memory"
+        out.append(f"  {p.name} ({what})" + (f": {p.n_stream} stream(s)" if p.n_stream is not None else ""))
+        empty = [s.index for s in p.streams if not s.cell_count]
+        for s in p.streams:
+            if not s.cell_count:
+                continue
+            pos = s.cells["pos"]
+            flag = "v_trans" if p.kind == "kv" else "s_trans"
+            out.append(f"    stream {s.index}: {s.cell_count} cells, pos {int(pos.min())}..{int(pos.max())}, "
+                       f"seq ids {_ids(s.cells)}, {flag}={s.v_trans}, {s.n_layer} layers")
+            kinds = {}
+            for r in s.records:
+                kinds.setdefault(r.kind, r)
+            for r in kinds.values():
+                out.append(f"      {_record_text(r)}")
+        if empty:
+            out.append(f"    empty streams: {empty if len(empty) <= 8 else f'{len(empty)} streams'}")
+    lay = state.layout()
+    out.append(f"layout ({len(lay.rows)} records):")
+    out.extend("  " + line for line in lay.table(max_rows).splitlines())
+    for p in state.parts:
+        for s in p.streams:
+            if not s.cell_count or not s.records:
+                continue
+            firsts = {}
+            for r in s.records:
+                firsts.setdefault(r.kind, r)
+            what = "head 0" if s.records[0].n_head else "row"
+            out.append(f"first cells of {p.name} stream {s.index} (layer 0, {what}, first {n_values} values):")
+            texts = {k: _first_values(r, n_cells, n_values) for k, r in firsts.items()}
+            for i in range(min(n_cells, s.cell_count)):
+                c = s.cells[i]
+                ids = [int(x) for x in c["seq_id"] if x >= 0]
+                vals = "  ".join(f"{k} {t[i]}" for k, t in texts.items())
+                out.append(f"  cell {i} pos {int(c['pos'])} seq {ids}: {vals}")
+    return "\n".join(out)

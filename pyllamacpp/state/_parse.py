@@ -1,0 +1,353 @@
+"""The format grammar, as llama.cpp writes it (llama-context.cpp, llama-kv-cache.cpp,
+llama-memory-recurrent.cpp). Every read goes through Buffer.view(); nothing here copies payloads.
+
+A dump's header says what produced it; its memory part is one or more memory modules' states
+back to back. Their number and kind are not written down, nor whether cells carry
+llama_kv_cell_ext or whether layers have V, so ``parse_memory`` tries the layouts llama.cpp can
+write and keeps the first that accounts for every byte.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from ._buffer import Buffer, StateFormatError, short_read
+from ._records import DumpKind, Header, MemoryPart, Stream, TensorRecord
+from ._types import ggml_type
+
+IO_MAGIC = 0xAF143CD8            # llama-context.cpp: `static constexpr uint32_t io_magic`
+SEQ_FILE_MAGIC = 0x67677371      # 'ggsq', LLAMA_STATE_SEQ_MAGIC (llama.h)
+SESSION_MAGIC = 0x6767736E       # 'ggsn', LLAMA_SESSION_MAGIC
+SEQ_FILE_VERSION = 3             # LLAMA_STATE_SEQ_VERSION
+SESSION_VERSION = 10             # LLAMA_SESSION_VERSION
+LLAMA_MAX_SEQ = 256              # src/llama-cparams.h; also bounds n_stream
+CELL_EXT_SIZE = 12               # llama_kv_cell_ext: i32 x, i32 y, i32 tok (llama-kv-cells.h)
+MAX_ARCH_NAME = 64
+
+# memory= names -> the parts, in the order llama.cpp writes them
+MEMORY_LAYOUTS = {
+    "kv": ("kv",),                                 # llama_kv_cache
+    "iswa": ("kv", "kv"),                          # llama_kv_cache_iswa: base, then swa
+    "hybrid": ("kv", "recurrent"),                 # llama_memory_hybrid: attn, then recurrent
+    "hybrid-iswa": ("kv", "kv", "recurrent"),      # llama_memory_hybrid_iswa
+    "recurrent": ("recurrent",),                   # llama_memory_recurrent
+}
+PART_NAMES = {
+    "kv": ("kv",), "iswa": ("base", "swa"), "hybrid": ("kv", "recurrent"),
+    "hybrid-iswa": ("base", "swa", "recurrent"), "recurrent": ("recurrent",),
+}
+_ARCH_RE = re.compile(rb"[A-Za-z0-9_.\-]+")
+
+
+# --- header -------------------------------------------------------------------------------------
+
+def _arch(buf: Buffer, off: int) -> tuple[str, int]:
+    n = buf.u32(off, "arch name length")
+    if not 1 <= n <= MAX_ARCH_NAME:
+        raise StateFormatError(f"length {n} is not that of an architecture name (1..{MAX_ARCH_NAME})",
+                               offset=off, what="arch name length")
+    raw = buf.view(off + 4, n, "arch name").tobytes()
+    if not _ARCH_RE.fullmatch(raw):
+        raise StateFormatError(f"{raw!r} is not an architecture name", offset=off + 4, what="arch name")
+    return raw.decode(), off + 4 + n
+
+
+def parse_header(buf: Buffer) -> Header:
+    magic = buf.u32(0, "magic")
+    if magic == IO_MAGIC:  # llama_context::state_seq_get_data: io_magic, then the source seq_id
+        return Header(DumpKind.SEQUENCE, magic, None, buf.i32(4, "seq_id"), None, None, None, 8)
+    if magic in (SEQ_FILE_MAGIC, SESSION_MAGIC):  # state_seq_save_file / state_save_file
+        kind, version, name = ((DumpKind.SEQ_FILE, SEQ_FILE_VERSION, "LLAMA_STATE_SEQ_VERSION")
+                               if magic == SEQ_FILE_MAGIC else
+                               (DumpKind.SESSION_FILE, SESSION_VERSION, "LLAMA_SESSION_VERSION"))
+        got = buf.u32(4, "version")
+        if got != version:
+            raise StateFormatError(f"version {got}, expected {version} ({name} of this llama.cpp)",
+                                   offset=4, what=f"{kind} version")
+        n_tokens = buf.u32(8, "n_token_count")
+        tokens = buf.array(12, n_tokens, "<i4", f"{n_tokens} prompt tokens")
+        off, arch = 12 + 4 * n_tokens, None
+        if kind is DumpKind.SESSION_FILE:  # then what llama_state_get_data writes: arch, memory
+            arch, off = _arch(buf, off)
+        return Header(kind, magic, got, None, arch, tokens, 12, off)
+    if 1 <= magic <= MAX_ARCH_NAME:  # llama_context::state_write_data: write_string(arch), memory
+        arch, off = _arch(buf, 0)
+        return Header(DumpKind.CONTEXT, None, None, None, arch, None, None, off)
+    raise StateFormatError(
+        f"unknown magic 0x{magic:08x}: not a sequence dump (0x{IO_MAGIC:08x}), a seq file "
+        f"('ggsq' 0x{SEQ_FILE_MAGIC:08x}), a session file ('ggsn' 0x{SESSION_MAGIC:08x}) nor a "
+        f"whole-context state (u32 length + architecture name)", offset=0, what="magic")
+
+
+# --- cells --------------------------------------------------------------------------------------
+
+def _cells_dtype(width: int, ext: bool) -> np.dtype:
+    fields = [("pos", "<i4"), ("n_seq_id", "<u4"), ("seq_id", "<i4", (width,))]
+    if ext:
+        fields += [("x", "<i4"), ("y", "<i4"), ("tok", "<i4")]
+    return np.dtype(fields + [("offset", "<i8"), ("nbytes", "<i4")])
+
+
+def _check_n_seq(n: int, off: int, what: str) -> None:
+    if n > LLAMA_MAX_SEQ:
+        raise StateFormatError(f"n_seq_id {n} > LLAMA_MAX_SEQ ({LLAMA_MAX_SEQ})", offset=off, what=what)
+
+
+def _check_seq_ids(ids: np.ndarray, offsets: np.ndarray, what: str) -> None:
+    bad = np.flatnonzero((ids < 0) | (ids >= LLAMA_MAX_SEQ))
+    if bad.size:
+        i = int(bad[0])
+        raise StateFormatError(f"seq_id {int(ids.flat[i])} out of range [0, {LLAMA_MAX_SEQ})",
+                               offset=int(offsets.flat[i]), what=what)
+
+
+def parse_cells(buf: Buffer, off: int, count: int, *, ext: bool, what: str) -> tuple[np.ndarray, int]:
+    """``count`` cells: i32 pos, u32 n_seq_id, [llama_kv_cell_ext], n_seq_id x i32 seq_id
+    (llama_kv_cache::state_write_meta; recurrent cells have no ext)."""
+    base = 8 + (CELL_EXT_SIZE if ext else 0)
+    left = buf.size - off
+    if count * base > left:
+        raise short_read(off, f"{what}: {count} cells of at least {base} bytes", count * base, left)
+    if count == 0:
+        return np.zeros(0, _cells_dtype(1, ext)), 0
+    n0 = buf.u32(off + 4, f"{what}: cell 0 n_seq_id")
+    _check_n_seq(n0, off + 4, f"{what}: cell 0 n_seq_id")
+    stride = base + 4 * n0
+    if count * stride <= left:  # fast path: every cell the same size (always so in sequence dumps)
+        fields = {"names": ["pos", "n_seq_id"], "formats": ["<i4", "<u4"], "offsets": [0, 4],
+                  "itemsize": stride}
+        if ext:
+            fields["names"] += ["x", "y", "tok"]
+            fields["formats"] += ["<i4"] * 3
+            fields["offsets"] += [8, 12, 16]
+        if n0:
+            fields["names"].append("seq_id")
+            fields["formats"].append(("<i4", (n0,)))
+            fields["offsets"].append(base)
+        raw = buf.view(off, count * stride, f"{what}: {count} cells").view(np.dtype(fields))
+        if (raw["n_seq_id"] == n0).all():
+            out = np.zeros(count, _cells_dtype(max(n0, 1), ext))
+            out["offset"] = off + stride * np.arange(count, dtype=np.int64)
+            out["nbytes"] = stride
+            for name in raw.dtype.names:
+                if name == "seq_id":
+                    out["seq_id"][:, :n0] = raw["seq_id"].reshape(count, n0)
+                else:
+                    out[name] = raw[name]
+            if n0:
+                _check_seq_ids(out["seq_id"][:, :n0], out["offset"][:, None] + base
+                               + 4 * np.arange(n0), f"{what}: seq_id")
+            else:
+                out["seq_id"] = -1
+            return out, count * stride
+    # slow path: cells of different sizes (a whole-context state with shared prefixes)
+    rows, p = [], off
+    for i in range(count):
+        pos = buf.i32(p, f"{what}: cell {i} pos")
+        n = buf.u32(p + 4, f"{what}: cell {i} n_seq_id")
+        _check_n_seq(n, p + 4, f"{what}: cell {i} n_seq_id")
+        ext_vals = tuple(int(v) for v in buf.array(p + 8, 3, "<i4", f"{what}: cell {i} ext")) if ext else ()
+        ids = buf.array(p + base, n, "<i4", f"{what}: cell {i} seq ids")
+        _check_seq_ids(ids, p + base + 4 * np.arange(n), f"{what}: cell {i} seq_id")
+        rows.append((pos, n, ids.tolist(), ext_vals, p, base + 4 * n))
+        p += base + 4 * n
+    width = max(1, max(r[1] for r in rows))
+    out = np.zeros(count, _cells_dtype(width, ext))
+    out["seq_id"] = -1
+    for i, (pos, n, ids, ext_vals, o, nb) in enumerate(rows):
+        out["pos"][i], out["n_seq_id"][i], out["offset"][i], out["nbytes"][i] = pos, n, o, nb
+        out["seq_id"][i, :n] = ids
+        if ext:
+            out["x"][i], out["y"][i], out["tok"][i] = ext_vals
+    return out, p - off
+
+
+# --- per-layer records --------------------------------------------------------------------------
+
+def _heads(n_head: int | None, n_embd: int, off: int, what: str) -> int | None:
+    if n_head and n_embd % n_head:
+        raise StateFormatError(f"a row of {n_embd} values does not split into n_head_kv={n_head} heads",
+                               offset=off, what=what)
+    return n_head
+
+
+def row_record(buf: Buffer, p: int, part: str, s: int, kind: str, il: int, n_cells: int,
+               n_head: int | None) -> TensorRecord:
+    """``i32 type, u64 row_size`` then n_cells rows (llama_kv_cache::state_write_data)."""
+    what = f"{part} stream {s} {kind}[{il}]"
+    t = ggml_type(buf.i32(p, f"{what} type"), offset=p, what=f"{what} type")
+    row_size = buf.u64(p + 4, f"{what} row size")
+    n_embd = t.n_values(row_size)
+    if not row_size or n_embd is None:
+        raise StateFormatError(f"row size {row_size} is not a whole number of {t.name} blocks "
+                               f"({t.type_size} bytes per {t.block_size} values)",
+                               offset=p + 4, what=f"{what} row size")
+    n_head = _heads(n_head, n_embd, p + 4, f"{what} row size")
+    data = buf.view(p + 12, n_cells * row_size, f"{what} data ({n_cells} rows x {row_size} bytes)")
+    return TensorRecord(part, s, kind, il, t, p, p + 12, n_cells, row_size, n_embd, False, n_head, data)
+
+
+def transposed_record(buf: Buffer, p: int, part: str, s: int, il: int, n_cells: int,
+                      n_head: int | None) -> TensorRecord:
+    """V with v_trans=1: ``i32 type, u32 element_size, u32 n_embd_v_gqa`` then, for each of the
+    n_embd values, that value of every cell."""
+    what = f"{part} stream {s} V[{il}]"
+    t = ggml_type(buf.i32(p, f"{what} type"), offset=p, what=f"{what} type")
+    el = buf.u32(p + 4, f"{what} element size")
+    if el != t.type_size:
+        raise StateFormatError(f"element size {el}, but ggml_type_size({t.name}) is {t.type_size}",
+                               offset=p + 4, what=f"{what} element size")
+    n_embd = buf.u32(p + 8, f"{what} n_embd_v_gqa")
+    if not n_embd:
+        raise StateFormatError("n_embd_v_gqa is 0", offset=p + 8, what=f"{what} n_embd_v_gqa")
+    n_head = _heads(n_head, n_embd, p + 8, f"{what} n_embd_v_gqa")
+    data = buf.view(p + 12, n_embd * n_cells * el, f"{what} data ({n_embd} x {n_cells} values of {el} bytes)")
+    return TensorRecord(part, s, "V", il, t, p, p + 12, n_cells, n_embd * el, n_embd, True, n_head, data)
+
+
+def _count(records: list[TensorRecord], tally: list[int] | None) -> int:
+    """Count a record read (how far an attempt got, see parse_memory); return where it ends."""
+    if tally is not None:
+        tally[0] += 1
+    return records[-1].data_offset + records[-1].nbytes
+
+
+# --- memory parts -------------------------------------------------------------------------------
+
+def _layer_header(buf: Buffer, p: int, what: str, flag_name: str = "v_trans") -> tuple[int, int]:
+    # No bound on n_layer needed here: each record read consumes at least 12 bytes or fails.
+    flag = buf.u32(p, f"{what}: {flag_name}")
+    if flag not in (0, 1):
+        raise StateFormatError(f"{flag}, expected 0 or 1", offset=p, what=f"{what}: {flag_name}")
+    return flag, buf.u32(p + 4, f"{what}: n_layer")
+
+
+def parse_kv(buf: Buffer, off: int, name: str, *, ext: bool, has_v: bool, n_head: int | None,
+             tally: list[int] | None = None) -> MemoryPart:
+    """llama_kv_cache::state_write: u32 n_stream, then per stream u32 cell_count and, unless it is
+    0, cells, u32 v_trans, u32 n_layer, n_layer K records, n_layer V records (none without V)."""
+    n_stream = buf.u32(off, f"{name}: n_stream")
+    if not 1 <= n_stream <= LLAMA_MAX_SEQ:
+        raise StateFormatError(f"{n_stream} out of range [1, {LLAMA_MAX_SEQ}]", offset=off, what=f"{name}: n_stream")
+    streams, p = [], off + 4
+    for s in range(n_stream):
+        what = f"{name} stream {s}"
+        cell_count = buf.u32(p, f"{what}: cell_count")
+        cells, nb = parse_cells(buf, p + 4, cell_count, ext=ext, what=what)
+        q = p + 4 + nb
+        if not cell_count:  # llama.cpp writes nothing more for an empty stream
+            streams.append(Stream(name, s, p, 0, cells, p + 4, 0, None, None, (), q))
+            p = q
+            continue
+        v_trans, n_layer = _layer_header(buf, q, what)
+        q += 8
+        records = []
+        for il in range(n_layer):
+            records.append(row_record(buf, q, name, s, "K", il, cell_count, n_head))
+            q = _count(records, tally)
+        for il in range(n_layer if has_v else 0):
+            records.append(transposed_record(buf, q, name, s, il, cell_count, n_head) if v_trans
+                           else row_record(buf, q, name, s, "V", il, cell_count, n_head))
+            q = _count(records, tally)
+        streams.append(Stream(name, s, p, cell_count, cells, p + 4, nb, v_trans, n_layer, tuple(records), q))
+        p = q
+    return MemoryPart(name, "kv", off, n_stream, tuple(streams), p)
+
+
+def parse_recurrent(buf: Buffer, off: int, name: str, tally: list[int] | None = None) -> MemoryPart:
+    """llama_memory_recurrent::state_write: u32 cell_count, cells, u32 s_trans (always 0),
+    u32 n_layer, then an R record and later an S record per layer that has them, written even
+    when cell_count is 0. Which layers have them is not written down: this part is always the
+    last, so the records run to the end of the dump, half R and half S."""
+    what = f"{name} stream 0"
+    cell_count = buf.u32(off, f"{what}: cell_count")
+    cells, nb = parse_cells(buf, off + 4, cell_count, ext=False, what=what)
+    q = off + 4 + nb
+    s_trans, n_layer = _layer_header(buf, q, what, "s_trans")
+    if s_trans:
+        raise StateFormatError("s_trans 1: this llama.cpp only writes 0", offset=q, what=f"{what}: s_trans")
+    q += 8
+    records = []
+    while q < buf.size:
+        if len(records) == 2 * n_layer:
+            raise StateFormatError(f"more than 2 x n_layer ({2 * n_layer}) R and S records",
+                                   offset=q, what=f"{what}: records")
+        records.append(row_record(buf, q, name, 0, "R/S", len(records), cell_count, None))
+        q = _count(records, tally)
+    if len(records) % 2:
+        raise StateFormatError(f"{len(records)} records: expected as many R as S records",
+                               offset=q, what=f"{what}: records")
+    half = len(records) // 2
+    records = [dataclasses.replace(r, kind="R" if i < half else "S", layer=i % half if half else 0)
+               for i, r in enumerate(records)]
+    stream = Stream(name, 0, off, cell_count, cells, off + 4, nb, s_trans, n_layer, tuple(records), q)
+    return MemoryPart(name, "recurrent", off, None, (stream,), q)
+
+
+def _rename(part: MemoryPart, name: str) -> MemoryPart:
+    if part.name == name:
+        return part
+    streams = tuple(dataclasses.replace(s, part=name, records=tuple(dataclasses.replace(r, part=name)
+                                                                  for r in s.records))
+                    for s in part.streams)
+    return dataclasses.replace(part, name=name, streams=streams)
+
+
+def parse_memory(buf: Buffer, off: int, *, memory: str | None = None, cell_ext: bool | None = None,
+                 has_v: bool | None = None, n_head: int | None = None) -> tuple[tuple[MemoryPart, ...], dict]:
+    """The memory part from ``off`` to the end: the first layout that reads every byte.
+
+    Returns the parts and the options that read them (memory, cell_ext, has_v). When no layout
+    fits, raises the error of the attempt that read the most records (the earliest attempt on
+    a tie): a misreading attempt fails before its first record, so its error is not the one
+    that explains the dump, even when it fails at a later byte.
+    """
+    if memory is not None and memory not in MEMORY_LAYOUTS:
+        raise ValueError(f"memory={memory!r}: expected one of {sorted(MEMORY_LAYOUTS)}")
+    layouts = [memory] if memory else list(MEMORY_LAYOUTS)
+    exts = [cell_ext] if cell_ext is not None else [False, True]
+    has_vs = [has_v] if has_v is not None else [True, False]
+    memo: dict = {}  # a part at an offset reads the same in every layout that has it there
+    best: tuple[int, StateFormatError] | None = None
+
+    def part_at(kind: str, i: int, p: int, ext: bool, hv: bool) -> MemoryPart:
+        label = kind if i == 0 else f"{kind}#{i + 1}"
+        key = (label, p, ext, hv) if kind == "kv" else (label, p)
+        if key not in memo:
+            tally = [0]
+            try:
+                memo[key] = (parse_kv(buf, p, label, ext=ext, has_v=hv, n_head=n_head, tally=tally)
+                             if kind == "kv" else parse_recurrent(buf, p, label, tally))
+            except StateFormatError as e:
+                e._records_read = tally[0]
+                memo[key] = e
+        if isinstance(memo[key], StateFormatError):
+            raise memo[key]
+        return memo[key]
+
+    for name in layouts:
+        kinds = MEMORY_LAYOUTS[name]
+        combos = [(e, h) for e in exts for h in has_vs] if "kv" in kinds else [(exts[0], has_vs[0])]
+        for ext, hv in combos:
+            parts, p, n_records = [], off, 0
+            try:
+                for i, kind in enumerate(kinds):
+                    parts.append(part_at(kind, i, p, ext, hv))
+                    p = parts[-1].end
+                    n_records += sum(len(s.records) for s in parts[-1].streams)
+                if p != buf.size:
+                    raise StateFormatError(f"{buf.size - p} trailing bytes after the memory part",
+                                           offset=p, what="end of dump")
+            except StateFormatError as e:
+                score = n_records + getattr(e, "_records_read", 0)
+                if best is None or score > best[0]:
+                    best = (score, e)
+                continue
+            named = tuple(_rename(part, n) for part, n in zip(parts, PART_NAMES[name]))
+            opts = {"memory": name, "cell_ext": ext if "kv" in kinds else None,
+                    "has_v": hv if "kv" in kinds else None}
+            return named, opts
+    assert best is not None
+    raise best[1]
