@@ -1,0 +1,223 @@
+"""Synthetic GGUF models: tiny random weights in a real llama.cpp layout (``make_model``).
+
+A model made here loads and decodes in the vendored llama.cpp like a converted checkpoint, so its
+KV cache / recurrent state has the layout of the architecture and shapes you give: reproduce the
+memory of a big model without its weights, or get every memory type in a test.
+
+Tensor names and shapes follow ``load_arch_tensors`` in ``vendor/llama.cpp/src/models/<arch>.cpp``;
+llama.cpp refuses a file with a tensor it did not ask for, so each arch writes exactly its list.
+The vocabulary is llama.cpp's dummy ``"test"`` tokenizer (``LLAMA_VOCAB_TYPE_TEST``, the one its own
+``tests/test-llama-archs.cpp`` uses): token ids are all you need, yet ``tokenize`` (a rolling hash of
+5-byte chunks) and ``token_to_piece`` (the id in hex) still work. ``"none"`` would also load, but
+llama.cpp aborts the process on ``llama_tokenize`` and token-attribute calls for such a vocabulary.
+
+Imports only numpy and ``gguf``: nothing here needs the compiled extension.
+"""
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+ARCHS = ("llama", "qwen3", "gemma2", "gemma3", "mamba")
+"""Architectures ``make_model`` writes (llama.cpp's ``general.architecture`` names)."""
+
+_ATTENTION_ARCHS = ("llama", "qwen3", "gemma2", "gemma3")
+_SWA_DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6}  # load_swa_pattern(ml, n) in models/gemma{2,3}.cpp
+
+# arch_specific keywords per arch, with defaults (None: computed from the other sizes)
+_OPTIONS = {
+    "llama": {"rope_freq_base": 10000.0, "norm_rms_eps": 1e-5},
+    "qwen3": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-6},
+    "gemma2": {"rope_freq_base": 10000.0, "norm_rms_eps": 1e-6, "n_swa": 4096, "swa_pattern": None},
+    "gemma3": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-6, "n_swa": 4096, "swa_pattern": None},
+    "mamba": {"norm_rms_eps": 1e-5, "ssm_d_conv": 4, "ssm_d_state": 16, "ssm_dt_rank": None,
+              "ssm_d_inner": None},
+}
+
+_STD = 0.02
+
+
+def make_model(path: str | os.PathLike, arch: str = "llama", *, n_layer: int, n_embd: int,
+               n_head: int | None = None, n_head_kv: int | None = None, head_dim: int | None = None,
+               n_vocab: int, n_ff: int | None = None, n_ctx_train: int = 4096, seed: int = 0,
+               dtype: str = "f32", **arch_specific) -> Path:
+    """Write a random-weight GGUF of ``arch`` to ``path`` (atomically) and return the path.
+
+    ``n_head_kv`` defaults to ``n_head`` (llama.cpp's default); ``head_dim`` sets
+    ``attention.key_length`` and ``value_length`` (default ``n_embd / n_head``); ``n_ff`` defaults
+    to ``4 * n_embd``. Matrices are ``normal(0, 0.02)`` from ``numpy.random.default_rng(seed)`` in
+    ``dtype`` (``"f32"`` or ``"f16"``); norms are 1 and vectors stay float32.
+
+    ``arch_specific``, by arch (llama.cpp's hparams names):
+
+    - attention archs: ``rope_freq_base``, ``norm_rms_eps``;
+    - ``gemma2``/``gemma3`` (iSWA cache): ``n_swa`` (``attention.sliding_window``, default 4096),
+      ``swa_pattern``: an int period (layer ``il`` is SWA when ``il % p < p - 1``; default 2 for
+      gemma2, 6 for gemma3) or one bool per layer (True = SWA);
+    - ``mamba`` (recurrent memory; no attention, leave ``n_head`` unset): ``ssm_d_conv`` (4),
+      ``ssm_d_state`` (16), ``ssm_dt_rank`` (``ceil(n_embd / 16)``); ``ssm_d_inner`` must be
+      ``2 * n_embd``, the only expansion llama.cpp's mamba supports.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    unknown = set(arch_specific) - set(_OPTIONS[arch])
+    if unknown:
+        raise TypeError(f"make_model({arch!r}) got unexpected keywords {sorted(unknown)}; "
+                        f"it takes {sorted(_OPTIONS[arch])}")
+    opt = {**_OPTIONS[arch], **arch_specific}
+    if dtype not in ("f32", "f16"):
+        raise ValueError(f"dtype must be 'f32' or 'f16', got {dtype!r}")
+    for name, value in (("n_layer", n_layer), ("n_embd", n_embd), ("n_vocab", n_vocab),
+                        ("n_ctx_train", n_ctx_train)):
+        if int(value) < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+    kv: dict[str, tuple] = {}  # key -> (value, GGUFValueType[, array subtype])
+    T = gguf.GGUFValueType
+    u32, f32 = (lambda v: (int(v), T.UINT32)), (lambda v: (float(v), T.FLOAT32))
+    kv["general.name"] = (f"pyllamacpp synthetic {arch}", T.STRING)
+    kv[f"{arch}.context_length"] = u32(n_ctx_train)
+    kv[f"{arch}.embedding_length"] = u32(n_embd)
+    kv[f"{arch}.block_count"] = u32(n_layer)
+    kv[f"{arch}.attention.layer_norm_rms_epsilon"] = f32(opt["norm_rms_eps"])
+
+    tensors: list[tuple[str, tuple[int, ...], str]] = [  # (name, ggml ne, kind)
+        ("token_embd.weight", (n_embd, n_vocab), "w"),
+        ("output_norm.weight", (n_embd,), "norm"),
+    ]  # no output.weight: every arch here falls back to token_embd (TENSOR_DUPLICATED)
+
+    if arch in _ATTENTION_ARCHS:
+        if not n_head or n_head < 1:
+            raise ValueError(f"{arch} needs n_head >= 1")
+        n_head_kv = n_head if n_head_kv is None else int(n_head_kv)
+        if n_head_kv < 1 or n_head % n_head_kv:
+            raise ValueError(f"n_head ({n_head}) must be a multiple of n_head_kv ({n_head_kv})")
+        if head_dim is None:
+            if n_embd % n_head:
+                raise ValueError(f"n_embd ({n_embd}) is not a multiple of n_head ({n_head}); pass head_dim")
+            hd = n_embd // n_head
+        else:
+            hd = int(head_dim)
+        if hd % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {hd}")
+        n_ff = 4 * n_embd if n_ff is None else int(n_ff)
+        kv[f"{arch}.feed_forward_length"] = u32(n_ff)
+        kv[f"{arch}.attention.head_count"] = u32(n_head)
+        kv[f"{arch}.attention.head_count_kv"] = u32(n_head_kv)
+        if head_dim is not None:
+            kv[f"{arch}.attention.key_length"] = u32(hd)
+            kv[f"{arch}.attention.value_length"] = u32(hd)
+        kv[f"{arch}.rope.freq_base"] = f32(opt["rope_freq_base"])
+        if arch in _SWA_DEFAULT_PATTERN:
+            kv[f"{arch}.attention.sliding_window"] = u32(opt["n_swa"])
+            pattern = opt["swa_pattern"]
+            if pattern is None:
+                pattern = _SWA_DEFAULT_PATTERN[arch]
+            if isinstance(pattern, (int, np.integer)):
+                kv[f"{arch}.attention.sliding_window_pattern"] = u32(pattern)
+            else:
+                pattern = [bool(x) for x in pattern]
+                if len(pattern) != n_layer:
+                    raise ValueError(f"swa_pattern has {len(pattern)} entries, expected n_layer={n_layer}")
+                kv[f"{arch}.attention.sliding_window_pattern"] = (pattern, T.ARRAY, T.BOOL)
+        for i in range(n_layer):
+            b = f"blk.{i}."
+            tensors += [
+                (b + "attn_norm.weight", (n_embd,), "norm"),
+                (b + "attn_q.weight", (n_embd, hd * n_head), "w"),
+                (b + "attn_k.weight", (n_embd, hd * n_head_kv), "w"),
+                (b + "attn_v.weight", (n_embd, hd * n_head_kv), "w"),
+                (b + "attn_output.weight", (hd * n_head, n_embd), "w"),
+            ]
+            if arch in ("qwen3", "gemma3"):
+                tensors += [(b + "attn_q_norm.weight", (hd,), "norm"),
+                            (b + "attn_k_norm.weight", (hd,), "norm")]
+            if arch in ("gemma2", "gemma3"):
+                tensors += [(b + "post_attention_norm.weight", (n_embd,), "norm"),
+                            (b + "post_ffw_norm.weight", (n_embd,), "norm")]
+            tensors += [
+                (b + "ffn_norm.weight", (n_embd,), "norm"),
+                (b + "ffn_gate.weight", (n_embd, n_ff), "w"),
+                (b + "ffn_up.weight", (n_embd, n_ff), "w"),
+                (b + "ffn_down.weight", (n_ff, n_embd), "w"),
+            ]
+    else:  # mamba: models/mamba.cpp
+        if n_head or n_head_kv or head_dim or n_ff:
+            raise ValueError("mamba has no attention heads or feed-forward: leave n_head, n_head_kv, "
+                             "head_dim and n_ff unset")
+        d_inner = 2 * n_embd if opt["ssm_d_inner"] is None else int(opt["ssm_d_inner"])
+        if d_inner != 2 * n_embd:
+            raise ValueError(f"ssm_d_inner must be 2 * n_embd = {2 * n_embd} (llama.cpp's mamba "
+                             f"supports only an expansion factor of 2), got {d_inner}")
+        d_conv, d_state = int(opt["ssm_d_conv"]), int(opt["ssm_d_state"])
+        dt_rank = math.ceil(n_embd / 16) if opt["ssm_dt_rank"] is None else int(opt["ssm_dt_rank"])
+        kv[f"{arch}.ssm.conv_kernel"] = u32(d_conv)
+        kv[f"{arch}.ssm.inner_size"] = u32(d_inner)
+        kv[f"{arch}.ssm.state_size"] = u32(d_state)
+        kv[f"{arch}.ssm.time_step_rank"] = u32(dt_rank)
+        for i in range(n_layer):
+            b = f"blk.{i}."
+            tensors += [
+                (b + "attn_norm.weight", (n_embd,), "norm"),
+                (b + "ssm_in.weight", (n_embd, 2 * d_inner), "w"),
+                (b + "ssm_conv1d.weight", (d_conv, d_inner), "w32"),  # ggml_ssm_conv wants f32
+                (b + "ssm_conv1d.bias", (d_inner,), "zero"),
+                (b + "ssm_x.weight", (d_inner, dt_rank + 2 * d_state), "w"),
+                (b + "ssm_dt.weight", (dt_rank, d_inner), "w"),
+                (b + "ssm_dt.bias", (d_inner,), "dt_bias"),
+                (b + "ssm_a", (d_state, d_inner), "ssm_a"),  # no ".weight" for these two
+                (b + "ssm_d", (d_inner,), "norm"),
+                (b + "ssm_out.weight", (d_inner, n_embd), "w"),
+            ]
+
+    # llama.cpp's dummy tokenizer (llama-vocab.cpp, tokenizer_model == "test"); names must be unique
+    kv["tokenizer.ggml.model"] = ("test", T.STRING)
+    kv["tokenizer.ggml.tokens"] = ([f"tok_{i}" for i in range(n_vocab)], T.ARRAY, T.STRING)
+    kv["tokenizer.ggml.scores"] = ([0.0] * n_vocab, T.ARRAY, T.FLOAT32)
+    kv["tokenizer.ggml.token_type"] = ([1] * n_vocab, T.ARRAY, T.INT32)  # LLAMA_TOKEN_TYPE_NORMAL
+
+    rng = np.random.default_rng(seed)
+    wtype = np.float16 if dtype == "f16" else np.float32
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # a unique name beside the target; created by the writer, so it gets the umask's permissions
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    writer = gguf.GGUFWriter(tmp, arch)
+    try:
+        for key, (value, vtype, *sub) in kv.items():
+            writer.add_key_value(key, value, vtype, sub[0] if sub else None)
+        for name, ne, kind in tensors:
+            writer.add_tensor(name, _weights(rng, ne, kind, wtype))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _weights(rng: np.random.Generator, ne: tuple[int, ...], kind: str, wtype) -> np.ndarray:
+    """One tensor's data; numpy's shape is ggml's ``ne`` reversed."""
+    shape = tuple(reversed(ne))
+    if kind == "w":
+        return rng.normal(0.0, _STD, shape).astype(wtype)
+    if kind == "w32":
+        return rng.normal(0.0, _STD, shape).astype(np.float32)
+    if kind == "norm":
+        return np.ones(shape, np.float32)
+    if kind == "zero":
+        return np.zeros(shape, np.float32)
+    if kind == "ssm_a":  # A = -exp(A_log) with Mamba's S4D-real init: row [-1, -2, ..., -d_state]
+        return np.broadcast_to(-np.arange(1, shape[-1] + 1, dtype=np.float32), shape).copy()
+    if kind == "dt_bias":  # softplus^-1(dt) for dt = 0.01, Mamba's dt init range being [1e-3, 0.1]
+        return np.full(shape, math.log(math.expm1(0.01)), np.float32)
+    raise AssertionError(kind)
