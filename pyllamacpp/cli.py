@@ -43,8 +43,28 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _doc(name: str) -> str:
+    import importlib
+    return importlib.import_module(f".experiments.{name}", __package__).__doc__
+
+
+def _experiment(name: str):
+    def run(args) -> int:
+        import importlib
+        from .experiments.common import emit
+        mod = importlib.import_module(f".experiments.{name}", __package__)
+        data = mod.run(args)
+        emit(args, data, mod.print_report)
+        if getattr(args, "output", None):
+            mod.plot(data, args.output)
+            print(f"wrote {args.output}", file=sys.stderr)
+        return 0 if data.get("ok", True) else 1
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pyllamacpp", description=__doc__)
+    ap = argparse.ArgumentParser(prog="pyllamacpp", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help=_cmd_demo.__doc__)
@@ -59,6 +79,26 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("info", help="print build_info() as JSON")
     p.set_defaults(func=_cmd_info)
+
+    from .experiments.common import add_model_flags
+    p = sub.add_parser("ubatch-sweep", help="buffers and speed against -ub",
+                       description=_doc("sweep"))
+    add_model_flags(p)
+    p.add_argument("--ubatch-list", default="512,256,128,64", help="the -ub values (default %(default)s)")
+    p.add_argument("--clamp-b", type=int, default=0, help="-b of the clamp row (default: smallest ub / 2)")
+    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-n", "--n-gen", type=int, default=32)
+    p.add_argument("-r", "--repeat", type=int, default=3)
+    p.add_argument("-o", "--output", help="write a two-panel plot (PNG)")
+    p.set_defaults(func=_experiment("sweep"))
+
+    p = sub.add_parser("batch-isolation", help="do rows of different sequences leak?",
+                       description=_doc("isolation"))
+    add_model_flags(p)
+    p.add_argument("--ubatch-list", default="512,16,4")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: 4 built-in)")
+    p.add_argument("--tolerance", type=float, default=1e-3, help="max |Δ logit| accepted (default %(default)g)")
+    p.set_defaults(func=_experiment("isolation"))
 
     args = ap.parse_args(argv)
     return args.func(args)

@@ -1,0 +1,1 @@
+"""Experiments behind the ``pyllamacpp`` subcommands; each returns data, the CLI prints it."""

@@ -1,0 +1,80 @@
+"""Flags shared by the experiment commands (llama.cpp's own short names) and table printing."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def add_model_flags(p: argparse.ArgumentParser, *, ctx: int = 4096, batch: int = 2048, ubatch: int = 512,
+                    n_parallel: int = 1, threads: int = 2) -> None:
+    """-m -c -b -ub -np -fa -ctk -ctv -ngl -t --kv-unified/--no-kv-unified --json."""
+    p.add_argument("-m", "--model", type=Path, default=None,
+                   help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
+    p.add_argument("-c", "--ctx-size", type=int, default=ctx, help="n_ctx (default %(default)s)")
+    p.add_argument("-b", "--batch-size", type=int, default=batch, help="n_batch (default %(default)s)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=ubatch, help="n_ubatch (default %(default)s)")
+    p.add_argument("-np", "--parallel", type=int, default=n_parallel, help="n_seq_max (default %(default)s)")
+    p.add_argument("-fa", "--flash-attn", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("-ctk", "--cache-type-k", default="f16")
+    p.add_argument("-ctv", "--cache-type-v", default="f16")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    p.add_argument("-t", "--threads", type=int, default=threads)
+    p.add_argument("--kv-unified", dest="kv_unified", action="store_true", default=None,
+                   help="one KV stream for all sequences")
+    p.add_argument("--no-kv-unified", dest="kv_unified", action="store_false",
+                   help="one KV stream per sequence (llama.cpp's default)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def context_kwargs(args, **override) -> dict:
+    kw = dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+              n_seq_max=args.parallel, flash_attn=args.flash_attn, type_k=args.cache_type_k,
+              type_v=args.cache_type_v, n_threads=args.threads, n_threads_batch=args.threads)
+    if args.kv_unified is not None:
+        kw["kv_unified"] = args.kv_unified
+    kw.update(override)
+    return kw
+
+
+def load_model(args):
+    from ..model import Model
+    return Model(args.model, n_gpu_layers=args.n_gpu_layers)
+
+
+def median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def progress(iterable, desc: str, total: int | None = None):
+    """tqdm on stderr; quiet when stderr is not a terminal."""
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, disable=None, leave=False)
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]], file=None) -> None:
+    """columns: (key, header, format spec)."""
+    file = file or sys.stdout  # looked up now: tests swap sys.stdout
+    cells = [[h for _, h, _ in columns]]
+    for r in rows:
+        cells.append([format(r[k], f) if r.get(k) is not None else "-" for k, _, f in columns])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    for j, line in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)), file=file)
+        if j == 0:
+            print("  ".join("-" * w for w in widths), file=file)
+
+
+def emit(args, data, printer) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        printer(data)

@@ -1,0 +1,111 @@
+"""``pyllamacpp ubatch-sweep``: what -ub really does to buffers and speed.
+
+For each n_ubatch at fixed -c and -b: the effective n_ubatch, the compute buffer per backend and the
+KV buffer (from the sizes llama.cpp logs when the context is created, captured in ``ctx.buffers``),
+prefill tokens/s for a -p token prompt and decode tokens/s, each the median of -r runs. One more
+row shows the clamp: -b below -ub gives n_ubatch == n_batch and a smaller compute buffer.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from .common import load_model, progress
+
+
+def _prompt(model, n: int) -> np.ndarray:
+    base = model.tokenize("The cat sat on the mat. The dog lay by the door and watched the rain. ")
+    return np.resize(base, n).astype(np.int32)
+
+
+def measure(model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_prompt: int, n_gen: int, repeat: int,
+            ctx_kwargs: dict) -> dict:
+    from ..batch import Batch
+    prompt = _prompt(model, n_prompt)
+    with model.context(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, **ctx_kwargs) as ctx:
+        row = {"n_batch_asked": n_batch, "n_ubatch_asked": n_ubatch, "n_batch": ctx.n_batch,
+               "n_ubatch": ctx.n_ubatch, "buffers": ctx.buffers}
+        row["compute_mib"] = {b: k["compute"] for b, k in ctx.buffers.items() if "compute" in k}
+        row["kv_mib"] = sum(k.get("KV", 0.0) for k in ctx.buffers.values())
+        pre, dec = [], []
+        batch = Batch(1, model=model)
+        for _ in range(repeat):
+            ctx.memory.clear()
+            t0 = time.perf_counter()
+            pos = ctx.prefill(prompt)
+            t1 = time.perf_counter()
+            pre.append(n_prompt / (t1 - t0))
+            tok = int(np.argmax(ctx.logits()))
+            t0 = time.perf_counter()
+            for _ in range(n_gen):
+                batch.clear()
+                batch.add(tok, pos, 0, logits=True)
+                ctx.decode(batch)
+                tok = int(np.argmax(ctx.logits()))
+                pos += 1
+            dec.append(n_gen / (time.perf_counter() - t0))
+        row["prefill_tps"] = statistics.median(pre)
+        row["decode_tps"] = statistics.median(dec) if n_gen else None
+        row["n_prompt"], row["n_gen"], row["repeat"] = n_prompt, n_gen, repeat
+    return row
+
+
+def run(args) -> dict:
+    ubs = [int(x) for x in str(args.ubatch_list).split(",") if x]
+    kw = dict(flash_attn=args.flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v,
+              n_threads=args.threads, n_threads_batch=args.threads)
+    clamp_b = args.clamp_b if args.clamp_b else max(1, min(ubs) // 2)
+    plan = [(args.batch_size, ub) for ub in ubs] + [(clamp_b, max(ubs))]
+    model = load_model(args)
+    rows = []
+    try:
+        for b, ub in progress(plan, "ubatch-sweep"):
+            r = measure(model, n_ctx=args.ctx_size, n_batch=b, n_ubatch=ub, n_prompt=min(args.n_prompt, args.ctx_size),
+                        n_gen=args.n_gen, repeat=args.repeat, ctx_kwargs=kw)
+            r["clamp_row"] = (b, ub) == plan[-1]
+            rows.append(r)
+    finally:
+        model.close()
+    return {"model": str(model.path), "n_ctx": args.ctx_size, "threads": args.threads, "rows": rows}
+
+
+def print_report(data: dict) -> None:
+    from .common import print_table
+    rows = []
+    for r in data["rows"]:
+        rows.append({**r, "compute": ", ".join(f"{b} {v:.2f}" for b, v in r["compute_mib"].items()),
+                     "note": "clamp: -b < -ub" if r["clamp_row"] else ""})
+    print(f"model {data['model']}, -c {data['n_ctx']}, -t {data['threads']}; MiB as llama.cpp logged them; "
+          f"tokens/s median of {data['rows'][0]['repeat']} runs")
+    print_table(rows, [("n_batch_asked", "-b", "d"), ("n_ubatch_asked", "-ub", "d"), ("n_ubatch", "n_ubatch", "d"),
+                       ("compute", "compute MiB", "s"), ("kv_mib", "KV MiB", ".2f"),
+                       ("prefill_tps", "prefill t/s", ".1f"), ("decode_tps", "decode t/s", ".1f"), ("note", "", "s")])
+
+
+def plot(data: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in data["rows"] if not r["clamp_row"]]
+    ub = [r["n_ubatch"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for backend in sorted({k for r in rows for k in r["compute_mib"]}):
+        a.plot(ub, [r["compute_mib"].get(backend, 0) for r in rows], "o-", label=f"{backend} compute")
+    a.plot(ub, [r["kv_mib"] for r in rows], "s--", label="KV")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("n_ubatch")
+    a.set_ylabel("MiB")
+    a.set_title("buffers")
+    a.legend()
+    b.plot(ub, [r["prefill_tps"] for r in rows], "o-", label=f"prefill ({rows[0]['n_prompt']} tokens)")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("n_ubatch")
+    b.set_ylabel("tokens/s")
+    b.set_title("prefill throughput")
+    b.legend()
+    fig.suptitle(f"{data['model'].split('/')[-1]}  -c {data['n_ctx']}  -t {data['threads']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
