@@ -80,7 +80,35 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="print build_info() as JSON")
     p.set_defaults(func=_cmd_info)
 
+    p = sub.add_parser("parse-state", help="what is in a state dump, down to the bytes")
+    p.add_argument("file", help="a dump: sequence, seq file, whole-context state or session file")
+    p.add_argument("--cells", type=int, default=3, help="cells to show (default %(default)s)")
+    p.add_argument("--layer", type=int, default=0)
+    p.add_argument("--values", type=int, default=4, help="values per row to decode (default %(default)s)")
+    p.add_argument("--rows", type=int, default=12, help="layout rows to print (default %(default)s)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", help="GGUF that made the dump (for the KV head count)")
+    g.add_argument("--heads", type=int, help="n_head_kv (otherwise from --model or a sidecar)")
+    p.add_argument("--hex", action="store_true", help="also print the first bytes of each row")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=lambda a: __import__("pyllamacpp.state._cli", fromlist=["x"]).parse_state(a))
+
+    p = sub.add_parser("plot-state", help="a picture of one layer's K and V, and bytes per layer")
+    p.add_argument("file")
+    p.add_argument("-o", "--output", required=True, help="PNG to write")
+    p.add_argument("--layer", type=int, default=0)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model")
+    g.add_argument("--heads", type=int)
+    p.set_defaults(func=lambda a: __import__("pyllamacpp.state._cli", fromlist=["x"]).plot_state(a))
+
     from .experiments.common import add_model_flags
+    p = sub.add_parser("kvprobe", help="scripted sequence and state ops",
+                       description=_doc("kvprobe"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(p, ctx=4096)
+    p.add_argument("--ops", required=True, help="ops separated by ';' (see above)")
+    p.set_defaults(func=_experiment("kvprobe"))
+
     p = sub.add_parser("ubatch-sweep", help="buffers and speed against -ub",
                        description=_doc("sweep"))
     add_model_flags(p)
@@ -101,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_experiment("isolation"))
 
     args = ap.parse_args(argv)
-    return args.func(args)
+    from .errors import LlamaError
+    try:
+        return args.func(args)
+    except (ValueError, LlamaError, OSError) as e:  # bad input: say why, no traceback
+        print(f"pyllamacpp {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

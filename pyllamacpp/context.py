@@ -15,7 +15,8 @@ from . import _log
 from ._handle import Handle, view
 from ._lib import ffi, lib
 from .batch import Batch
-from .errors import (ClosedError, ContextError, DecodeAborted, LlamaError, StateError, check_decode)
+from .errors import (ClosedError, ContextError, DecodeAborted, InvalidBatchError, LlamaError, StateError,
+                     check_decode)
 from .model import Model, parse_buffer_sizes
 from .params import ContextParams, context_params
 
@@ -96,9 +97,21 @@ class Memory:
         return bool(lib.llama_memory_seq_rm(mem, self._seq(ctx, seq_id, allow_all=True), p0, p1))
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """``llama_memory_seq_cp``."""
+        """``llama_memory_seq_cp``.
+
+        With ``kv_unified=False`` each sequence has its own stream, and llama.cpp only queues a
+        copy between streams: the buffers are copied at the start of the next ``decode``. Until
+        then, loading a state into ``dst`` would be overwritten by that copy, so pyllamacpp refuses
+        such a load. A partial range across streams aborts llama.cpp (GGML_ASSERT): refused here."""
         mem, ctx = self._mem()
-        lib.llama_memory_seq_cp(mem, self._seq(ctx, src), self._seq(ctx, dst), p0, p1)
+        src, dst = self._seq(ctx, src), self._seq(ctx, dst)
+        cross = not ctx.params.kv_unified and src != dst and lib.llama_model_is_recurrent(ctx.model.ptr) == 0
+        if cross and not (p0 <= 0 and p1 < 0):
+            raise ValueError(f"seq_cp({src}, {dst}, {p0}, {p1}): with kv_unified=False the sequences live in "
+                             "different streams and llama.cpp copies only whole sequences between them")
+        lib.llama_memory_seq_cp(mem, src, dst, p0, p1)
+        if cross:
+            ctx._pending_stream_copies.add(dst)
 
     def seq_keep(self, seq_id: int) -> None:
         """``llama_memory_seq_keep``."""
@@ -171,6 +184,7 @@ class Context:
         self._out_reserved = self.n_seq_max  # llama.cpp reserves outputs for n_seq_max at start
         self._views: weakref.WeakSet = weakref.WeakSet()
         self._batch: Batch | None = None
+        self._pending_stream_copies: set[int] = set()  # dst seqs of queued cross-stream copies
         model._contexts.add(self)
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -246,6 +260,9 @@ class Context:
     def _run(self, fn, batch: Batch) -> None:
         ptr = self.ptr
         cbatch = batch.struct
+        if len(batch) > self.n_batch:  # llama.cpp asserts (aborts the process) on this
+            raise InvalidBatchError(f"the batch has {len(batch)} tokens, more than n_batch={self.n_batch}",
+                                    func="llama_decode", code=-1)
         n_out = max(batch.n_outputs, 1)
         if n_out > self._out_reserved and len(self._views):
             # llama.cpp would reallocate its output buffer under the live views.
@@ -270,6 +287,7 @@ class Context:
                 self._abort_state.watch_sigint = 0
             self._lock.release()
         if rc == 0:
+            self._pending_stream_copies.clear()  # llama.cpp ran them at the start of this decode
             self._n_outputs = batch.n_outputs
             self._out_reserved = max(self._out_reserved, n_out)
             if sigint:  # Ctrl-C came too late to stop this decode: deliver it now
@@ -373,6 +391,7 @@ class Context:
         held before (llama.cpp clears it on failure, so a non-empty one is saved and put back)."""
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
+        self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
         buf = _as_uint8(data)
         if buf.size == 0:
             raise StateError("empty state", func="llama_state_seq_set_data_ext")
@@ -388,8 +407,16 @@ class Context:
                              func="llama_state_seq_set_data_ext", reason=cap.reason())
         return int(n)
 
-    def save_seq_state(self, path, seq_id: int, tokens=()) -> int:
-        """``llama_state_seq_save_file`` (written to a temporary file, then renamed)."""
+    def _check_no_pending_copy(self, seq_id, func: str) -> None:
+        if self._pending_stream_copies and (seq_id is None or seq_id in self._pending_stream_copies):
+            which = sorted(self._pending_stream_copies) if seq_id is None else [seq_id]
+            raise StateError(f"a cross-stream seq_cp into seq {which} is still queued in llama.cpp (kv_unified=False): "
+                             "it runs at the next decode and would overwrite what is loaded now; decode first",
+                             func=func)
+
+    def save_seq_state(self, path, seq_id: int, tokens=(), *, sidecar: bool = False) -> int:
+        """``llama_state_seq_save_file`` (written to a temporary file, then renamed); with
+        ``sidecar=True`` also ``path + ".json"`` (:meth:`sidecar_facts`)."""
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         toks = np.ascontiguousarray(tokens, dtype=np.int32)
@@ -402,12 +429,16 @@ class Context:
             tmp.unlink(missing_ok=True)
             raise OSError(f"llama_state_seq_save_file() could not write {path}: {cap.reason() or 'failed'}")
         os.replace(tmp, path)
+        if sidecar:
+            from .state import write_sidecar
+            write_sidecar(path, **self.sidecar_facts(toks))
         return int(n)
 
     def load_seq_state(self, path, seq_id: int, max_tokens: int | None = None) -> np.ndarray:
         """``llama_state_seq_load_file`` into ``seq_id``; returns the tokens stored in the file."""
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
+        self._check_no_pending_copy(seq_id, "llama_state_seq_load_file")
         cap_tokens = max_tokens if max_tokens is not None else self.n_ctx
         toks = np.empty(cap_tokens, dtype=np.int32)
         count = ffi.new("size_t *")
@@ -434,6 +465,7 @@ class Context:
     def set_state(self, data) -> int:
         """``llama_state_set_data``: load a whole-context state."""
         ptr = self.ptr
+        self._check_no_pending_copy(None, "llama_state_set_data")
         buf = _as_uint8(data)
         if len(self._views):
             raise LlamaError("output views are alive: loading a whole state may reallocate the output "
@@ -464,6 +496,7 @@ class Context:
         ptr = self.ptr
         if not Path(path).is_file():
             raise FileNotFoundError(path)
+        self._check_no_pending_copy(None, "llama_state_load_file")
         if len(self._views):
             raise LlamaError("output views are alive; copy or delete them before loading a whole state",
                              func="llama_state_load_file")
@@ -478,6 +511,56 @@ class Context:
                              reason=cap.reason())
         self._out_reserved = max(self._out_reserved, self.n_batch)
         return toks[: count[0]].copy()
+
+    # -- self-describing dumps ------------------------------------------------------------------
+    @property
+    def flash_attn(self) -> bool:
+        """Whether flash attention is on (``"auto"`` resolved as llama.cpp logged it)."""
+        for _, text in self.creation_log:
+            if "Flash Attention enabled" in text:
+                return True
+            if "Flash Attention disabled" in text:
+                return False
+        return self.params.flash_attn_type == lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+
+    def sidecar_facts(self, tokens=None) -> dict:
+        """What a dump of this context does not say about itself (see ``pyllamacpp.state`` sidecars)."""
+        from ._lib import EXTENSION_INFO
+        from .params import ggml_type_name
+        from .state import model_facts
+        m = self.model
+        if getattr(m, "_sha256_prefix", None) is None:
+            m._sha256_prefix = model_facts(str(m.path), sha256=True)["model_sha256"]
+        head = m.n_embd // max(m.n_head, 1)
+        facts = {
+            "model": m.path.name, "model_sha256": m._sha256_prefix, "arch": m.arch, "n_layer": m.n_layer,
+            "n_head_kv": m.n_head_kv,
+            "n_embd_head_k": int(m.meta(f"{m.arch}.attention.key_length") or head),
+            "n_embd_head_v": int(m.meta(f"{m.arch}.attention.value_length") or head),
+            "type_k": ggml_type_name(self.params.type_k), "type_v": ggml_type_name(self.params.type_v),
+            "flash_attn": self.flash_attn, "kv_unified": bool(self.params.kv_unified), "n_ctx": self.n_ctx,
+            "llama_cpp_commit": EXTENSION_INFO.get("llama_cpp_commit"),
+        }
+        if tokens is not None:
+            facts["tokens"] = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        return facts
+
+    def save_seq_dump(self, path, seq_id: int, *, flags: int = 0, tokens=None, sidecar: bool = True) -> int:
+        """Write ``seq_state(seq_id, flags)`` (raw ``llama_state_seq_get_data_ext`` bytes) to ``path``
+        atomically, and ``path + ".json"`` with :meth:`sidecar_facts` unless ``sidecar=False``."""
+        state = self.seq_state(seq_id, flags)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(memoryview(state.data))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        if sidecar:
+            from .state import write_sidecar
+            write_sidecar(path, **self.sidecar_facts(tokens))
+        return len(state)
 
     # -- performance ---------------------------------------------------------------------------
     def perf(self) -> PerfContextData:

@@ -253,3 +253,28 @@ def test_perf(model):
         ctx.perf_reset()
         p = ctx.perf()
         assert p.t_p_eval_ms == 0 and p.n_p_eval == 1  # llama.cpp reports max(1, n_p_eval)
+
+
+def test_guards_for_what_would_abort_llama_cpp(model):
+    with model.context(n_ctx=256, n_batch=32, n_seq_max=2, n_threads=2) as ctx:
+        b = pl.Batch(64, model=model)
+        b.add_sequence(np.arange(40) + 100)
+        with pytest.raises(pl.InvalidBatchError, match="n_batch"):
+            ctx.decode(b)  # GGML_ASSERT(n_tokens_all <= n_batch) in llama.cpp
+        ctx.prefill(model.tokenize(PROMPT), 0)
+        with pytest.raises(ValueError, match="different streams"):
+            ctx.memory.seq_cp(0, 1, 2, 5)  # GGML_ASSERT(is_full) in llama.cpp
+
+
+def test_sidecar_written_with_dumps(model, tmp_path):
+    import pyllamacpp.state as st
+    with model.context(n_ctx=256, n_threads=2) as ctx:
+        toks = model.tokenize(PROMPT)
+        ctx.prefill(toks)
+        ctx.save_seq_dump(tmp_path / "a.bin", 0, tokens=toks)
+        ctx.save_seq_state(tmp_path / "b.seq", 0, toks, sidecar=True)
+    side = st.read_sidecar(tmp_path / "a.bin")
+    assert side["n_head_kv"] == 3 and side["type_k"] == "f16" and side["tokens"] == toks.tolist()
+    assert side["flash_attn"] is True and side["model"] == model.path.name
+    assert st.parse(tmp_path / "a.bin").k[0].shape == (7, 3, 64)
+    assert st.parse(tmp_path / "b.seq").kind == st.DumpKind.SEQ_FILE

@@ -43,3 +43,62 @@ def test_batch_isolation_holds_and_its_control_breaks(capsys):
         assert max(s["control_max_abs_diff"] for s in run["seqs"]) > 1.0
     out = main(["batch-isolation", "--ubatch-list", "8"])
     assert out == 0 and "verdict: isolated" in capsys.readouterr().out
+
+
+def test_kvprobe_save_parses_and_cells_equal_the_prompt(capsys, tmp_path, model):
+    import pyllamacpp.state as st
+    f = tmp_path / "state-f16.bin"
+    data = _json(capsys, ["kvprobe", "-c", "512", "-np", "2", "--kv-unified", "--ops",
+                          f"text:0:The cat sat on the mat.;save:0:{f};show:0;gen:0:3;cp:0:1;rm:1:2:-1;show:1;"
+                          f"shift:1:4;show:1;clear;load:1:{f};gen:1:2;show:1"])
+    assert "error" not in data
+    ops = data["ops"]
+    assert ops[0]["tokens"] == model.tokenize("The cat sat on the mat.").tolist()
+    parsed = st.parse(f)  # uses the sidecar for the head count
+    assert parsed.stream().cell_count == 7 and parsed.k[0].shape == (7, 3, 64)
+    assert parsed.nbytes == ops[1]["bytes"] == f.stat().st_size
+    assert st.read_sidecar(f)["tokens"] == ops[0]["tokens"]
+    assert (ops[2]["cells"], ops[2]["pos_max"]) == (7, 6)
+    assert (ops[6]["pos_min"], ops[6]["pos_max"], ops[6]["cells"]) == (0, 1, 2)
+    assert (ops[8]["pos_min"], ops[8]["pos_max"]) == (4, 5)
+    # greedy continuation after reloading equals the one before saving
+    assert ops[11]["tokens"] == ops[3]["tokens"][:2]
+    assert ops[12]["cells"] == 9
+
+
+@pytest.mark.parametrize("ops, why", [
+    ("text:0:hi;bogus:1", "unknown op"), ("text:3:hi", "outside"), ("gen:0:x", "invalid literal"),
+    ("load:0:/nonexistent/file.bin", "no such file"), ("rm:0:1", "field"), ("", "no ops"),
+])
+def test_kvprobe_refuses_bad_ops_before_running(capsys, ops, why):
+    assert main(["kvprobe", "-np", "2", "--ops", ops]) == 2
+    err = capsys.readouterr().err
+    assert why in err
+
+
+def test_kvprobe_stops_at_a_queued_cross_stream_copy(capsys, tmp_path):
+    # llama.cpp queues seq_cp between streams until the next decode: a load before it would be
+    # overwritten, so the load is refused, with the ops before it reported.
+    f = tmp_path / "s.bin"
+    data = json.loads((main(["kvprobe", "-c", "512", "-np", "2", "--no-kv-unified", "--json", "--ops",
+                             f"text:0:The cat;save:0:{f};cp:0:1;clear;load:1:{f}"]), capsys.readouterr().out)[1])
+    assert len(data["ops"]) == 4 and "queued" in data["error"]
+
+
+def test_parse_state_cli(capsys, tmp_path, model):
+    f = tmp_path / "d.bin"
+    with model.context(n_ctx=256, n_threads=2) as ctx:
+        ctx.prefill(model.tokenize("The cat sat on the mat."))
+        ctx.save_seq_dump(f, 0, sidecar=False)
+    assert main(["parse-state", str(f), "--heads", "3", "--hex", "--cells", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "sequence dump" in out and "162,108 bytes" in out and "metadata 828 B + payload 161,280 B" in out
+    assert "K: " in out and " -> " in out
+    data = _json(capsys, ["parse-state", str(f), "--heads", "3"])
+    assert data["metadata_bytes"] + data["payload_bytes"] == data["file_size"] == 162_108
+    assert data["records"][0]["header_offset"] == 108 and data["records"][0]["data_offset"] == 120
+    assert len(data["parts"][0]["cells"]) == 3
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "kv.png"
+    assert main(["plot-state", str(f), "--heads", "3", "-o", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -76,7 +76,7 @@ def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
     out.extend("  " + line for line in lay.table(max_rows).splitlines())
     for p in state.parts:
         for s in p.streams:
-            if not s.cell_count or not s.records:
+            if not s.cell_count or not s.records or n_cells <= 0:
                 continue
             firsts = {}
             for r in s.records:
