@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from ._lib import ffi, lib
 
 logger = logging.getLogger("pyllamacpp.llama")
+# A library does not print through logging's last-resort handler: configure logging to see it.
+logging.getLogger("pyllamacpp").addHandler(logging.NullHandler())
 
 _PY_LEVEL = {
     lib.GGML_LOG_LEVEL_NONE: logging.INFO,

@@ -65,6 +65,8 @@ def _experiment(name: str):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pyllamacpp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-v", "--verbose", action="count", default=0,
+                    help="show llama.cpp's log (-v: info, -vv: debug)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help=_cmd_demo.__doc__)
@@ -120,6 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", help="write a two-panel plot (PNG)")
     p.set_defaults(func=_experiment("sweep"))
 
+    p = sub.add_parser("prefix-sharing", help="a shared prompt for -np sequences: cells, time, outputs",
+                       description=_doc("prefix"))
+    add_model_flags(p, n_parallel=4)
+    p.add_argument("--modes", default="unified,split", help="unified and/or split (default %(default)s)")
+    p.add_argument("--prompt-text", default=__import__("pyllamacpp.experiments.prefix", fromlist=["x"]).DEFAULT_PROMPT)
+    p.add_argument("-p", "--n-prompt", type=int, default=0, help="repeat the prompt to this many tokens")
+    p.add_argument("-n", "--n-gen", type=int, default=16)
+    p.set_defaults(func=_experiment("prefix"))
+
     p = sub.add_parser("batch-isolation", help="do rows of different sequences leak?",
                        description=_doc("isolation"))
     add_model_flags(p)
@@ -129,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_experiment("isolation"))
 
     args = ap.parse_args(argv)
+    if args.verbose:
+        import logging
+        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+                            format="%(name)s %(levelname)s %(message)s")
     from .errors import LlamaError
     try:
         return args.func(args)

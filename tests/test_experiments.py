@@ -102,3 +102,15 @@ def test_parse_state_cli(capsys, tmp_path, model):
     png = tmp_path / "kv.png"
     assert main(["plot-state", str(f), "--heads", "3", "-o", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prefix_sharing_uses_fewer_cells_and_matches(capsys):
+    data = _json(capsys, ["prefix-sharing", "-np", "3", "-n", "4", "-t", "2"])
+    assert data["ok"]
+    by = {r["mode"]: r for r in data["rows"]}
+    p = data["n_prompt"]
+    uni, split = by["unified"], by["split"]
+    assert uni["shared_cells"] == p and uni["copies_cells"] == 3 * p  # counted from the state dump
+    assert split["shared_cells"] == 3 * p  # one copy of the prefix per stream: the cost
+    for r in data["rows"]:
+        assert all(r["matches_alone"]) and r["decode_tps"] > 0
