@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import logging
 import re
 import subprocess
@@ -205,3 +206,41 @@ def test_raw_smoke_decode_and_state_round_trip(model_path):
         lib.llama_batch_free(batch)
         lib.llama_free(ctx)
         lib.llama_model_free(model)
+
+
+def test_fetch_refuses_a_file_with_the_wrong_sha256(tmp_path):
+    # A local wheel stands in for the registry: pip download copies it, the hash check must refuse it.
+    import zipfile
+    from pyllamacpp._fetch import FetchError, pip_download, sha256_file
+    whl = tmp_path / "src" / "fakepkg-0.1-py3-none-any.whl"
+    whl.parent.mkdir()
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("fakepkg/__init__.py", "")
+        z.writestr("fakepkg-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: fakepkg\nVersion: 0.1\n")
+        z.writestr("fakepkg-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("fakepkg-0.1.dist-info/RECORD", "")
+    dest = tmp_path / "dest"
+    with pytest.raises(FetchError, match="sha256 mismatch"):
+        pip_download(str(whl), whl.name, "0" * 64, dest, binary=True)
+    assert not (dest / whl.name).exists()  # nothing unverified is left behind
+    good = pip_download(str(whl), whl.name, sha256_file(whl), dest, binary=True)
+    assert good.exists()
+
+
+def test_cmake_configures_against_a_user_checkout(tmp_path):
+    # LLAMA_CPP_DIR replaces the pinned source; the build records where it came from.
+    import shutil
+    cmake = shutil.which("cmake")
+    if cmake is None or pyllamacpp.build_info()["llama_cpp_source"].startswith("LLAMA_CPP_DIR"):
+        pytest.skip("needs cmake on PATH and a build from the pinned source")
+    from conftest import ROOT
+    checkout = tmp_path / "my-llama.cpp"
+    checkout.symlink_to(ROOT / "vendor" / "llama.cpp", target_is_directory=True)
+    env = dict(os.environ, LLAMA_CPP_DIR=str(checkout))
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    proc = subprocess.run([cmake, "-S", str(ROOT), "-B", str(tmp_path / "b"), *gen, "-DCMAKE_BUILD_TYPE=Release",
+                           f"-DPython_EXECUTABLE={sys.executable}"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads((tmp_path / "b" / "_build_info.json").read_text())
+    assert info["llama_cpp_source"] == f"LLAMA_CPP_DIR={checkout}"
+    assert info["llama_cpp_commit"] == "unknown"  # not a git checkout

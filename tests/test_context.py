@@ -278,3 +278,44 @@ def test_sidecar_written_with_dumps(model, tmp_path):
     assert side["flash_attn"] is True and side["model"] == model.path.name
     assert st.parse(tmp_path / "a.bin").k[0].shape == (7, 3, 64)
     assert st.parse(tmp_path / "b.seq").kind == st.DumpKind.SEQ_FILE
+
+
+def test_extended_batch_api_is_reachable_raw(model):
+    # llama_batch_ext_* / llama_process are bound raw (not wrapped): the same prompt through them
+    # gives the same logits as through a llama_batch.
+    toks = model.tokenize(PROMPT)
+    with model.context(n_ctx=256, n_threads=2) as ctx:
+        ctx.prefill(toks)
+        ref = ctx.logits().copy()
+        ctx.memory.clear()
+        be = lib.llama_batch_ext_init(ctx.ptr)
+        try:
+            pos = ffi.new("llama_pos *")
+            for i, t in enumerate(toks):
+                idx = lib.llama_batch_ext_add_token(be, 0, int(t))
+                assert idx == i
+                pos[0] = i
+                assert lib.llama_batch_ext_set_pos(be, idx, pos)
+            assert lib.llama_batch_ext_set_output_logits(be, len(toks) - 1, True)
+            assert lib.llama_process(ctx.ptr, lib.LLAMA_PROCESS_TYPE_DECODE, be) == 0
+            got = np.frombuffer(ffi.buffer(lib.llama_get_logits_ith(ctx.ptr, -1), model.n_vocab * 4), np.float32)
+            np.testing.assert_array_equal(got, ref)
+        finally:
+            lib.llama_batch_ext_free(be)
+
+
+def test_embeddings_views(model):
+    toks = model.tokenize(PROMPT)
+    with model.context(n_ctx=256, n_threads=2, embeddings=True, pooling_type="mean") as ctx:
+        b = pl.Batch(16, model=model)
+        b.add_sequence(toks, 0, 0, logits="all")
+        ctx.decode(b)
+        pooled = ctx.seq_embeddings(0)
+        assert pooled.shape == (model.n_embd,) and np.isfinite(pooled).all() and not pooled.flags.owndata
+    with model.context(n_ctx=256, n_threads=2, embeddings=True, pooling_type="none") as ctx:
+        b = pl.Batch(16, model=model)
+        b.add_sequence(toks, 0, 0, logits="all")
+        ctx.decode(b)
+        e = ctx.embeddings(2)
+        assert e.shape == (model.n_embd,) and np.isfinite(e).all()
+        assert not np.array_equal(e, ctx.embeddings(3))
