@@ -522,3 +522,46 @@ def test_fuzzed_dumps_raise_only_state_format_errors(runs, model):
             mutated[where] ^= (1 << rng.integers(0, 8, len(where))).astype(np.uint8)
             attempt(mutated.tobytes())
     assert outcomes["error"] > 2000 and outcomes["ok"] > 100, outcomes
+
+
+# -- synthetic models: every memory layout, from the real library ------------------------------
+def _synthetic_dump(tmp_path, arch, **kw):
+    import pyllamacpp as pl
+    from pyllamacpp.testing import make_model
+    path = make_model(tmp_path / f"{arch}.gguf", arch, n_vocab=128, seed=1, **kw)
+    with pl.Model(path) as model, model.context(n_ctx=64, n_threads=1, n_threads_batch=1) as ctx:
+        b = pl.Batch(32, model=model)
+        b.add_sequence(np.arange(1, 11), 0, 0, logits="last")
+        ctx.decode(b)
+        one = ctx.seq_state(0).data
+        two = ctx.seq_state(0).data
+        whole = ctx.state()
+        return one, two, whole, model.n_head_kv
+
+
+def test_iswa_dump_parses_base_then_swa(tmp_path):
+    one, two, whole, n_kv = _synthetic_dump(tmp_path, "gemma2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2,
+                                            head_dim=32, n_swa=4)
+    st = state.parse(one, n_head_kv=n_kv)
+    assert [p.name for p in st.parts] == ["base", "swa"]
+    base, swa = st.part("base").streams[0], st.part("swa").streams[0]
+    assert base.cell_count == 10 and 0 < swa.cell_count < 10  # the window keeps only recent cells
+    assert st.to_bytes() == one.tobytes()
+    lay = st.layout()
+    assert lay.metadata_bytes + lay.payload_bytes == one.size
+    np.testing.assert_array_equal(st.part("base").streams[0].records[0].rows[0],
+                                  state.parse(two, n_head_kv=n_kv).part("base").streams[0].records[0].rows[0])
+    w = state.parse(whole, n_head_kv=n_kv)
+    assert w.kind == state.DumpKind.CONTEXT and [p.name for p in w.parts] == ["base", "swa"]
+
+
+def test_recurrent_dump_parses(tmp_path):
+    one, two, whole, _ = _synthetic_dump(tmp_path, "mamba", n_layer=2, n_embd=32)
+    st = state.parse(one)
+    assert [p.kind for p in st.parts] == ["recurrent"]
+    kinds = {r.kind for r in st.parts[0].streams[0].records}
+    assert kinds == {"R", "S"}
+    assert st.to_bytes() == one.tobytes()
+    lay = st.layout()
+    assert lay.metadata_bytes + lay.payload_bytes == one.size
+    assert state.parse(whole).kind == state.DumpKind.CONTEXT
