@@ -20,7 +20,7 @@ _LAZY = {
     "ContextParams": ".params", "ModelParams": ".params",
     "Model": ".model", "Batch": ".batch",
     "Context": ".context", "Memory": ".context", "SeqState": ".context", "StateFlags": ".context",
-    "Sampler": ".sampling", "generate": ".generate", "generate_parallel": ".generate",
+    "Sampler": ".sampling", "generate": ".generation", "generate_parallel": ".generation",
 }
 
 

@@ -75,3 +75,10 @@ def test_generate_parallel_equals_each_sequence_alone(model, kv_unified):
     for r in results:
         assert r.tokens == alone
         assert r.finished_by in ("eog", "n_predict") and r.text
+
+
+def test_public_names_are_not_shadowed_by_submodules():
+    import importlib
+    importlib.import_module("pyllamacpp.generation")
+    importlib.import_module("pyllamacpp.experiments.prefix")
+    assert callable(pl.generate) and callable(pl.generate_parallel) and isinstance(pl.Sampler, type)

@@ -95,7 +95,7 @@ def run(args) -> dict:
         if args.kv_unified is not None:
             modes = ["unified" if args.kv_unified else "split"]
         # the reference: the prompt generated alone
-        from ..generate import generate
+        from ..generation import generate
         with model.context(n_ctx=max(256, 2 * (len(prompt) + args.n_gen)), **kw) as ctx:
             alone = list(generate(ctx, prompt, args.n_gen))
         rows = []
