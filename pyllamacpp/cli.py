@@ -139,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=1e-3, help="max |Δ logit| accepted (default %(default)g)")
     p.set_defaults(func=_experiment("isolation"))
 
+    from .experiments import splits, trace
+    splits.add_parser(sub)
+    trace.add_parser(sub)
+
     args = ap.parse_args(argv)
     if args.verbose:
         import logging

@@ -1,0 +1,641 @@
+"""``pyllamacpp split-plan``: how a submitted batch becomes decode calls, ubatches and rows.
+
+A pure-Python replica of the vendored llama.cpp's splitting, no model needed:
+  - decode calls: ``llama_decode`` refuses more than ``n_batch`` tokens (it asserts), so the
+    submitter cuts the token stream into ``n_batch``-sized calls (as ``ctx.prefill`` does);
+  - ubatches: ``llama_batch_allocr::split_simple`` / ``split_equal`` / ``split_seq``
+    (src/llama-batch.cpp), chosen as ``llama_kv_cache::init_batch`` does: one KV stream
+    (``--kv-unified``, or ``-np 1``) -> ``split_simple``; one stream per sequence ->
+    ``split_equal(n_ubatch, sequential=true)`` (``split_seq`` is what recurrent/hybrid memories use
+    when every token is an output);
+  - per ubatch, the padded KV length the graph attends over, ``n_kv`` =
+    ``min(kv_size, max(256, GGML_PAD(used_max_p1, 256)))`` over the ubatch's streams
+    (``llama_kv_cache::get_n_kv``), and the KQ mask shape ``[n_kv, n_tokens/n_stream, 1, n_stream]``
+    (``build_attn_inp_kq_mask``), for a cache that starts empty except ``--past`` tokens per sequence.
+Each sequence's tokens are laid out one sequence after the other (``--layout seq``, like
+``Batch.add_sequence``) or round-robin (``--layout interleave``, like a decode step of many
+sequences); logits are asked for the last token of each sequence. ``-o plan.html`` writes a
+self-contained page (hover a block: its rows; click: highlight that sequence everywhere).
+"""
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+from typing import Sequence
+
+MODES = ("auto", "simple", "equal", "seq")
+LAYOUTS = ("seq", "interleave")
+N_PAD = 256  # llama_kv_cache::get_n_kv pads n_kv to max(n_pad, 256); n_pad is 1 for the usual caches
+
+
+class PlanError(ValueError):
+    """The batch cannot be split or placed; the message says what llama.cpp would do."""
+
+
+def pad(x: int, n: int) -> int:
+    """GGML_PAD."""
+    return (x + n - 1) // n * n
+
+
+# -- records ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One token slot: its index in the decode call's batch, its sequence, its index among that
+    sequence's submitted tokens, its position, and whether logits are asked for it."""
+    slot: int
+    seq_id: int
+    token: int
+    pos: int
+    output: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class UBatch:
+    """One forward pass (``llama_ubatch``) and what the graph built for it will look like."""
+    index: int
+    split: str                  # simple | equal | seq
+    equal_seqs: bool
+    n_seq_tokens: int
+    n_seqs: int                 # sequence sets (equal split) or 1
+    seq_ids: tuple[int, ...]    # seq_id_unq
+    rows: tuple[Row, ...]
+    n_stream: int               # streams of the KQ mask: 1 if kv_unified else n_seqs_unq
+    kv_used: dict               # stream -> cells used after this ubatch is placed
+    n_kv: int
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.rows)
+
+    @property
+    def n_outputs(self) -> int:
+        return sum(r.output for r in self.rows)
+
+    @property
+    def mask_shape(self) -> tuple[int, int, int, int]:
+        """``attn_inp_kq_mask`` ne[0..3]."""
+        return (self.n_kv, self.n_tokens // self.n_stream, 1, self.n_stream)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCall:
+    """One ``llama_decode`` call: its batch and the ubatches ``init_batch`` cut it into."""
+    index: int
+    rows: tuple[Row, ...]
+    ubatches: tuple[UBatch, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    tokens: tuple[int, ...]     # submitted tokens per sequence
+    n_past: tuple[int, ...]     # tokens already in the cache per sequence
+    layout: str
+    mode: str                   # as asked
+    split: str                  # the split used
+    sequential: bool            # split_equal's sequential flag
+    n_ctx: int                  # after llama.cpp's padding
+    n_ctx_seq: int              # cells per stream
+    n_batch: int                # after the clamps
+    n_ubatch: int
+    n_batch_asked: int
+    n_ubatch_asked: int
+    n_seq_max: int
+    kv_unified: bool
+    n_stream_kv: int            # streams of the KV cache
+    calls: tuple[DecodeCall, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ubatches(self) -> list[UBatch]:
+        return [u for c in self.calls for u in c.ubatches]
+
+    def to_dict(self, rows: bool = True) -> dict:
+        d = {k: getattr(self, k) for k in ("tokens", "n_past", "layout", "mode", "split", "sequential", "n_ctx",
+                                           "n_ctx_seq", "n_batch", "n_ubatch", "n_batch_asked", "n_ubatch_asked",
+                                           "n_seq_max", "kv_unified", "n_stream_kv", "notes")}
+        d["row_fields"] = ["slot", "seq_id", "token", "pos", "output"]
+        d["calls"] = []
+        for c in self.calls:
+            ubs = []
+            for u in c.ubatches:
+                ud = {"index": u.index, "split": u.split, "equal_seqs": u.equal_seqs, "n_tokens": u.n_tokens,
+                      "n_seq_tokens": u.n_seq_tokens, "n_seqs": u.n_seqs, "seq_ids": list(u.seq_ids),
+                      "n_stream": u.n_stream, "n_kv": u.n_kv, "kv_used": {str(k): v for k, v in u.kv_used.items()},
+                      "mask_shape": list(u.mask_shape), "n_outputs": u.n_outputs, "runs": runs(u.rows)}
+                if rows:
+                    ud["rows"] = [[r.slot, r.seq_id, r.token, r.pos, int(r.output)] for r in u.rows]
+                ubs.append(ud)
+            d["calls"].append({"index": c.index, "n_tokens": c.n_tokens, "ubatches": ubs})
+        return d
+
+
+def runs(rows: Sequence[Row]) -> list[dict]:
+    """Rows grouped into runs of consecutive tokens of one sequence."""
+    out: list[dict] = []
+    for r in rows:
+        last = out[-1] if out else None
+        if last and last["seq_id"] == r.seq_id and last["token1"] + 1 == r.token and last["slot1"] + 1 == r.slot:
+            last["token1"], last["pos1"], last["slot1"] = r.token, r.pos, r.slot
+            last["n"] += 1
+        else:
+            out.append({"seq_id": r.seq_id, "token0": r.token, "token1": r.token, "pos0": r.pos, "pos1": r.pos,
+                        "slot0": r.slot, "slot1": r.slot, "n": 1})
+    return out
+
+
+# -- llama_batch_allocr ----------------------------------------------------------------------
+
+class BatchAllocr:
+    """The part of ``llama_batch_allocr`` the splits read: per-token sequence sets, the map from
+    a set to its tokens, the coupled-sequence flag and the ``used`` marks.
+
+    ``seq_ids[i]`` lists token i's sequence ids in batch order (``seq_id[i][0]`` matters to
+    ``split_equal``'s sequential rule)."""
+
+    def __init__(self, seq_ids: Sequence[Sequence[int]]):
+        if not seq_ids:
+            raise PlanError("n_tokens == 0 (llama_decode returns -1)")
+        self.seq_ids = [tuple(s) for s in seq_ids]
+        self.seq_set = [frozenset(s) for s in self.seq_ids]
+        self.seq_set_map: dict[frozenset, list[int]] = {}
+        for i, s in enumerate(self.seq_set):
+            self.seq_set_map.setdefault(s, []).append(i)
+        self.has_cpl = any(len(s) > 1 for s in self.seq_ids)
+        self.split_reset()
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.seq_ids)
+
+    def split_reset(self) -> None:
+        self.used = [False] * self.n_tokens
+        self.n_used = 0
+
+    def _take(self, i: int) -> None:
+        self.used[i] = True
+        self.n_used += 1
+
+    def split_simple(self, n_ubatch: int):
+        """The next ``n_ubatch`` unused tokens in batch order. Returns (idxs, n_seqs, equal_seqs) or None."""
+        cur = 0
+        while cur < self.n_tokens and self.used[cur]:
+            cur += 1
+        if cur >= self.n_tokens:
+            return None
+        idxs = []
+        while True:
+            idxs.append(cur)
+            self._take(cur)
+            cur += 1
+            if cur >= self.n_tokens or len(idxs) >= n_ubatch:
+                break
+        return idxs, len(idxs), False
+
+    def split_equal(self, n_ubatch: int, sequential: bool, n_keep_tail: int = 0):
+        """Non-overlapping sequence sets, the same number of tokens from each."""
+        if sequential and self.has_cpl:
+            raise PlanError("split_equal: sequential split is not supported when there are coupled sequences "
+                            "in the input batch (llama.cpp: 'you may need to use the -kvu flag'); decode fails")
+        cur_seq_set: list[frozenset] = []
+        last_seq_id = -1
+        for i in range(self.n_tokens):
+            if self.used[i]:
+                continue
+            add = all(not (s & self.seq_set[i]) for s in cur_seq_set)
+            if sequential:  # accept only increasing sequence ids
+                add = add and (not cur_seq_set or self.seq_ids[i][0] == last_seq_id + 1)
+            if add:
+                cur_seq_set.append(self.seq_set[i])
+                last_seq_id = self.seq_ids[i][0]
+                if len(cur_seq_set) > n_ubatch:  # sic: llama.cpp stops one set past n_ubatch
+                    break
+        n_seqs = len(cur_seq_set)
+        if n_seqs == 0:
+            return None
+        maps = [self.seq_set_map[s] for s in cur_seq_set]
+        cur_idx = [0] * n_seqs
+        for s in range(n_seqs):
+            while self.used[maps[s][cur_idx[s]]]:
+                cur_idx[s] += 1
+        per_seq: list[list[int]] = [[] for _ in range(n_seqs)]
+        while True:
+            if any(cur_idx[s] >= len(maps[s]) for s in range(n_seqs)):
+                break
+            for s in range(n_seqs):
+                idx = maps[s][cur_idx[s]]
+                per_seq[s].append(idx)
+                self._take(idx)
+                cur_idx[s] += 1
+            if (len(per_seq[0]) + 1) * n_seqs > n_ubatch:
+                break
+        if n_keep_tail > 0:
+            if n_ubatch <= n_keep_tail:
+                raise PlanError(f"split_equal: n_ubatch {n_ubatch} <= n_keep_tail {n_keep_tail} (GGML_ASSERT)")
+
+            def remaining(s):
+                return len(maps[s]) - cur_idx[s]
+            n_keep = 0
+            while n_keep < n_seqs:
+                rem = remaining(n_keep)
+                if rem != 0 and rem < n_keep_tail:
+                    break
+                n_keep += 1
+            if n_keep == 0:
+                idxs0 = per_seq[0]
+                if len(idxs0) + remaining(0) <= n_ubatch:
+                    while remaining(0) > 0:
+                        idx = maps[0][cur_idx[0]]
+                        idxs0.append(idx)
+                        self._take(idx)
+                        cur_idx[0] += 1
+                else:
+                    while remaining(0) < n_keep_tail:
+                        self.used[idxs0.pop()] = False
+                        self.n_used -= 1
+                        cur_idx[0] -= 1
+                n_keep = 1
+            for s in range(n_keep, n_seqs):
+                for idx in per_seq[s]:
+                    self.used[idx] = False
+                    self.n_used -= 1
+            n_seqs = n_keep
+        idxs = [i for s in range(n_seqs) for i in per_seq[s]]
+        return idxs, n_seqs, True
+
+    def split_seq(self, n_ubatch: int):
+        """From the first unused token on, tokens whose sequence set is a subset of the current one."""
+        cur = 0
+        while cur < self.n_tokens and self.used[cur]:
+            cur += 1
+        if cur >= self.n_tokens:
+            return None
+        cur_set = self.seq_set[cur]
+        idxs = []
+        while True:
+            idxs.append(cur)
+            self._take(cur)
+            if len(idxs) >= n_ubatch:
+                break
+            cur += 1
+            while cur < self.n_tokens and (self.used[cur] or not self.seq_set[cur] <= cur_set):
+                cur += 1
+            if cur == self.n_tokens:
+                break
+            cur_set = self.seq_set[cur]
+        return idxs, 1, True
+
+
+def choose_split(mode: str, n_stream_kv: int) -> tuple[str, bool]:
+    """(split, sequential) as ``llama_kv_cache::init_batch`` picks it for ``mode="auto"``."""
+    if mode not in MODES:
+        raise PlanError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "auto":
+        return ("simple", False) if n_stream_kv == 1 else ("equal", True)
+    return mode, mode == "equal" and n_stream_kv > 1  # split_equal(n_ubatch, !unified) elsewhere too
+
+
+def split_all(balloc: BatchAllocr, n_ubatch: int, split: str, sequential: bool = False, n_keep_tail: int = 0):
+    """``init_batch``'s loop: ubatches until the split returns none; all tokens must be used."""
+    balloc.split_reset()
+    out = []
+    while True:
+        if split == "simple":
+            ub = balloc.split_simple(n_ubatch)
+        elif split == "equal":
+            ub = balloc.split_equal(n_ubatch, sequential, n_keep_tail)
+        elif split == "seq":
+            ub = balloc.split_seq(n_ubatch)
+        else:
+            raise PlanError(f"unknown split {split!r}")
+        if ub is None:
+            break
+        out.append(ub)
+    if balloc.n_used < balloc.n_tokens:
+        raise PlanError(f"split_{split} used {balloc.n_used} of {balloc.n_tokens} tokens: 'failed to find a "
+                        "suitable split' (llama_decode returns 1)")
+    return out
+
+
+# -- the plan --------------------------------------------------------------------------------
+
+def _per_seq(value, n_seqs: int, what: str) -> list[int]:
+    if isinstance(value, str):
+        value = [int(x) for x in value.split(",") if x.strip()]
+    if isinstance(value, int):
+        return [value] * n_seqs
+    vals = [int(v) for v in value]
+    if len(vals) == 1:
+        return vals * n_seqs
+    if len(vals) != n_seqs:
+        raise PlanError(f"{what}: {len(vals)} values for {n_seqs} sequences")
+    return vals
+
+
+def layout_rows(tokens: Sequence[int], n_past: Sequence[int], layout: str) -> list[tuple[int, int, int, bool]]:
+    """(seq_id, token, pos, output) in submission order; output on each sequence's last token."""
+    if layout == "seq":
+        order = [(s, t) for s, n in enumerate(tokens) for t in range(n)]
+    elif layout == "interleave":
+        order = [(s, t) for t in range(max(tokens, default=0)) for s, n in enumerate(tokens) if t < n]
+    else:
+        raise PlanError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return [(s, t, n_past[s] + t, t == tokens[s] - 1) for s, t in order]
+
+
+def plan(tokens: int | Sequence[int], n_batch: int = 2048, n_ubatch: int = 512, mode: str = "auto", *,
+         n_seqs: int | None = None, n_past: int | Sequence[int] = 0, n_ctx: int = 4096,
+         n_seq_max: int | None = None, kv_unified: bool = False, layout: str = "seq",
+         n_keep_tail: int = 0) -> Plan:
+    """Plan a submission: ``tokens`` per sequence (an int for every one of ``n_seqs`` sequences, or
+    a list of counts), after ``n_past`` tokens per sequence already in the cache.
+
+    Context clamps as ``llama_context``'s constructor: ``n_batch = min(n_ctx, n_batch)``,
+    ``n_ubatch = min(n_batch, n_ubatch)``, ``n_ctx`` padded to 256 and, without ``kv_unified``,
+    ``n_ctx_seq = GGML_PAD(n_ctx / n_seq_max, 256)``. Raises :class:`PlanError` where llama.cpp
+    would refuse (KV cache full, no split, bad sizes)."""
+    if isinstance(tokens, (int, str)):
+        n_seqs = n_seqs or 1
+    else:
+        n_seqs = n_seqs or len(tokens)
+    toks = _per_seq(tokens, n_seqs, "tokens")
+    past = _per_seq(n_past, n_seqs, "n_past")
+    if any(t < 0 for t in toks) or any(p < 0 for p in past) or sum(toks) == 0:
+        raise PlanError(f"tokens must be >= 0 with at least one token, past >= 0: tokens {toks}, past {past}")
+    n_seq_max = n_seq_max or n_seqs
+    if n_seqs > n_seq_max:
+        raise PlanError(f"{n_seqs} sequences but n_seq_max {n_seq_max} (seq ids must be < n_seq_max)")
+    if n_ctx <= 0 or n_batch <= 0 or n_ubatch < 0:
+        raise PlanError(f"n_ctx {n_ctx}, n_batch {n_batch} must be > 0 and n_ubatch >= 0 (here n_ctx 0 would mean "
+                        "the model's n_ctx_train: give it)")
+    nb = min(n_ctx, n_batch)
+    nub = min(nb, n_ubatch or nb)
+    ctx_pad = pad(n_ctx, 256)
+    if kv_unified:
+        n_ctx_seq, n_ctx_eff = ctx_pad, ctx_pad
+    else:
+        n_ctx_seq = pad(ctx_pad // n_seq_max, 256)
+        if n_ctx_seq == 0:
+            raise PlanError("n_ctx_seq == 0")
+        n_ctx_eff = n_ctx_seq * n_seq_max
+    n_stream_kv = 1 if kv_unified else n_seq_max
+    split, sequential = choose_split(mode, n_stream_kv)
+    notes = []
+    if (nb, nub) != (n_batch, n_ubatch or n_batch):
+        notes.append(f"clamped: -b {n_batch} -ub {n_ubatch} -> n_batch {nb}, n_ubatch {nub} "
+                     "(n_batch <= n_ctx, n_ubatch <= n_batch)")
+    if split == "simple" and n_stream_kv > 1:
+        notes.append("split_simple on a cache with one stream per sequence: llama_kv_cache never does this; "
+                     "find_slot assumes equal rows per sequence")
+
+    # the KV cache as get_n_kv sees it: a fresh cache holding only the past tokens, no holes
+    used = {}
+    for s, p in enumerate(past):
+        st = 0 if kv_unified else s
+        used[st] = used.get(st, 0) + p
+    for st, u in used.items():
+        if u > n_ctx_seq:
+            raise PlanError(f"past tokens need {u} cells in stream {st}, which has {n_ctx_seq}")
+
+    flat = layout_rows(toks, past, layout)
+    calls = []
+    ub_index = 0
+    for ci, i0 in enumerate(range(0, len(flat), nb)):
+        chunk = flat[i0:i0 + nb]
+        rows = tuple(Row(slot, s, t, p, o) for slot, (s, t, p, o) in enumerate(chunk))
+        balloc = BatchAllocr([(r.seq_id,) for r in rows])
+        try:
+            parts = split_all(balloc, nub, split, sequential, n_keep_tail)
+        except PlanError as e:
+            raise PlanError(f"decode call {ci}: {e}") from None
+        # prepare(): place every ubatch before any runs; a miss fails the whole call with 1
+        ubs = []
+        for idxs, n_seqs_ub, equal in parts:
+            urows = tuple(rows[i] for i in idxs)
+            seq_unq = tuple(sorted({r.seq_id for r in urows}))
+            per_stream: dict[int, int] = {}
+            for r in urows:
+                st = 0 if kv_unified else r.seq_id
+                per_stream[st] = per_stream.get(st, 0) + 1
+            for st, n in per_stream.items():
+                used[st] = used.get(st, 0) + n
+                if used[st] > n_ctx_seq:
+                    raise PlanError(f"decode call {ci}: KV cache full: stream {st} needs {used[st]} cells, has "
+                                    f"{n_ctx_seq} (llama_decode returns 1, 'failed to find a memory slot')")
+            n_kv = max(min(n_ctx_seq, max(N_PAD, pad(used[st], N_PAD))) for st in per_stream)
+            n_stream = 1 if kv_unified else len(seq_unq)
+            ubs.append(UBatch(index=ub_index, split=split, equal_seqs=equal, n_seq_tokens=len(idxs) // n_seqs_ub,
+                              n_seqs=n_seqs_ub, seq_ids=seq_unq, rows=urows, n_stream=n_stream,
+                              kv_used={st: used[st] for st in sorted(per_stream)}, n_kv=n_kv))
+            ub_index += 1
+        calls.append(DecodeCall(ci, rows, tuple(ubs)))
+    return Plan(tokens=tuple(toks), n_past=tuple(past), layout=layout, mode=mode, split=split,
+                sequential=sequential, n_ctx=n_ctx_eff, n_ctx_seq=n_ctx_seq, n_batch=nb, n_ubatch=nub,
+                n_batch_asked=n_batch, n_ubatch_asked=n_ubatch, n_seq_max=n_seq_max, kv_unified=kv_unified,
+                n_stream_kv=n_stream_kv, calls=tuple(calls), notes=tuple(notes))
+
+
+# -- command ---------------------------------------------------------------------------------
+
+def add_plan_flags(p) -> None:
+    """The shape flags split-plan and trace-ubatches share."""
+    p.add_argument("--tokens", required=True,
+                   help="tokens per sequence: N for every sequence, or N0,N1,... one per sequence")
+    p.add_argument("--seqs", type=int, default=None, help="number of sequences (default: 1, or the length of --tokens)")
+    p.add_argument("--past", default="0", help="tokens already in the cache per sequence: P or P0,P1,...")
+    p.add_argument("--layout", choices=LAYOUTS, default="seq",
+                   help="seq: each sequence's tokens together; interleave: round-robin (default %(default)s)")
+    p.add_argument("--mode", choices=MODES, default="auto",
+                   help="auto: as llama_kv_cache::init_batch picks (default %(default)s)")
+
+
+def shape_from_args(args) -> dict:
+    toks = [int(x) for x in str(args.tokens).split(",") if x.strip()]
+    n_seqs = args.seqs or len(toks)
+    return dict(tokens=toks if len(toks) > 1 else toks[0], n_seqs=n_seqs, n_past=args.past, layout=args.layout,
+                mode=args.mode)
+
+
+def add_parser(sub):
+    p = sub.add_parser("split-plan", help="how a batch becomes decode calls and ubatches (no model)",
+                       description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    add_plan_flags(p)
+    p.add_argument("-b", "--n-batch", "--batch-size", dest="batch_size", type=int, default=2048)
+    p.add_argument("-ub", "--n-ubatch", "--ubatch-size", dest="ubatch_size", type=int, default=512)
+    p.add_argument("-c", "--ctx-size", "--n-ctx", dest="ctx_size", type=int, default=None,
+                   help="n_ctx (default: 4096, or enough for the tokens)")
+    p.add_argument("-np", "--parallel", "--n-seq-max", dest="parallel", type=int, default=None,
+                   help="n_seq_max (default: the number of sequences)")
+    p.add_argument("--kv-unified", dest="kv_unified", action="store_true", default=False,
+                   help="one KV stream for all sequences")
+    p.add_argument("--no-kv-unified", dest="kv_unified", action="store_false",
+                   help="one KV stream per sequence (llama.cpp's default)")
+    p.add_argument("--rows", type=int, default=6, help="runs shown per ubatch in the text report (default %(default)s)")
+    p.add_argument("-o", "--output", help="write a self-contained HTML page")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
+    return p
+
+
+def run(args) -> dict:
+    shape = shape_from_args(args)
+    n_ctx = args.ctx_size
+    if n_ctx is None:  # enough for everything, at least llama.cpp's usual 4096
+        toks = _per_seq(shape["tokens"], shape["n_seqs"], "tokens")
+        past = _per_seq(shape["n_past"], shape["n_seqs"], "n_past")
+        need = sum(toks) + sum(past) if args.kv_unified else max(t + p for t, p in zip(toks, past)) * (
+            args.parallel or shape["n_seqs"])
+        n_ctx = max(4096, pad(need, 256))
+    p = plan(n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_ctx=n_ctx, n_seq_max=args.parallel,
+             kv_unified=args.kv_unified, **shape)
+    d = p.to_dict(rows=bool(getattr(args, "json", False) or getattr(args, "output", None)))
+    d["show_runs"] = getattr(args, "rows", 6)
+    return d
+
+
+SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _bar(ub: dict, n_ubatch: int, width: int = 48) -> str:
+    """One character per n_ubatch/width slots: the sequence holding most of them, '.' for empty."""
+    width = min(width, n_ubatch)
+    seq_at = []
+    for r in ub["runs"]:
+        seq_at += [r["seq_id"]] * r["n"]
+    out = []
+    for c in range(width):
+        a, b = c * n_ubatch // width, max((c + 1) * n_ubatch // width, c * n_ubatch // width + 1)
+        cell = seq_at[a:b]
+        out.append(SYMBOLS[max(set(cell), key=cell.count) % len(SYMBOLS)] if cell else ".")
+    return "|" + "".join(out) + "|"
+
+
+def _runs_text(ub: dict, limit: int) -> str:
+    parts = []
+    for r in ub["runs"][:limit]:
+        t = f"{r['token0']}" if r["n"] == 1 else f"{r['token0']}-{r['token1']}"
+        parts.append(f"s{r['seq_id']}:{t}")
+    more = len(ub["runs"]) - limit
+    return " ".join(parts) + (f" (+{more} runs)" if more > 0 else "")
+
+
+def print_report(data: dict) -> None:
+    n_ub = sum(len(c["ubatches"]) for c in data["calls"])
+    seqs = len(data["tokens"])
+    print(f"{seqs} sequence(s), tokens {list(data['tokens'])}" +
+          (f" after past {list(data['n_past'])}" if any(data["n_past"]) else "") + f", layout {data['layout']}")
+    print(f"n_ctx {data['n_ctx']} ({data['n_ctx_seq']} cells per stream, {data['n_stream_kv']} stream(s), "
+          f"kv_unified {data['kv_unified']}), n_batch {data['n_batch']}, n_ubatch {data['n_ubatch']}, "
+          f"n_seq_max {data['n_seq_max']}")
+    seq_txt = f"sequential={str(data['sequential']).lower()}" if data["split"] == "equal" else ""
+    print(f"split: split_{data['split']}({seq_txt}) (mode {data['mode']}) -> {len(data['calls'])} decode call(s), "
+          f"{n_ub} ubatch(es) = forward passes")
+    for n in data["notes"]:
+        print(f"note: {n}")
+    print("rows: s<seq>:<token index range> (token index within the sequence's submitted tokens); "
+          "bar: one char per slot group, the sequence id, '.' unused")
+    for c in data["calls"]:
+        print(f"\ndecode call {c['index']}: {c['n_tokens']} tokens")
+        for u in c["ubatches"]:
+            print(f"  ubatch {u['index']:3d} {_bar(u, data['n_ubatch'])} {u['n_tokens']:5d} rows "
+                  f"({u['n_seqs']}x{u['n_seq_tokens']}) n_kv {u['n_kv']:6d} mask {u['mask_shape']} "
+                  f"out {u['n_outputs']}  {_runs_text(u, data.get('show_runs', 6))}")
+
+
+_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>split plan</title><style>
+body{font:13px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
+h1{font-size:18px} .call{margin:1em 0;padding:.5em;border:1px solid #ccc;border-radius:4px}
+.ub{display:flex;align-items:center;margin:3px 0} .lbl{width:8em;font-family:monospace;font-size:12px}
+.bar{display:flex;width:60vw;height:20px;background:#f4f4f4;border:1px solid #999}
+.seg{height:100%;box-sizing:border-box;border-right:1px solid #fff;cursor:pointer}
+.kv{width:60vw;height:5px;background:#eee;margin-left:8em;position:relative}
+.kv div{position:absolute;height:100%} .info{font-family:monospace;font-size:12px;margin-left:1em;white-space:nowrap}
+.dim .seg{opacity:.15} .dim .seg.hl{opacity:1;outline:2px solid #000}
+#box{position:fixed;right:1em;top:1em;background:#fff;border:1px solid #888;padding:.5em;font-family:monospace;
+white-space:pre;max-width:40em}
+</style></head><body><h1>split plan</h1><p>__SUMMARY__</p>
+<p>Each bar is one ubatch (one forward pass), as wide as n_ubatch slots; colour = sequence. The thin bar under
+it: cells used (dark) and n_kv, the padded KV length the graph attends over (light), out of __NKVMAX__.
+Hover a block for its rows; click it to highlight that sequence everywhere (click again to clear).</p>
+<div id="plan"></div><div id="box">hover a block</div>
+<script>
+const D = __DATA__;
+const col = s => `hsl(${(s*137.5)%360},65%,55%)`;
+const root = document.getElementById('plan'), box = document.getElementById('box');
+let hl = null;
+for (const c of D.calls) {
+  const cd = document.createElement('div'); cd.className = 'call';
+  cd.innerHTML = `<b>decode call ${c.index}</b>: ${c.n_tokens} tokens`;
+  for (const u of c.ubatches) {
+    const row = document.createElement('div'); row.className = 'ub';
+    row.innerHTML = `<span class="lbl">ubatch ${u.index}</span>`;
+    const bar = document.createElement('div'); bar.className = 'bar';
+    for (const r of u.runs) {
+      const s = document.createElement('div'); s.className = 'seg s' + r.seq_id;
+      s.style.width = (100 * r.n / D.n_ubatch) + '%'; s.style.background = col(r.seq_id);
+      s.onmouseenter = () => { box.textContent = `call ${c.index}, ubatch ${u.index} (split_${u.split})\\n` +
+        `seq ${r.seq_id}: tokens ${r.token0}..${r.token1} (${r.n} rows)\\npos ${r.pos0}..${r.pos1}\\n` +
+        `batch slots ${r.slot0}..${r.slot1}\\nubatch: ${u.n_tokens} rows = ${u.n_seqs} x ${u.n_seq_tokens}, ` +
+        `seqs [${u.seq_ids}]\\nn_kv ${u.n_kv}, mask [${u.mask_shape}], outputs ${u.n_outputs}`; };
+      s.onclick = () => { hl = hl === r.seq_id ? null : r.seq_id; paint(); };
+      bar.appendChild(s);
+    }
+    row.appendChild(bar);
+    const info = document.createElement('span'); info.className = 'info';
+    info.textContent = `${u.n_tokens} rows  n_kv ${u.n_kv}  mask [${u.mask_shape}]  out ${u.n_outputs}`;
+    row.appendChild(info); cd.appendChild(row);
+    const kv = document.createElement('div'); kv.className = 'kv';
+    const used = Math.max(...Object.values(u.kv_used));
+    kv.innerHTML = `<div style="width:${100*u.n_kv/__NKVMAX__}%;background:#bcd"></div>` +
+                   `<div style="width:${100*used/__NKVMAX__}%;background:#468"></div>`;
+    cd.appendChild(kv);
+  }
+  root.appendChild(cd);
+}
+function paint() {
+  root.classList.toggle('dim', hl !== null);
+  document.querySelectorAll('.seg').forEach(
+    e => e.classList.toggle('hl', hl !== null && e.classList.contains('s' + hl)));
+}
+</script></body></html>
+"""
+
+
+def summary_line(data: dict) -> str:
+    n_ub = sum(len(c["ubatches"]) for c in data["calls"])
+    return (f"tokens {list(data['tokens'])} past {list(data['n_past'])}, layout {data['layout']}; "
+            f"n_ctx {data['n_ctx']}, "
+            f"n_batch {data['n_batch']}, n_ubatch {data['n_ubatch']}, n_seq_max {data['n_seq_max']}, kv_unified "
+            f"{data['kv_unified']}; split_{data['split']}: {len(data['calls'])} decode call(s), {n_ub} ubatch(es)")
+
+
+def plot(data: dict, path) -> None:
+    """Write the plan as one self-contained HTML page (inline CSS and JS, no network)."""
+    slim = {"n_ubatch": data["n_ubatch"],
+            "calls": [{"index": c["index"], "n_tokens": c["n_tokens"],
+                       "ubatches": [{k: v for k, v in u.items() if k != "rows"} for u in c["ubatches"]]}
+                      for c in data["calls"]]}
+    n_kv_max = max(u["n_kv"] for c in data["calls"] for u in c["ubatches"])
+    page = (_PAGE.replace("__SUMMARY__", html.escape(summary_line(data)))
+            .replace("__NKVMAX__", str(n_kv_max))
+            .replace("__DATA__", json.dumps(slim).replace("</", "<\\/")))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)
+
+
+def main(args) -> int:
+    """The command: run, print (table or --json), write -o."""
+    import sys
+
+    from .common import emit
+    data = run(args)
+    emit(args, data, print_report)
+    if getattr(args, "output", None):
+        plot(data, args.output)
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
