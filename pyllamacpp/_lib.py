@@ -12,6 +12,29 @@ from ._version import __version__
 
 _REBUILD = "rebuild it: `pip install .` (or `pip install --no-build-isolation -e .` in a checkout)"
 
+
+def _preload_nvidia_wheels() -> None:
+    """A CUDA build links libcublas; when it comes from NVIDIA's PyPI wheels (site-packages/nvidia/
+    <name>/lib), the loader does not look there: load those libraries first, globally."""
+    info_file = Path(__file__).with_name("_build_info.json")
+    try:
+        if "cuda" not in json.loads(info_file.read_text()).get("backends", []):
+            return
+        import nvidia  # namespace package of the nvidia-* wheels
+    except (OSError, ValueError, ImportError):
+        return
+    import ctypes
+    for base in map(Path, nvidia.__path__):
+        for name in ("libcublasLt.so*", "libcublas.so*"):
+            for lib_path in sorted(base.glob(f"*/lib/{name}")):
+                try:
+                    ctypes.CDLL(str(lib_path), mode=ctypes.RTLD_GLOBAL)
+                except OSError:
+                    pass
+
+
+_preload_nvidia_wheels()
+
 try:
     from . import _pyllamacpp
 except ImportError as e:  # a missing or half-built extension, or a library it cannot find
