@@ -260,9 +260,7 @@ class Context:
     def _run(self, fn, batch: Batch) -> None:
         ptr = self.ptr
         cbatch = batch.struct
-        if len(batch) > self.n_batch:  # llama.cpp asserts (aborts the process) on this
-            raise InvalidBatchError(f"the batch has {len(batch)} tokens, more than n_batch={self.n_batch}",
-                                    func="llama_decode", code=-1)
+        self._check_batch(batch)
         n_out = max(batch.n_outputs, 1)
         if n_out > self._out_reserved and len(self._views):
             # llama.cpp would reallocate its output buffer under the live views.
@@ -297,6 +295,34 @@ class Context:
         if rc == 2 and sigint:
             raise DecodeAborted("llama_decode() aborted by Ctrl-C (SIGINT)", func="llama_decode", code=2)
         check_decode(rc, "llama_decode" if fn is lib.llama_decode else "llama_encode", reason=cap.reason())
+
+    def _check_batch(self, batch: Batch) -> None:
+        """What llama.cpp would not survive, refused before C: the batch's views can be written
+        freely, so a decode checks what they hold (vectorized; microseconds for 2048 tokens)."""
+        n = len(batch)
+
+        def bad(why: str):
+            raise InvalidBatchError(f"invalid batch: {why}", func="llama_decode", code=-1)
+
+        if n > self.n_batch:  # GGML_ASSERT(n_tokens_all <= n_batch) in llama.cpp
+            bad(f"{n} tokens, more than n_batch={self.n_batch}")
+        if n == 0:
+            return  # llama.cpp rejects it itself, with its own message
+        n_ids = batch.n_seq_id
+        if n_ids.min() < 1 or n_ids.max() > batch.n_seq_max:  # n_seq_id 0: a division by zero (SIGFPE)
+            i = int(np.flatnonzero((n_ids < 1) | (n_ids > batch.n_seq_max))[0])
+            bad(f"token {i} has n_seq_id {int(n_ids[i])}, outside [1, {batch.n_seq_max}]")
+        ids = batch.seq_id
+        used = np.arange(batch.n_seq_max) < n_ids[:, None]
+        wrong = used & ((ids < 0) | (ids >= self.n_seq_max))
+        if wrong.any():
+            i, j = (int(x) for x in np.argwhere(wrong)[0])
+            bad(f"token {i} has seq_id {int(ids[i, j])}, outside [0, n_seq_max={self.n_seq_max})")
+        if batch._token is not None:
+            toks = batch.token
+            if toks.min() < 0 or toks.max() >= self.model.n_vocab:
+                i = int(np.flatnonzero((toks < 0) | (toks >= self.model.n_vocab))[0])
+                bad(f"token {i} is {int(toks[i])}, outside the vocabulary [0, {self.model.n_vocab})")
 
     def _prefill_batch(self) -> Batch:
         if self._batch is None or self._batch.capacity < self.n_batch:
@@ -384,17 +410,21 @@ class Context:
                              func="llama_state_seq_get_data_ext", reason=cap.reason())
         return SeqState(out, seq_id, int(flags))
 
-    def set_seq_state(self, seq_id: int, data, flags: int = 0) -> int:
+    def set_seq_state(self, seq_id: int, data, flags: int = 0, *, validate: bool = True) -> int:
         """``llama_state_seq_set_data_ext``: load a sequence state into ``seq_id``.
 
-        Raises :class:`StateError` when llama.cpp reads 0 bytes; the sequence then holds what it
-        held before (llama.cpp clears it on failure, so a non-empty one is saved and put back)."""
+        The blob is first parsed and checked against this context (:meth:`check_state`; skip with
+        ``validate=False`` to see what llama.cpp itself does). Raises :class:`StateError` when the
+        check fails or llama.cpp reads 0 bytes; the sequence then holds what it held before
+        (llama.cpp clears it on failure, so a non-empty one is saved and put back)."""
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
         buf = _as_uint8(data)
         if buf.size == 0:
             raise StateError("empty state", func="llama_state_seq_set_data_ext")
+        if validate and not flags:
+            self.check_state(buf, kind="sequence")
         backup = self.seq_state(seq_id) if self.memory.seq_pos_max(seq_id) >= 0 else None
         with _log.capture() as cap:
             n = lib.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(buf), buf.size, seq_id, int(flags))
@@ -406,6 +436,62 @@ class Context:
             raise StateError("llama_state_seq_set_data_ext() read 0 bytes; the sequence is unchanged",
                              func="llama_state_seq_set_data_ext", reason=cap.reason())
         return int(n)
+
+    def check_state(self, data, *, kind: str = "sequence") -> None:
+        """Parse a state blob with :mod:`pyllamacpp.state` and check it against this context before
+        anything reaches C: dump kind, streams (``kv_unified``), layer count, K/V types, row sizes,
+        V layout (flash attention), cell count, sequence ids. Raises :class:`StateError` naming
+        what does not match. (Used by ``set_seq_state`` and ``set_state``.)"""
+        from . import state as st
+        from .params import ggml_type_name
+        try:
+            parsed = st.parse(_as_uint8(data))  # rows stay flat: a dump of another model still parses
+        except st.StateFormatError as e:
+            raise StateError(f"not a valid state: {e}", func="pyllamacpp.state.parse") from e
+        want = {"sequence": (st.DumpKind.SEQUENCE,), "context": (st.DumpKind.CONTEXT,)}[kind]
+        if parsed.kind not in want:
+            raise StateError(f"this is a {parsed.kind}, not a {want[0]}", func="pyllamacpp.state.parse")
+
+        def bad(what: str):
+            raise StateError(f"state does not fit this context: {what}", func="pyllamacpp.state.parse")
+
+        n_stream = 1 if self.params.kv_unified else self.n_seq_max
+        kv_parts = [p for p in parsed.parts if p.kind == "kv"]
+        if lib.llama_model_is_recurrent(self.model.ptr) and kv_parts:
+            bad("a KV cache state for a recurrent model")
+        m = self.model
+        head = m.n_embd // max(m.n_head, 1)
+        k_len = int(m.meta(f"{m.arch}.attention.key_length") or head)
+        v_len = int(m.meta(f"{m.arch}.attention.value_length") or head)
+        n_kv_layers = sum(1 for n in m._meta_list("attention.head_count_kv", m.n_head_kv) if n > 0)
+        plain = len(kv_parts) == 1 and kv_parts[0].name == "kv"
+        for part in kv_parts:
+            if part.n_stream != n_stream:
+                bad(f"{part.n_stream} KV stream(s), this context has {n_stream} "
+                    f"(kv_unified={bool(self.params.kv_unified)}, n_seq_max={self.n_seq_max})")
+            for s in part.streams:
+                if not s.cell_count:
+                    continue
+                if s.cell_count > self.n_ctx_seq:
+                    bad(f"{s.cell_count} cells in stream {s.index}, more than n_ctx_seq={self.n_ctx_seq}")
+                if s.v_trans != (0 if self.flash_attn else 1):
+                    bad(f"v_trans={s.v_trans}, this context has flash attention {'on' if self.flash_attn else 'off'}")
+                if plain and s.n_layer != n_kv_layers:
+                    bad(f"{s.n_layer} layers, the model has {n_kv_layers}")
+                for r in s.records:
+                    want_t = self.params.type_k if r.kind == "K" else self.params.type_v
+                    if r.type.id != want_t:
+                        bad(f"{r.kind}[{r.layer}] is {r.type.name}, this context's cache is {ggml_type_name(want_t)}")
+                    if plain:
+                        n_embd = (k_len if r.kind == "K" else v_len) * m.n_head_kv
+                        if r.n_embd != n_embd:
+                            bad(f"{r.kind}[{r.layer}] rows hold {r.n_embd} values, the model's hold {n_embd}")
+                ids = s.cells["seq_id"]
+                if ids.size and ((ids >= self.n_seq_max) | (ids < -1)).any():
+                    bad(f"a cell of stream {s.index} names a sequence outside [0, {self.n_seq_max})")
+                pos = s.cells["pos"]
+                if pos.size and pos.min() < 0:
+                    bad(f"a cell of stream {s.index} has a negative position")
 
     def _check_no_pending_copy(self, seq_id, func: str) -> None:
         if self._pending_stream_copies and (seq_id is None or seq_id in self._pending_stream_copies):
@@ -467,6 +553,7 @@ class Context:
         ptr = self.ptr
         self._check_no_pending_copy(None, "llama_state_set_data")
         buf = _as_uint8(data)
+        self.check_state(buf, kind="context")
         if len(self._views):
             raise LlamaError("output views are alive: loading a whole state may reallocate the output "
                              "buffer they point into; copy or delete them first", func="llama_state_set_data")

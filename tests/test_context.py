@@ -36,17 +36,18 @@ def test_decode_and_logits_are_views(model, ctx):
 
 def test_decode_errors_leave_the_context_usable(model):
     with model.context(n_ctx=64, n_batch=64, n_threads=2) as ctx:
-        b = pl.Batch(64)  # no model: the bad token reaches llama.cpp
+        b = pl.Batch(64)  # no model: the batch takes the token, decode refuses it before C
         b.add(model.n_vocab + 5, 0, 0, logits=True)
         with pytest.raises(pl.InvalidBatchError) as e:
             ctx.decode(b)
-        assert e.value.code == -1 and "token" in (e.value.reason or "")
-        # positions that go backwards inside one sequence
+        assert e.value.code == -1 and "vocabulary" in str(e.value)
+        # positions that go backwards inside one sequence: llama.cpp's check, with its reason
         b.clear()
         b.add_sequence([1, 2], 0, 0)
         b.add(3, 0, 0, logits=True)
-        with pytest.raises(pl.InvalidBatchError):
+        with pytest.raises(pl.InvalidBatchError) as e:
             ctx.decode(b)
+        assert "decreasing" in (e.value.reason or "")
         assert ctx.memory.seq_pos_max(0) == -1
         # KV cache full: every cell used, then one more token
         n = ctx.n_ctx  # llama.cpp pads n_ctx up (64 -> 256)
