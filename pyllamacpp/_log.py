@@ -6,7 +6,6 @@ when a context is created) wraps the call in :func:`capture`.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -78,18 +77,23 @@ def _pyllamacpp_log_cb(level, text, user_data):
         _emit(_tls.level, line)
 
 
-@contextlib.contextmanager
-def capture():
-    """Collect the log lines this thread emits inside the block."""
-    cap = Capture()
-    _tls.captures.append(cap)
-    try:
-        yield cap
-    finally:
+class capture:
+    """``with capture() as cap``: collect the log lines this thread emits inside the block.
+
+    A class, not a generator: it wraps every decode and sample, where a generator-based context
+    manager's overhead shows in tokens/s."""
+    __slots__ = ("cap",)
+
+    def __enter__(self) -> Capture:
+        self.cap = Capture()
+        _tls.captures.append(self.cap)
+        return self.cap
+
+    def __exit__(self, *exc) -> None:
         if _tls.partial:  # a last line without "\n" belongs to this call
             _emit(_tls.level, _tls.partial)
             _tls.partial = ""
-        _tls.captures.remove(cap)
+        _tls.captures.remove(self.cap)
 
 
 def pop_callback_error() -> BaseException | None:

@@ -6,6 +6,8 @@ array it owns, and puts llama.cpp's own pointers back before ``llama_batch_free`
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from ._handle import view
@@ -168,6 +170,8 @@ class Batch:
         """Fill one slot; returns its index (the output index for ``ctx.logits`` when flagged)."""
         if self._token is None:
             raise TypeError("an embedding batch takes add_embd(), not add()")
+        if isinstance(token, (int, np.integer)) and isinstance(seq_ids, (int, np.integer)):
+            return self._add_one(operator.index(token), operator.index(pos), operator.index(seq_ids), logits)
         tok = _as_int_array([token], "token")
         self._check_tokens(tok)
         ids = self._check_seq_ids(seq_ids)
@@ -178,6 +182,25 @@ class Batch:
         self._seq[i, : ids.size] = ids
         self._logits[i] = bool(logits)
         self._p.n_tokens = i + 1
+        return i
+
+    def _add_one(self, tok: int, pos: int, sid: int, logits) -> int:
+        # One token, one sequence: the per-token call of every generation loop. Plain ints and
+        # cffi writes; numpy temporaries here cost more than the rest of a step's Python work.
+        if not _I32.min <= tok <= _I32.max:
+            raise ValueError("token does not fit in int32")
+        if self._n_vocab is not None and not 0 <= tok < self._n_vocab:
+            raise ValueError(f"token {tok} is outside the vocabulary [0, {self._n_vocab})")
+        if not 0 <= sid < self.n_seq_max:
+            raise ValueError(f"seq id outside [0, {self.n_seq_max}): [{sid}]")
+        i = self._check_room(1)
+        p = self._p
+        p.token[i] = tok
+        p.pos[i] = pos
+        p.n_seq_id[i] = 1
+        p.seq_id[i][0] = sid  # points into self._seq
+        p.logits[i] = 1 if logits else 0
+        p.n_tokens = i + 1
         return i
 
     def add_sequence(self, tokens, seq_ids=0, start_pos: int = 0, logits="last") -> slice:

@@ -21,6 +21,9 @@ from .model import Model, parse_buffer_sizes
 from .params import ContextParams, context_params
 
 
+_MAIN_THREAD = threading.main_thread().ident
+
+
 class StateFlags(enum.IntFlag):
     """``LLAMA_STATE_SEQ_FLAGS_*`` (values from the header of this build)."""
     NONE = lib.LLAMA_STATE_SEQ_FLAGS_NONE
@@ -185,6 +188,7 @@ class Context:
         self._views: weakref.WeakSet = weakref.WeakSet()
         self._batch: Batch | None = None
         self._pending_stream_copies: set[int] = set()  # dst seqs of queued cross-stream copies
+        self._own_states = weakref.WeakValueDictionary()  # id -> read-only array seq_state made here
         model._contexts.add(self)
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -261,7 +265,8 @@ class Context:
         ptr = self.ptr
         cbatch = batch.struct
         self._check_batch(batch)
-        n_out = max(batch.n_outputs, 1)
+        n_outputs = batch.n_outputs
+        n_out = max(n_outputs, 1)
         if n_out > self._out_reserved and len(self._views):
             # llama.cpp would reallocate its output buffer under the live views.
             raise LlamaError(
@@ -271,7 +276,7 @@ class Context:
                 func=fn.__name__ if hasattr(fn, "__name__") else "llama_decode")
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("this context is being used by another thread; use one context per thread")
-        watch = self.handle_sigint and threading.current_thread() is threading.main_thread()
+        watch = self.handle_sigint and threading.get_ident() == _MAIN_THREAD
         sigint = 0
         try:
             self._abort_state.abort_requested = 0
@@ -285,8 +290,9 @@ class Context:
                 self._abort_state.watch_sigint = 0
             self._lock.release()
         if rc == 0:
-            self._pending_stream_copies.clear()  # llama.cpp ran them at the start of this decode
-            self._n_outputs = batch.n_outputs
+            if self._pending_stream_copies:
+                self._pending_stream_copies.clear()  # llama.cpp ran them at the start of this decode
+            self._n_outputs = n_outputs
             self._out_reserved = max(self._out_reserved, n_out)
             if sigint:  # Ctrl-C came too late to stop this decode: deliver it now
                 signal.raise_signal(signal.SIGINT)
@@ -300,6 +306,8 @@ class Context:
         """What llama.cpp would not survive, refused before C: the batch's views can be written
         freely, so a decode checks what they hold (vectorized; microseconds for 2048 tokens)."""
         n = len(batch)
+        if 0 < n <= 16 and self._small_batch_ok(batch, n):
+            return  # the per-step batches of generation loops: checked with plain ints
 
         def bad(why: str):
             raise InvalidBatchError(f"invalid batch: {why}", func="llama_decode", code=-1)
@@ -323,6 +331,24 @@ class Context:
             if toks.min() < 0 or toks.max() >= self.model.n_vocab:
                 i = int(np.flatnonzero((toks < 0) | (toks >= self.model.n_vocab))[0])
                 bad(f"token {i} is {int(toks[i])}, outside the vocabulary [0, {self.model.n_vocab})")
+
+    def _small_batch_ok(self, batch: Batch, n: int) -> bool:
+        """True when a small batch passes every check of _check_batch (else it reports the error)."""
+        if n > self.n_batch:
+            return False
+        p, cap, n_seq_max = batch._p, batch.n_seq_max, self.n_seq_max
+        n_vocab = self.model.n_vocab if batch._token is not None else None
+        for i in range(n):
+            k = p.n_seq_id[i]
+            if not 1 <= k <= cap:
+                return False
+            row = p.seq_id[i]
+            for j in range(k):
+                if not 0 <= row[j] < n_seq_max:
+                    return False
+            if n_vocab is not None and not 0 <= p.token[i] < n_vocab:
+                return False
+        return True
 
     def _prefill_batch(self) -> Batch:
         if self._batch is None or self._batch.capacity < self.n_batch:
@@ -396,36 +422,57 @@ class Context:
         return self._view(p, (n,), "llama_get_embeddings_seq")
 
     # -- state ---------------------------------------------------------------------------------
-    def seq_state(self, seq_id: int, flags: int = 0) -> SeqState:
+    def seq_state(self, seq_id: int, flags: int = 0, *, out: np.ndarray | None = None) -> SeqState:
         """``llama_state_seq_get_size_ext`` + ``llama_state_seq_get_data_ext``: one copy into
-        a numpy buffer you own."""
+        a numpy buffer you own.
+
+        ``out``: a writable uint8 array to reuse (at least the state's size): no fresh allocation,
+        hence no page faults, for loops that dump again and again. The state is then ``out[:size]``."""
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         size = lib.llama_state_seq_get_size_ext(ptr, seq_id, int(flags))
+        if out is not None:
+            if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError("out must be a writable, contiguous 1-D uint8 array")
+            if out.size < size:
+                raise ValueError(f"out holds {out.size} bytes, the state needs {size}")
+            buf = out[:size]
+            with _log.capture() as cap:
+                n = lib.llama_state_seq_get_data_ext(ptr, ffi.from_buffer(buf), size, seq_id, int(flags))
+            if n != size:
+                raise StateError(f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
+                                 func="llama_state_seq_get_data_ext", reason=cap.reason())
+            return SeqState(buf, seq_id, int(flags))
         out = np.empty(size, dtype=np.uint8)
         with _log.capture() as cap:
             n = lib.llama_state_seq_get_data_ext(ptr, ffi.from_buffer(out), size, seq_id, int(flags))
         if n != size:
             raise StateError(f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
                              func="llama_state_seq_get_data_ext", reason=cap.reason())
+        out.flags.writeable = False  # so set_seq_state can trust it without parsing it again
+        self._own_states[id(out)] = out
         return SeqState(out, seq_id, int(flags))
 
-    def set_seq_state(self, seq_id: int, data, flags: int = 0, *, validate: bool = True) -> int:
+    def set_seq_state(self, seq_id: int, data, flags: int = 0, *, validate: bool = True,
+                      keep_on_error: bool = True) -> int:
         """``llama_state_seq_set_data_ext``: load a sequence state into ``seq_id``.
 
         The blob is first parsed and checked against this context (:meth:`check_state`; skip with
         ``validate=False`` to see what llama.cpp itself does). Raises :class:`StateError` when the
         check fails or llama.cpp reads 0 bytes; the sequence then holds what it held before
-        (llama.cpp clears it on failure, so a non-empty one is saved and put back)."""
+        (llama.cpp clears it on failure, so a non-empty one is saved and put back: one more
+        ``seq_state`` of it; ``keep_on_error=False`` skips that and leaves it cleared on failure).
+        A :class:`SeqState` this context made (its data is read-only) is not parsed again."""
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
         buf = _as_uint8(data)
         if buf.size == 0:
             raise StateError("empty state", func="llama_state_seq_set_data_ext")
-        if validate and not flags:
+        own = isinstance(data, SeqState) and self._own_states.get(id(data.data)) is data.data
+        if validate and not flags and not own:
             self.check_state(buf, kind="sequence")
-        backup = self.seq_state(seq_id) if self.memory.seq_pos_max(seq_id) >= 0 else None
+        backup = self.seq_state(seq_id) if keep_on_error and self.memory.seq_pos_max(seq_id) >= 0 else None
         with _log.capture() as cap:
             n = lib.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(buf), buf.size, seq_id, int(flags))
         if n == 0:
@@ -433,7 +480,8 @@ class Context:
             if backup is not None:
                 with _log.capture():
                     lib.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(backup.data), len(backup), seq_id, 0)
-            raise StateError("llama_state_seq_set_data_ext() read 0 bytes; the sequence is unchanged",
+            raise StateError("llama_state_seq_set_data_ext() read 0 bytes; the sequence is "
+                             + ("unchanged" if keep_on_error else "now empty"),
                              func="llama_state_seq_set_data_ext", reason=cap.reason())
         return int(n)
 

@@ -320,3 +320,16 @@ def test_embeddings_views(model):
         e = ctx.embeddings(2)
         assert e.shape == (model.n_embd,) and np.isfinite(e).all()
         assert not np.array_equal(e, ctx.embeddings(3))
+
+
+def test_seq_state_into_a_reused_buffer_and_fast_set(model, ctx):
+    ctx.prefill(model.tokenize(PROMPT))
+    ref = ctx.seq_state(0)
+    assert not ref.data.flags.writeable  # made here: set_seq_state trusts it without re-parsing
+    buf = np.zeros(ref.data.size + 100, np.uint8)
+    st = ctx.seq_state(0, out=buf)
+    assert np.shares_memory(st.data, buf) and bytes(st) == bytes(ref)
+    with pytest.raises(ValueError, match="needs"):
+        ctx.seq_state(0, out=np.zeros(10, np.uint8))
+    assert ctx.set_seq_state(0, st, validate=False, keep_on_error=False) == len(ref)
+    assert ctx.memory.seq_pos_max(0) == 6

@@ -1,0 +1,450 @@
+"""Python vs native llama.cpp on the same workloads, measured in one run.
+
+    python tools/bench/bench_core.py [-r 5] [-t 2] [--json out.json] [-w decode,parallel,...]
+
+Builds ``native_driver.c`` against the headers of the llama.cpp the package was built from and the
+very ``libllama`` it loads, then runs each workload as a fresh process per side (the native driver,
+and this file with ``--worker``), alternating which side goes first, ``-r`` times. Both sides load
+the model, create a context with the same parameters (flash attention left at llama.cpp's default,
+"auto"), warm up the same way and time the same span. Prints medians and Python / native ratios
+next to the targets of the issue. It measures; it asserts nothing about time.
+
+Workloads:
+  decode    prompt, then N greedy tokens one llama_decode each: ``pl.generate`` (tokens/s from the
+            end of the prompt's decode to the end of generation). A third, diagnostic side runs the
+            same loop in raw ``pl.lib`` calls (cost of a Python process + cffi, without pyllamacpp's
+            layers); ``--no-raw-cffi`` skips it.
+  parallel  examples/batched: 8 sequences share a prompt, 64 tokens each: ``pl.generate_parallel``
+            (kv_unified=True; decode-phase tokens/s, the same span)
+  prefill   512 tokens in one llama_decode: ``ctx.prefill`` (tokens/s, llama_synchronize included)
+  fill      a 2048-token batch: ``Batch.add_sequence`` vs a C loop over llama_batch (µs, no decode)
+  state     ``ctx.seq_state`` / ``ctx.set_seq_state`` of a 512-token sequence vs
+            llama_state_seq_get_data_ext / set_data_ext (ms)
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+BUILD = HERE / "build"
+
+PROMPT_DECODE = "Once upon a time"  # greedy runs 256 tokens from it without an end-of-generation token
+PROMPT_PARALLEL = "Hello my name is"  # examples/batched's default prompt
+
+
+def settings(threads: int, n_predict: int, n_parallel_predict: int) -> dict[str, dict]:
+    """Per workload, the keys both sides receive (native: key=value arguments)."""
+    common = dict(threads=threads, n_ctx=1024, n_batch=512, n_ubatch=512, n_seq_max=1, kv_unified=0, warmup=1)
+    return {
+        "decode": {**common, "n_predict": n_predict, "prompt": PROMPT_DECODE},
+        "parallel": {**common, "n_seq_max": 8, "kv_unified": 1, "n_parallel": 8, "n_predict": n_parallel_predict,
+                     "prompt": PROMPT_PARALLEL},
+        "prefill": {**common, "n_tokens": 512, "iters": 2},
+        "fill": {**common, "n_tokens": 2048, "iters": 5000},
+        "state": {**common, "n_tokens": 512, "iters": 20},
+    }
+
+
+def synthetic_tokens(n: int, n_vocab: int):
+    """The same formula as native_driver.c's synth(): ordinary tokens, no specials."""
+    import numpy as np
+    return ((1000 + 37 * np.arange(n, dtype=np.int64)) % n_vocab).astype(np.int32)
+
+
+def checksum(tokens) -> int:
+    """FNV-1a over the token ids, as native_driver.c's checksum()."""
+    h = 2166136261
+    for t in tokens:
+        h = ((h ^ (int(t) & 0xFFFFFFFF)) * 16777619) & 0xFFFFFFFF
+    return h
+
+
+# -- the native driver -------------------------------------------------------------------------
+def build_driver(verbose: bool = False) -> tuple[Path, list[str]]:
+    """Compile native_driver.c with the system C compiler against the package's own llama.cpp."""
+    import pyllamacpp as pl
+    info = pl.build_info()
+    source = info["llama_cpp_source"]
+    if source.startswith("LLAMA_CPP_DIR="):
+        llama_dir = Path(source.split("=", 1)[1])
+    elif source.startswith("pinned sdist"):
+        llama_dir = REPO / "vendor" / "llama.cpp"
+    else:
+        raise SystemExit(f"bench: cannot tell where llama.cpp came from: {source!r}")
+    header = llama_dir / "include" / "llama.h"
+    digest = hashlib.sha256(header.read_bytes()).hexdigest()
+    if digest != info["llama_h_sha256"]:  # the driver must see the header the package was built from
+        raise SystemExit(f"bench: {header} (sha256 {digest[:12]}) is not the llama.h of this build "
+                         f"({info['llama_h_sha256'][:12]})")
+    lib_dir = info["lib_dir"]
+    BUILD.mkdir(exist_ok=True)
+    exe = BUILD / "native_driver"
+    cmd = [os.environ.get("CC", "cc"), "-O2", "-std=c11", "-D_POSIX_C_SOURCE=200809L", "-Wall", "-Wextra",
+           f"-I{llama_dir / 'include'}", f"-I{llama_dir / 'ggml' / 'include'}", str(HERE / "native_driver.c"),
+           "-o", str(exe), f"-L{lib_dir}", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{lib_dir}"]
+    if verbose:
+        print("$", shlex.join(cmd), file=sys.stderr)
+    subprocess.run(cmd, check=True)
+    return exe, cmd
+
+
+def run_json(cmd: list[str]) -> dict:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench: {shlex.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def native_cmd(exe: Path, model: str, workload: str, s: dict) -> list[str]:
+    return [str(exe), model, workload, *(f"{k}={v}" for k, v in s.items())]
+
+
+def python_cmd(model: str, workload: str, s: dict) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", workload, "--model", model,
+            "--settings", json.dumps(s)]
+
+
+# -- the Python side (runs in its own process, like the native driver) -------------------------
+class DecodeClock:
+    """Wraps ``ctx.decode`` to note when each decode returned and how many tokens it had.
+
+    pl.generate / generate_parallel / ctx.prefill call ``ctx.decode``, so the decode phase can be
+    timed from the end of the prompt's decode, as the native driver does. Cost: one Python call
+    per decode (well under a microsecond, against milliseconds of decode)."""
+
+    def __init__(self, ctx):
+        self.calls: list[tuple[float, int]] = []
+        orig, calls, clock = ctx.decode, self.calls, time.perf_counter
+
+        def decode(batch):
+            orig(batch)
+            calls.append((clock(), batch.n_tokens))
+
+        ctx.decode = decode
+
+
+def flash_attn_verdict(ctx) -> str:
+    for _, line in ctx.creation_log:
+        if "Flash Attention" in line:
+            return "enabled" if "enabled" in line else "disabled" if "disabled" in line else line
+    return "unknown"
+
+
+def py_context(model, s: dict, n_seq_max: int | None = None):
+    return model.context(n_ctx=s["n_ctx"], n_batch=s["n_batch"], n_ubatch=s["n_ubatch"],
+                         n_seq_max=n_seq_max or s["n_seq_max"], kv_unified=bool(s["kv_unified"]),
+                         n_threads=s["threads"], n_threads_batch=s["threads"])
+
+
+def worker(workload: str, model_path: str, s: dict) -> dict:
+    import numpy as np
+    import pyllamacpp as pl
+    model = pl.Model(model_path)
+    if workload == "decode":
+        ctx = py_context(model, s)
+        tokens = model.tokenize(s["prompt"])
+        sampler = pl.Sampler.greedy()
+        if s["warmup"]:
+            list(pl.generate(ctx, tokens, 16, sampler))
+            ctx.memory.clear()
+            sampler.reset()
+        clock = DecodeClock(ctx)
+        out = list(pl.generate(ctx, tokens, s["n_predict"], sampler))  # what a user writes
+        t = time.perf_counter() - clock.calls[0][0]
+        n_dec = sum(n for _, n in clock.calls[1:])
+        return {"workload": workload, "flash_attn": flash_attn_verdict(ctx), "n_prompt": int(tokens.size),
+                "n_decoded": n_dec, "t_s": t, "tok_s": n_dec / t, "checksum": checksum(out)}
+    if workload == "decode_raw":
+        # Diagnostic, not a user API: native_driver.c's loop written with pl.lib calls only, so the
+        # cost of a Python process + cffi shows apart from the cost of pyllamacpp's layers.
+        ffi, lib = pl.ffi, pl.lib
+        ctx = py_context(model, s)
+        cptr, tokens, sampler = ctx.ptr, model.tokenize(s["prompt"]), pl.Sampler.greedy()
+        smpl, vocab = sampler.ptr, model._vocab_ptr()
+
+        def run(n_predict):
+            pb = lib.llama_batch_init(s["n_batch"], 0, 1)
+            for i, tok in enumerate(tokens.tolist()):
+                pb.token[i], pb.pos[i], pb.n_seq_id[i], pb.seq_id[i][0] = tok, i, 1, 0
+                pb.logits[i] = i == tokens.size - 1
+            pb.n_tokens = tokens.size
+            if lib.llama_decode(cptr, pb) != 0:
+                raise RuntimeError("prompt decode failed")
+            t0 = time.perf_counter()
+            b = lib.llama_batch_init(1, 0, 1)
+            out, pos = [], int(tokens.size)
+            for _ in range(n_predict):
+                tok = lib.llama_sampler_sample(smpl, cptr, -1)
+                out.append(tok)
+                if lib.llama_vocab_is_eog(vocab, tok):
+                    break
+                b.n_tokens = 1
+                b.token[0], b.pos[0], b.n_seq_id[0], b.seq_id[0][0], b.logits[0] = tok, pos, 1, 0, 1
+                if lib.llama_decode(cptr, b) != 0:
+                    raise RuntimeError("decode failed")
+                pos += 1
+            t = time.perf_counter() - t0
+            lib.llama_batch_free(b)
+            lib.llama_batch_free(pb)
+            return t, out
+
+        if s["warmup"]:
+            run(16)
+            lib.llama_memory_clear(lib.llama_get_memory(cptr), True)
+            lib.llama_sampler_reset(smpl)
+        t, out = run(s["n_predict"])
+        n_dec = len(out) - (1 if out and model.is_eog(out[-1]) else 0)
+        return {"workload": workload, "flash_attn": flash_attn_verdict(ctx), "n_prompt": int(tokens.size),
+                "n_decoded": n_dec, "t_s": t, "tok_s": n_dec / t, "checksum": checksum(out)}
+    if workload == "parallel":
+        ctx = py_context(model, s)
+        sampler = pl.Sampler.greedy()
+        if s["warmup"]:
+            pl.generate_parallel(ctx, s["prompt"], s["n_parallel"], 4, sampler)
+            ctx.memory.clear()
+            sampler.reset()
+        clock = DecodeClock(ctx)
+        res = pl.generate_parallel(ctx, s["prompt"], s["n_parallel"], s["n_predict"], sampler)
+        t = time.perf_counter() - clock.calls[0][0]
+        n_dec = sum(n for _, n in clock.calls[1:])
+        h = 0
+        for r in res:
+            h = (h * 31 + checksum(r.tokens)) & 0xFFFFFFFF
+        return {"workload": workload, "flash_attn": flash_attn_verdict(ctx), "n_prompt": clock.calls[0][1],
+                "n_decoded": n_dec, "t_s": t, "tok_s": n_dec / t, "checksum": h}
+    if workload == "prefill":
+        ctx = py_context(model, s)
+        toks = synthetic_tokens(s["n_tokens"], model.n_vocab)
+        ts = []
+        for it in range(-s["warmup"], s["iters"]):
+            ctx.memory.clear()
+            t0 = time.perf_counter()
+            ctx.prefill(toks)
+            pl.lib.llama_synchronize(ctx.ptr)  # the native side synchronizes too
+            t = time.perf_counter() - t0
+            if it >= 0:
+                ts.append(t)
+        m = statistics.median(ts)
+        return {"workload": workload, "flash_attn": flash_attn_verdict(ctx), "n_tokens": int(toks.size),
+                "t_s": ts, "t_median_s": m, "tok_s": toks.size / m}
+    if workload == "fill":
+        toks = synthetic_tokens(s["n_tokens"], model.n_vocab)
+        out = {"workload": workload, "n_tokens": int(toks.size), "iters": s["iters"]}
+        for key, batch in (("", pl.Batch(toks.size, 1)), ("checked_", pl.Batch(toks.size, 1, model=model))):
+            clock = time.perf_counter_ns
+            ts = []
+            for it in range(-100, s["iters"]):
+                t0 = clock()
+                batch.clear()
+                batch.add_sequence(toks, 0, 0, logits="last")
+                t = clock() - t0
+                if it >= 0:
+                    ts.append(t)
+            out[f"{key}best_us"] = min(ts) / 1e3
+            out[f"{key}median_us"] = statistics.median(ts) / 1e3
+            out["n_filled"] = len(batch)
+        return out
+    if workload == "state":
+        ctx = py_context(model, s)
+        ctx.prefill(synthetic_tokens(s["n_tokens"], model.n_vocab))
+        tg, ts, te = [], [], []
+        size = 0
+        clock = time.perf_counter
+        for it in range(-s["warmup"], s["iters"]):
+            t0 = clock()
+            st = ctx.seq_state(0)
+            t1 = clock()
+            ctx.set_seq_state(0, st)  # into the sequence that still holds it
+            t2 = clock()
+            ctx.memory.seq_rm(0)
+            t3 = clock()
+            ctx.set_seq_state(0, st)  # into the emptied sequence
+            t4 = clock()
+            size = len(st)
+            del st
+            if it >= 0:
+                tg.append(t1 - t0), ts.append(t2 - t1), te.append(t4 - t3)
+        # The fast path a user can choose: a reused buffer (no page faults), no re-validation of a
+        # blob this context just made, no backup copy (a failed load leaves the sequence empty).
+        reuse = np.empty(size, dtype=np.uint8)
+        fg, fs = [], []
+        for it in range(-s["warmup"], s["iters"]):
+            t0 = clock()
+            st = ctx.seq_state(0, out=reuse)
+            t1 = clock()
+            ctx.set_seq_state(0, st, validate=False, keep_on_error=False)
+            t2 = clock()
+            if it >= 0:
+                fg.append(t1 - t0), fs.append(t2 - t1)
+        ms = lambda v: statistics.median(v) * 1e3  # noqa: E731
+        return {"workload": workload, "n_tokens": s["n_tokens"], "state_bytes": size,
+                "flash_attn": flash_attn_verdict(ctx), "get_ms": ms(tg), "set_ms": ms(ts), "set_empty_ms": ms(te),
+                "fast_get_ms": ms(fg), "fast_set_ms": ms(fs),
+                "fast_roundtrip_ms": statistics.median([a + b for a, b in zip(fg, fs)]) * 1e3}
+    raise SystemExit(f"unknown workload {workload}")
+
+
+# -- the report ----------------------------------------------------------------------------------
+# (workload, metric, label, unit, kind, target): kind "rate" -> ratio py/native of a rate (higher is
+# better); "time" -> ratio py/native of a time (lower is better).
+ROWS = [
+    ("decode", "tok_s", "decode, 1 seq greedy", "tok/s", "rate", ">= 0.99x"),
+    ("parallel", "tok_s", "decode, 8 seqs shared prompt", "tok/s", "rate", ">= 0.99x"),
+    ("prefill", "tok_s", "prefill 512 in one decode", "tok/s", "rate", ">= 0.99x"),
+    ("fill", "best_us", "fill 2048-token batch, best", "µs", "time", "< 50 µs"),
+    ("fill", "median_us", "fill 2048-token batch, median", "µs", "time", "< 50 µs"),
+    ("state", "get_ms", "seq_state 512 tok (get)", "ms", "time", ""),
+    ("state", "set_ms", "set_seq_state, seq occupied", "ms", "time", ""),
+    ("state", "set_empty_ms", "set_seq_state, seq empty", "ms", "time", ""),
+    ("state", "roundtrip_ms", "round trip get + set (occupied)", "ms", "time", "<= 1.1x"),
+    ("state", "fast_roundtrip_ms", "round trip, out= + validate=False + keep_on_error=False", "ms", "time", "<= 1.1x"),
+]
+
+
+def target_met(target: str, py: float, ratio: float) -> str:
+    if not target:
+        return ""
+    if target.startswith(">="):
+        return "yes" if ratio >= float(target[2:].strip(" x")) else "no"
+    if target.startswith("<="):
+        return "yes" if ratio <= float(target[2:].strip(" x")) else "no"
+    if target.startswith("<"):
+        return "yes" if py < float(target[1:].split()[0]) else "no"
+    return ""
+
+
+def row(wl, metric, label, unit, kind, target, nat: list, py: list) -> dict:
+    """Medians per side, and the ratio as the median of the per-repeat ratios: the two runs of one
+    repeat ran back to back, so their ratio cancels the drift of the machine between repeats."""
+    mn, mp = statistics.median(nat), statistics.median(py)
+    paired = statistics.median(p / n for p, n in zip(py, nat))
+    return dict(workload=wl, metric=metric, label=label, unit=unit, kind=kind, native=mn, python=mp,
+                ratio=paired, ratio_of_medians=mp / mn, target=target, met=target_met(target, mp, paired),
+                native_all=nat, python_all=py)
+
+
+def summarize(runs: dict) -> list[dict]:
+    for side in ("native", "python"):
+        for r in runs.get("state", {}).get(side, []):
+            r["roundtrip_ms"] = r["get_ms"] + r["set_ms"]
+            r.setdefault("fast_roundtrip_ms", r["roundtrip_ms"])  # native C has one path
+    rows = []
+    for wl, metric, label, unit, kind, target in ROWS:
+        if wl not in runs:
+            continue
+        nat = [r[metric] for r in runs[wl]["native"]]
+        py = [r[metric] for r in runs[wl]["python"]]
+        rows.append(row(wl, metric, label, unit, kind, target, nat, py))
+    if runs.get("decode", {}).get("python_raw"):  # diagnostic: Python process + cffi, no pyllamacpp layers
+        py = [r["tok_s"] for r in runs["decode"]["python_raw"]]
+        nat = [r["tok_s"] for r in runs["decode"]["native"]]
+        rows.insert(1, row("decode", "raw_tok_s", "  same loop in raw pl.lib calls (diagnostic)", "tok/s", "rate", "",
+                           nat, py))
+    if "fill" in runs:  # Batch(model=...) checks tokens against the vocabulary: shown for reference
+        for metric in ("checked_best_us", "checked_median_us"):
+            py = [r[metric] for r in runs["fill"]["python"]]
+            nat = [r[metric.replace("checked_", "")] for r in runs["fill"]["native"]]
+            rows.append(row("fill", metric, f"  same, Batch(model=) vocab check, {metric.split('_')[1]}", "µs",
+                            "time", "< 50 µs", nat, py))
+    return rows
+
+
+def fmt(v: float) -> str:
+    return f"{v:.4g}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-r", "--repeats", type=int, default=5, help="runs per side and workload (default 5)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-w", "--workloads", default="decode,parallel,prefill,fill,state")
+    ap.add_argument("-n", "--n-predict", type=int, default=256, help="decode: tokens generated (256)")
+    ap.add_argument("--n-parallel-predict", type=int, default=64, help="parallel: tokens per sequence (64)")
+    ap.add_argument("--no-raw-cffi", dest="raw_cffi", action="store_false",
+                    help="skip the diagnostic third side of decode: the same loop in raw pl.lib calls")
+    ap.add_argument("-m", "--model", default=None, help="default: pyllamacpp.default_model_path()")
+    ap.add_argument("--json", metavar="PATH", help="also write every raw result and the table here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--settings", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.model, json.loads(a.settings))), flush=True)
+        return 0
+
+    import pyllamacpp as pl
+    model = str(a.model or pl.default_model_path())
+    exe, build_cmd = build_driver(verbose=True)
+    all_settings = settings(a.threads, a.n_predict, a.n_parallel_predict)
+    workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
+    load_before = os.getloadavg()
+    loads: list[float] = []  # 1-min load after each run: another busy process skews both sides
+    t_start = time.time()
+    runs: dict[str, dict[str, list]] = {w: {"native": [], "python": [], "python_raw": []} for w in workloads}
+    for rep in range(a.repeats):
+        for w in workloads:
+            s = all_settings[w]
+            sides = ["native", "python"] if rep % 2 == 0 else ["python", "native"]
+            if w == "decode" and a.raw_cffi:  # the diagnostic third side, in the rotation
+                sides = sides + ["python_raw"] if rep % 3 != 1 else ["python_raw"] + sides
+            for side in sides:
+                cmd = (native_cmd(exe, model, w, s) if side == "native" else python_cmd(model, w, s)
+                       if side == "python" else python_cmd(model, "decode_raw", s))
+                res = run_json(cmd)
+                runs[w][side].append(res)
+                loads.append(os.getloadavg()[0])
+                print(f"[rep {rep + 1}/{a.repeats}] {w:8s} {side:6s} "
+                      + " ".join(f"{k}={fmt(v) if isinstance(v, float) else v}" for k, v in res.items()
+                                 if k != "workload" and not isinstance(v, list)), file=sys.stderr, flush=True)
+    load_after = os.getloadavg()
+    rows = summarize(runs)
+
+    print(f"\nmodel {model}; {a.threads} threads; {a.repeats} runs per side, alternating; medians")
+    print(f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
+          f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}; 1-min load after each run "
+          f"{min(loads):.2f}..{max(loads):.2f} (this benchmark alone adds up to ~{a.threads}); "
+          f"{time.time() - t_start:.0f} s\n")
+    print("| workload | unit | native | Python | Python / native | (of medians) | target | met |")
+    print("|---|---|---:|---:|---:|---:|---|---|")
+    for r in rows:
+        print(f"| {r['label']} | {r['unit']} | {fmt(r['native'])} | {fmt(r['python'])} | {r['ratio']:.3f} | "
+              f"{r['ratio_of_medians']:.3f} | {r['target']} | {r['met']} |")
+    notes = []
+    fa = {f"{w}/{side}": res[0].get("flash_attn") for w in workloads for side in ("native", "python")
+          for res in [runs[w][side]] if res and "flash_attn" in res[0]}
+    notes.append("flash attention: requested auto on both sides; resolved to "
+                 + ", ".join(sorted({v for v in fa.values()})) + f" ({len(fa)} workload/side pairs)")
+    for w in ("decode", "parallel"):
+        if w in runs:
+            same = {r["checksum"] for r in runs[w]["native"] + runs[w]["python"] + runs[w]["python_raw"]}
+            notes.append(f"{w}: generated tokens {'identical on both sides' if len(same) == 1 else 'DIFFER'} "
+                         f"({len(same)} distinct checksum(s)); decoded tokens per run: "
+                         f"native {runs[w]['native'][0]['n_decoded']}, python {runs[w]['python'][0]['n_decoded']}")
+    if "state" in runs:
+        notes.append(f"state bytes: native {runs['state']['native'][0]['state_bytes']}, "
+                     f"python {runs['state']['python'][0]['state_bytes']}")
+    notes.append("Python / native: median over repeats of the ratio of the two back-to-back runs; rates (tok/s): "
+                 "higher is better, times: lower is better; 'met' uses it (the fill target: the Python µs)")
+    print()
+    for n in notes:
+        print("-", n)
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(model=model, threads=a.threads, repeats=a.repeats,
+                                                settings=all_settings, build_cmd=build_cmd,
+                                                load_before=load_before, load_after=load_after, loads=loads,
+                                                rows=rows, notes=notes, runs=runs), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
