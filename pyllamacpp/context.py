@@ -247,7 +247,11 @@ class Context:
 
     # -- decode --------------------------------------------------------------------------------
     def abort(self) -> None:
-        """Stop the running (or next) ``decode`` through the abort callback; it raises DecodeAborted."""
+        """Stop the running (or next) ``decode`` through the abort callback; it raises DecodeAborted.
+
+        The exception's ``seq_pos_max`` maps each sequence of the batch to the last position now
+        in memory (ubatches computed before the abort stay); from ``prefill`` it also carries
+        ``resume_from``, the index of the first token to feed again."""
         self._abort_state.abort_requested = 1
 
     def decode(self, batch: Batch) -> None:
@@ -298,9 +302,15 @@ class Context:
                 signal.raise_signal(signal.SIGINT)
             return
         self._n_outputs = 0
-        if rc == 2 and sigint:
-            raise DecodeAborted("llama_decode() aborted by Ctrl-C (SIGINT)", func="llama_decode", code=2)
-        check_decode(rc, "llama_decode" if fn is lib.llama_decode else "llama_encode", reason=cap.reason())
+        try:
+            if rc == 2 and sigint:
+                raise DecodeAborted("llama_decode() aborted by Ctrl-C (SIGINT)", func="llama_decode", code=2)
+            check_decode(rc, "llama_decode" if fn is lib.llama_decode else "llama_encode", reason=cap.reason())
+        except DecodeAborted as e:
+            # Which positions made it into memory: ubatches that finished before the abort stay.
+            e.seq_pos_max = {int(sq): self.memory.seq_pos_max(int(sq)) for sq in np.unique(
+                batch.seq_id[np.arange(batch.n_seq_max) < batch.n_seq_id[:, None]])}
+            raise
 
     def _check_batch(self, batch: Batch) -> None:
         """What llama.cpp would not survive, refused before C: the batch's views can be written
@@ -372,7 +382,12 @@ class Context:
             batch.clear()
             last = i0 + n_batch >= toks.size
             batch.add_sequence(chunk, seq_id, start_pos + i0, logits="last" if last else "none")
-            self.decode(batch)
+            try:
+                self.decode(batch)
+            except DecodeAborted as e:
+                # resume with prefill(tokens[e.resume_from:], seq_id) (positions follow)
+                e.resume_from = self.memory.seq_pos_max(seq_id) + 1 - start_pos
+                raise
         return start_pos + toks.size
 
     # -- outputs (views) -----------------------------------------------------------------------
