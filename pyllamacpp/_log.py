@@ -48,10 +48,10 @@ class _ThreadState(threading.local):
         self.partial = ""  # text of a line not yet ended by "\n"
         self.level = logging.INFO  # for GGML_LOG_LEVEL_CONT
         self.captures: list[Capture] = []
+        self.errors: list[BaseException] = []  # raised by a logging handler inside the callback
 
 
 _tls = _ThreadState()
-_errors: list[BaseException] = []  # raised by a logging handler inside the callback
 
 
 def _emit(level: int, line: str) -> None:
@@ -62,8 +62,8 @@ def _emit(level: int, line: str) -> None:
 
 
 def _on_error(exc_type, exc, tb):
-    # Never let an exception cross into C: keep it; pop_callback_error() re-raises it later.
-    _errors.append(exc)
+    # Never let an exception cross into C: keep it; the capture around the C call re-raises it.
+    _tls.errors.append(exc)
 
 
 @ffi.def_extern(onerror=_on_error)
@@ -89,16 +89,15 @@ class capture:
         _tls.captures.append(self.cap)
         return self.cap
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if _tls.partial:  # a last line without "\n" belongs to this call
             _emit(_tls.level, _tls.partial)
             _tls.partial = ""
         _tls.captures.remove(self.cap)
-
-
-def pop_callback_error() -> BaseException | None:
-    """An exception a logging handler raised inside the C callback, if any (and forget it)."""
-    return _errors.pop(0) if _errors else None
+        if _tls.errors and exc_type is None:  # a logging handler raised inside the C callback
+            err = _tls.errors.pop(0)
+            _tls.errors.clear()
+            raise err
 
 
 def install() -> None:

@@ -16,7 +16,7 @@ from ._handle import Handle, view
 from ._lib import ffi, lib
 from .batch import Batch
 from .errors import (ClosedError, ContextError, DecodeAborted, InvalidBatchError, LlamaError, StateError,
-                     check_decode)
+                     check_decode, check_ptr)
 from .model import Model, parse_buffer_sizes
 from .params import ContextParams, context_params
 
@@ -172,9 +172,7 @@ class Context:
             cparams.abort_callback_data = self._abort_state
         with _log.capture() as cap:
             ptr = lib.llama_init_from_model(model.ptr, cparams[0])
-        if ptr == ffi.NULL:
-            raise ContextError("llama_init_from_model() failed", func="llama_init_from_model",
-                               reason=cap.reason())
+        check_ptr(ptr, "llama_init_from_model", error=ContextError, reason=cap.reason())
         self._h = Handle(ptr, lib.llama_free, deps=(model._h, self._abort_state))
         self.buffers: dict[str, dict[str, float]] = {**model.load_buffers}
         for backend, kinds in parse_buffer_sizes(cap.lines).items():

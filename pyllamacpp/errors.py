@@ -73,9 +73,3 @@ def check_decode(rc: int, func: str = "llama_decode", *, reason: str | None = No
     # Positive codes other than 1 and 2 are warnings in llama.h; keep them visible.
     raise DecodeError(f"{func}() returned {rc} (a warning code)", func=func, code=rc, reason=reason)
 
-
-def check_rc(rc: int, func: str, *, error=LlamaError, ok=(0,), reason: str | None = None) -> int:
-    """Raise ``error`` naming ``func`` unless ``rc`` is one of ``ok``."""
-    if rc not in ok:
-        raise error(f"{func}() returned {rc}", func=func, code=rc, reason=reason)
-    return rc

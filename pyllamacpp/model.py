@@ -11,7 +11,7 @@ import numpy as np
 from . import _log
 from ._handle import Handle
 from ._lib import ffi, lib
-from .errors import ClosedError, ModelLoadError
+from .errors import ClosedError, ModelLoadError, check_ptr
 from .params import ggml_type, model_params
 
 _BUFFER_LINE = re.compile(r"(\w+)\s+(model|KV|compute|output|RS|compute_meta)\s+buffer size\s*=\s*([\d.]+)\s*MiB")
@@ -65,9 +65,8 @@ class Model:
         cparams = self.params.to_c()
         with _log.capture() as cap:
             ptr = lib.llama_model_load_from_file(os.fsencode(self.path), cparams[0])
-        if ptr == ffi.NULL:
-            raise ModelLoadError(f"llama_model_load_from_file() could not load {self.path}",
-                                 func="llama_model_load_from_file", reason=cap.reason())
+        check_ptr(ptr, "llama_model_load_from_file", error=ModelLoadError, reason=cap.reason(),
+                  what=f"for {self.path}")
         self._h = Handle(ptr, lib.llama_model_free)
         self._vocab = lib.llama_model_get_vocab(ptr)
         self._contexts: weakref.WeakSet = weakref.WeakSet()

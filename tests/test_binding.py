@@ -244,3 +244,29 @@ def test_cmake_configures_against_a_user_checkout(tmp_path):
     info = json.loads((tmp_path / "b" / "_build_info.json").read_text())
     assert info["llama_cpp_source"] == f"LLAMA_CPP_DIR={checkout}"
     assert info["llama_cpp_commit"] == "unknown"  # not a git checkout
+
+
+def test_an_exception_in_a_log_handler_is_raised_after_the_c_call(tmp_path):
+    # The log callback runs inside C: an exception there is kept and raised once C has returned.
+    from pyllamacpp import _log
+
+    class Boom(logging.Handler):
+        def emit(self, record):
+            raise KeyError("from the handler")
+
+        def handleError(self, record):  # logging would swallow it otherwise
+            raise
+
+    lg = logging.getLogger("pyllamacpp.llama")
+    h = Boom(level=logging.ERROR)
+    lg.addHandler(h)
+    try:
+        with pytest.raises(KeyError, match="from the handler"):
+            with _log.capture():
+                ptr = lib.llama_model_load_from_file(str(tmp_path / "missing.gguf").encode(),
+                                                     lib.llama_model_default_params())
+        assert ptr == ffi.NULL  # C finished its work: the exception came after it returned
+    finally:
+        lg.removeHandler(h)
+    with _log.capture():  # nothing left over for the next call
+        lib.llama_model_load_from_file(str(tmp_path / "missing.gguf").encode(), lib.llama_model_default_params())
