@@ -19,6 +19,14 @@ class Handle:
         self.ptr = ffi.gc(ptr, free)
         self.deps = deps  # freed after this one: they outlive every reference to it
 
+    def __del__(self):
+        # Free our pointer before the dependencies go. Without this, CPython clears __slots__ in
+        # sorted name order ("deps" before "ptr"): a model was freed before its context's
+        # llama_free, a heap-use-after-free that AddressSanitizer found.
+        ptr, self.ptr = self.ptr, None
+        if ptr is not None:
+            ffi.release(ptr)
+
 
 class _Mem:
     """What numpy sees as a view's base: the address, and the handle that keeps it valid."""

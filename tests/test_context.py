@@ -333,3 +333,26 @@ def test_seq_state_into_a_reused_buffer_and_fast_set(model, ctx):
         ctx.seq_state(0, out=np.zeros(10, np.uint8))
     assert ctx.set_seq_state(0, st, validate=False, keep_on_error=False) == len(ref)
     assert ctx.memory.seq_pos_max(0) == 6
+
+
+def test_a_handle_frees_its_pointer_before_its_dependencies():
+    # A context's handle holds its model's: llama_free must run before llama_model_free, whatever
+    # order CPython clears the handle's slots in (AddressSanitizer caught the wrong order once).
+    from pyllamacpp._handle import Handle
+    order = []
+
+    @ffi.callback("void(void *)")
+    def free_model(p):
+        order.append("model")
+
+    @ffi.callback("void(void *)")
+    def free_ctx(p):
+        order.append("context")
+
+    a, b = ffi.new("int *"), ffi.new("int *")
+    model_h = Handle(ffi.cast("void *", a), free_model)
+    ctx_h = Handle(ffi.cast("void *", b), free_ctx, deps=(model_h,))
+    del model_h
+    assert order == []
+    del ctx_h
+    assert order == ["context", "model"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 
@@ -52,8 +53,9 @@ BATCH_FUZZ = textwrap.dedent('''
 
 
 def _run_fuzz(code: str, *args, timeout=600) -> str:
+    # outside the checkout, so the installed package (not the source folder) is imported
     proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=os.path.dirname(__file__) + "/..")
+                          timeout=timeout, cwd=tempfile.gettempdir())
     assert proc.returncode == 0, f"fuzz process died with {proc.returncode}: {proc.stderr[-1500:]}"
     return proc.stdout
 
