@@ -26,10 +26,12 @@ static void pyl_on_sigint(int sig) {
     pyl_sigint_seen = 1; /* swallowed: the decode returns 2 and Python raises DecodeAborted */
 }
 
-/* Call on the main thread only, around one decode. Returns 1 if installed. */
+/* Call on the main thread only, around one decode. Returns 1 if installed. A process that
+ * ignores SIGINT (SIG_IGN, e.g. a background job) keeps ignoring it: no watch then. */
 static int pyl_sigint_watch(void) {
-    struct sigaction sa;
+    struct sigaction sa, cur;
     if (pyl_sigint_installed) return 0;
+    if (sigaction(SIGINT, NULL, &cur) != 0 || cur.sa_handler == SIG_IGN) return 0;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = pyl_on_sigint;
     sigemptyset(&sa.sa_mask);

@@ -176,13 +176,19 @@ def test_abort_from_another_thread(model):
 
 def test_ctrl_c_aborts_a_decode(model):
     toks = np.resize(model.tokenize(PROMPT), 1024)
-    with model.context(n_ctx=1024, n_batch=1024, n_ubatch=1024, n_threads=2) as ctx:
-        b = pl.Batch(1024, model=model)
-        b.add_sequence(toks)
-        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
-        with pytest.raises(pl.DecodeAborted, match="SIGINT"):
-            ctx.decode(b)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's handler is back
+    # A background job starts with SIGINT ignored (and then a decode keeps ignoring it): give the
+    # test Python's usual handler.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with model.context(n_ctx=1024, n_batch=1024, n_ubatch=1024, n_threads=2) as ctx:
+            b = pl.Batch(1024, model=model)
+            b.add_sequence(toks)
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            with pytest.raises(pl.DecodeAborted, match="SIGINT"):
+                ctx.decode(b)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's handler is back
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_gil_is_released_during_decode(model):
