@@ -20,6 +20,7 @@ _LAZY = {
     "ContextParams": ".params", "ModelParams": ".params",
     "Model": ".model", "Batch": ".batch",
     "Context": ".context", "Memory": ".context", "SeqState": ".context", "StateFlags": ".context",
+    "devices": ".rpc",
     "Sampler": ".sampling", "generate": ".generation", "generate_parallel": ".generation",
 }
 

@@ -37,6 +37,35 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_rpc_server(args) -> int:
+    import ipaddress
+    from .rpc import start_server
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    if not loopback:
+        if not args.allow_remote:
+            print(f"pyllamacpp rpc-server: refusing to bind {args.host}: pass --allow-remote "
+                  "(the RPC protocol has no authentication)", file=sys.stderr)
+            return 2
+        print(f"WARNING: serving on {args.host}:{args.port} without authentication: anyone who can reach "
+              "it can run computations and read or write its memory buffers", file=sys.stderr)
+    sys.stdout.flush()
+    start_server(args.host, args.port, threads=args.threads, cache_dir=args.cache)
+    return 0
+
+
+def _cmd_devices(args) -> int:
+    from .rpc import add_servers, devices
+    if args.rpc:
+        add_servers(args.rpc)
+    for d in devices():
+        print(f"{d['index']}: {d['name']:10} {d['type']:5} {d['backend']:5} {d['description']}  "
+              f"{d['memory_free'] / 2**20:,.0f} MiB free of {d['memory_total'] / 2**20:,.0f} MiB")
+    return 0
+
+
 def _cmd_info(args) -> int:
     from . import build_info
     print(json.dumps(build_info(), indent=2))
@@ -78,6 +107,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("rpc-server", help="serve this machine's CPU to ggml RPC clients")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--cache", help="local cache folder for tensors sent by clients")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a non-loopback --host (the RPC protocol has no authentication)")
+    p.set_defaults(func=_cmd_rpc_server)
+
+    p = sub.add_parser("devices", help="the devices this process sees (CPU, CUDA, RPC), with memory")
+    p.add_argument("--rpc", action="append", default=[], help="host:port of an RPC server to add first")
+    p.set_defaults(func=_cmd_devices)
 
     p = sub.add_parser("info", help="print build_info() as JSON")
     p.set_defaults(func=_cmd_info)

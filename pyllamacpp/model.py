@@ -14,7 +14,7 @@ from ._lib import ffi, lib
 from .errors import ClosedError, ModelLoadError, check_ptr
 from .params import ggml_type, model_params
 
-_BUFFER_LINE = re.compile(r"(\w+)\s+(model|KV|compute|output|RS|compute_meta)\s+buffer size\s*=\s*([\d.]+)\s*MiB")
+_BUFFER_LINE = re.compile(r"([\w\[\]:.\-]+)\s+(model|KV|compute|output|RS|compute_meta)\s+buffer size\s*=\s*([\d.]+)\s*MiB")
 
 
 def parse_buffer_sizes(lines) -> dict[str, dict[str, float]]:
@@ -50,14 +50,24 @@ class Model:
 
     ``path=None`` loads the default model (``pyllamacpp.default_model_path()``). Every field of
     ``llama_model_params`` is a keyword (``n_gpu_layers``, ``vocab_only``, ``load_mode``...);
-    ``use_mmap=False`` is kept as a shorthand for ``load_mode="none"``.
+    ``use_mmap=False`` is kept as a shorthand for ``load_mode="none"``. ``rpc=["host:port", ...]``
+    adds ggml RPC servers (see :mod:`pyllamacpp.rpc`) and offloads ``n_gpu_layers`` to them.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, **params):
+    def __init__(self, path: str | os.PathLike | None = None, *, rpc=None, **params):
         if path is None:
             from .models import default_model_path
             path = default_model_path()
         self.path = Path(path)
+        self._devices = None
+        if rpc:
+            # Layers offloaded with n_gpu_layers go to these RPC servers' devices (tensor_split
+            # divides them); the rest stays on the local CPU.
+            from .rpc import add_servers
+            devs = add_servers([rpc] if isinstance(rpc, str) else list(rpc))
+            if "devices" not in params:
+                self._devices = ffi.new("ggml_backend_dev_t[]", devs + [ffi.NULL])
+                params["devices"] = self._devices
         self.params = model_params(**params)
         if not self.path.is_file():
             raise ModelLoadError(f"cannot load {self.path}", func="llama_model_load_from_file",

@@ -1,0 +1,95 @@
+"""Decode and prefill tokens/s: the default model local against split over loopback RPC.
+
+Starts two ``pyllamacpp rpc-server`` processes on free loopback ports, then alternates runs of the
+local model and of the model with ``-ngl`` layers on the two servers, and prints medians and the
+ratio (split / local). Everything runs on this machine: the servers share its cores.
+
+    python tools/bench/bench_rpc.py [-r 5] [-ngl 30] [-t 2] [-p 512] [-n 64]
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(port: int, threads: int) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "pyllamacpp.cli", "rpc-server", "--port", str(port), "-t", str(threads)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return p
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit("rpc-server did not start")
+
+
+def measure(model, n_prompt: int, n_gen: int, threads: int) -> tuple[float, float]:
+    import pyllamacpp as pl
+    toks = np.resize(model.tokenize("The cat sat on the mat. The dog lay by the door. "), n_prompt)
+    with model.context(n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_threads=threads, n_threads_batch=threads) as ctx:
+        t0 = time.perf_counter()
+        pos = ctx.prefill(toks)
+        t1 = time.perf_counter()
+        b = pl.Batch(1, model=model)
+        tok = int(np.argmax(ctx.logits()))
+        t2 = time.perf_counter()
+        for _ in range(n_gen):
+            b.clear()
+            b.add(tok, pos, 0, logits=True)
+            ctx.decode(b)
+            tok = int(np.argmax(ctx.logits()))
+            pos += 1
+        t3 = time.perf_counter()
+    return n_prompt / (t1 - t0), n_gen / (t3 - t2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-r", "--repeat", type=int, default=5)
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=30)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-n", "--n-gen", type=int, default=64)
+    args = ap.parse_args()
+    import pyllamacpp as pl
+    ports = [free_port(), free_port()]
+    servers = [start(p, args.threads) for p in ports]
+    local = split = None
+    try:
+        local = pl.Model()
+        split = pl.Model(rpc=[f"127.0.0.1:{p}" for p in ports], n_gpu_layers=args.n_gpu_layers)
+        res = {"local": [], "split": []}
+        for i in range(args.repeat):
+            for name, m in (("local", local), ("split", split)) if i % 2 == 0 else (("split", split), ("local", local)):
+                res[name].append(measure(m, args.n_prompt, args.n_gen, args.threads))
+        med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in res.items()}
+        print(f"default model, -t {args.threads}, -ngl {args.n_gpu_layers} on 2 loopback rpc-servers, "
+              f"{args.repeat} alternating runs, medians")
+        print("| | local | split over RPC | split / local |\n|---|---:|---:|---:|")
+        for i, what in enumerate((f"prefill {args.n_prompt} tok/s", f"decode {args.n_gen} tok/s")):
+            print(f"| {what} | {med['local'][i]:.1f} | {med['split'][i]:.1f} | {med['split'][i] / med['local'][i]:.3f} |")
+    finally:
+        # models first: freeing a split model talks to its servers (a dead server aborts the process)
+        for m in (split, local):
+            if m is not None:
+                m.close()
+        for s in servers:
+            s.kill()
+
+
+if __name__ == "__main__":
+    main()
