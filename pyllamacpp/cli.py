@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+from pathlib import Path
 
 
 def _cmd_demo(args) -> int:
@@ -73,13 +75,11 @@ def _cmd_info(args) -> int:
 
 
 def _doc(name: str) -> str:
-    import importlib
     return importlib.import_module(f".experiments.{name}", __package__).__doc__
 
 
 def _experiment(name: str):
     def run(args) -> int:
-        import importlib
         from .experiments.common import emit
         mod = importlib.import_module(f".experiments.{name}", __package__)
         data = mod.run(args)
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help=_cmd_demo.__doc__)
-    p.add_argument("-m", "--model", type=lambda s: __import__("pathlib").Path(s),
+    p.add_argument("-m", "--model", type=Path,
                    help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
     p.add_argument("-p", "--prompt", default="The cat sat on the mat.")
     p.add_argument("-c", "--n-ctx", type=int, default=512)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--heads", type=int, help="n_head_kv (otherwise from --model or a sidecar)")
     p.add_argument("--hex", action="store_true", help="also print the first bytes of each row")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=lambda a: __import__("pyllamacpp.state._cli", fromlist=["x"]).parse_state(a))
+    p.set_defaults(func=lambda a: importlib.import_module(".state._cli", __package__).parse_state(a))
 
     p = sub.add_parser("plot-state", help="a picture of one layer's K and V, and bytes per layer")
     p.add_argument("file")
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model")
     g.add_argument("--heads", type=int)
-    p.set_defaults(func=lambda a: __import__("pyllamacpp.state._cli", fromlist=["x"]).plot_state(a))
+    p.set_defaults(func=lambda a: importlib.import_module(".state._cli", __package__).plot_state(a))
 
     from .experiments.common import add_model_flags
     p = sub.add_parser("kvprobe", help="scripted sequence and state ops",
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                        description=_doc("prefix"))
     add_model_flags(p, n_parallel=4)
     p.add_argument("--modes", default="unified,split", help="unified and/or split (default %(default)s)")
-    p.add_argument("--prompt-text", default=__import__("pyllamacpp.experiments.prefix", fromlist=["x"]).DEFAULT_PROMPT)
+    p.add_argument("--prompt-text", default=None, help="the shared prompt (default: a built-in story opening)")
     p.add_argument("-p", "--n-prompt", type=int, default=0, help="repeat the prompt to this many tokens")
     p.add_argument("-n", "--n-gen", type=int, default=16)
     p.set_defaults(func=_experiment("prefix"))

@@ -86,7 +86,7 @@ def run_mode(model, prompt, n_seq: int, n_gen: int, unified: bool, kw: dict) -> 
 def run(args) -> dict:
     model = load_model(args)
     try:
-        prompt = model.tokenize(args.prompt_text)
+        prompt = model.tokenize(args.prompt_text or DEFAULT_PROMPT)
         if args.n_prompt:
             prompt = np.resize(prompt, args.n_prompt).astype(np.int32)
         kw = dict(flash_attn=args.flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v,

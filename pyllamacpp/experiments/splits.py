@@ -19,6 +19,8 @@ self-contained page (hover a block: its rows; click: highlight that sequence eve
 """
 from __future__ import annotations
 
+import argparse
+
 import dataclasses
 import html
 import json
@@ -463,7 +465,7 @@ def shape_from_args(args) -> dict:
 
 def add_parser(sub):
     p = sub.add_parser("split-plan", help="how a batch becomes decode calls and ubatches (no model)",
-                       description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plan_flags(p)
     p.add_argument("-b", "--n-batch", "--batch-size", dest="batch_size", type=int, default=2048)
     p.add_argument("-ub", "--n-ubatch", "--ubatch-size", dest="ubatch_size", type=int, default=512)
