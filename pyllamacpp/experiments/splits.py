@@ -20,7 +20,6 @@ self-contained page (hover a block: its rows; click: highlight that sequence eve
 from __future__ import annotations
 
 import argparse
-
 import dataclasses
 import html
 import json
