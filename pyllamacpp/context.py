@@ -186,6 +186,7 @@ class Context:
         self._views: weakref.WeakSet = weakref.WeakSet()
         self._batch: Batch | None = None
         self._pending_stream_copies: set[int] = set()  # dst seqs of queued cross-stream copies
+        self._device_saved: set[int] = set()  # seqs saved with StateFlags.ON_DEVICE (llama.cpp keeps them)
         self._own_states = weakref.WeakValueDictionary()  # id -> read-only array seq_state made here
         model._contexts.add(self)
 
@@ -455,6 +456,8 @@ class Context:
             if n != size:
                 raise StateError(f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
                                  func="llama_state_seq_get_data_ext", reason=cap.reason())
+            if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
+                self._device_saved.add(seq_id)
             return SeqState(buf, seq_id, int(flags))
         out = np.empty(size, dtype=np.uint8)
         with _log.capture() as cap:
@@ -462,6 +465,8 @@ class Context:
         if n != size:
             raise StateError(f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
                              func="llama_state_seq_get_data_ext", reason=cap.reason())
+        if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
+            self._device_saved.add(seq_id)
         out.flags.writeable = False  # so set_seq_state can trust it without parsing it again
         self._own_states[id(out)] = out
         return SeqState(out, seq_id, int(flags))
@@ -483,7 +488,16 @@ class Context:
         if buf.size == 0:
             raise StateError("empty state", func="llama_state_seq_set_data_ext")
         own = isinstance(data, SeqState) and self._own_states.get(id(data.data)) is data.data
-        if validate and not flags and not own:
+        if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
+            # The blob names the sequence whose on-device copy to use; llama.cpp asserts (aborts
+            # the process) when this context never saved that sequence with ON_DEVICE.
+            src = int(np.frombuffer(buf[4:8].tobytes(), "<i4")[0]) if buf.size >= 8 else None
+            magic = int(np.frombuffer(buf[:4].tobytes(), "<u4")[0]) if buf.size >= 4 else None
+            if magic != 0xAF143CD8 or src not in self._device_saved:
+                raise StateError(f"an ON_DEVICE state must come from this context's seq_state(seq, ON_DEVICE); "
+                                 f"it names seq {src}, saved on device here: {sorted(self._device_saved)}",
+                                 func="llama_state_seq_set_data_ext")
+        elif validate and not own:
             self.check_state(buf, kind="sequence")
         backup = self.seq_state(seq_id) if keep_on_error and self.memory.seq_pos_max(seq_id) >= 0 else None
         with _log.capture() as cap:

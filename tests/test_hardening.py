@@ -307,3 +307,23 @@ def test_aborted_prefill_says_where_to_resume(model):
     with model.context(n_ctx=2048, n_batch=1024, n_ubatch=128, n_threads=2) as ctx:
         ctx.prefill(toks)
         assert int(np.argmax(ctx.logits())) == int(np.argmax(resumed))
+
+
+def test_on_device_state_from_elsewhere_is_refused(model):
+    # With ON_DEVICE, llama.cpp keeps the data and the blob only names the sequence; loading a
+    # blob that names a sequence this context never saved on device is a GGML_ASSERT abort there.
+    on_dev = pl.StateFlags.ON_DEVICE
+    toks = model.tokenize(PROMPT)
+    with model.context(n_ctx=256, n_seq_max=2, kv_unified=True, n_threads=2) as ctx:
+        ctx.prefill(toks, 0)
+        meta = ctx.seq_state(0, on_dev)
+        assert len(meta) < 2000  # metadata only: the rows stay in llama.cpp
+        ctx.memory.clear()
+        assert ctx.set_seq_state(0, meta, on_dev) > 0 and ctx.memory.seq_pos_max(0) == 6
+        forged = meta.data.copy()
+        forged[4:8] = np.frombuffer(np.int32(1).tobytes(), np.uint8)  # names seq 1: never saved on device
+        with pytest.raises(pl.StateError, match="ON_DEVICE"):
+            ctx.set_seq_state(1, forged, on_dev)
+        with model.context(n_ctx=256, n_threads=2) as other:
+            with pytest.raises(pl.StateError, match="ON_DEVICE"):
+                other.set_seq_state(0, meta, on_dev)
