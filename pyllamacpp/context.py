@@ -445,31 +445,26 @@ class Context:
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         size = lib.llama_state_seq_get_size_ext(ptr, seq_id, int(flags))
-        if out is not None:
+        own = out is None
+        if own:
+            buf = np.empty(size, dtype=np.uint8)
+        else:
             if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
                 raise ValueError("out must be a writable, contiguous 1-D uint8 array")
             if out.size < size:
                 raise ValueError(f"out holds {out.size} bytes, the state needs {size}")
             buf = out[:size]
-            with _log.capture() as cap:
-                n = lib.llama_state_seq_get_data_ext(ptr, ffi.from_buffer(buf), size, seq_id, int(flags))
-            if n != size:
-                raise StateError(f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
-                                 func="llama_state_seq_get_data_ext", reason=cap.reason())
-            if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
-                self._device_saved.add(seq_id)
-            return SeqState(buf, seq_id, int(flags))
-        out = np.empty(size, dtype=np.uint8)
         with _log.capture() as cap:
-            n = lib.llama_state_seq_get_data_ext(ptr, ffi.from_buffer(out), size, seq_id, int(flags))
+            n = lib.llama_state_seq_get_data_ext(ptr, ffi.from_buffer(buf), size, seq_id, int(flags))
         if n != size:
             raise StateError(f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
                              func="llama_state_seq_get_data_ext", reason=cap.reason())
         if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
             self._device_saved.add(seq_id)
-        out.flags.writeable = False  # so set_seq_state can trust it without parsing it again
-        self._own_states[id(out)] = out
-        return SeqState(out, seq_id, int(flags))
+        if own:
+            buf.flags.writeable = False  # so set_seq_state can trust it without parsing it again
+            self._own_states[id(buf)] = buf
+        return SeqState(buf, seq_id, int(flags))
 
     def set_seq_state(self, seq_id: int, data, flags: int = 0, *, validate: bool = True,
                       keep_on_error: bool = True) -> int:
@@ -535,9 +530,7 @@ class Context:
         if lib.llama_model_is_recurrent(self.model.ptr) and kv_parts:
             bad("a KV cache state for a recurrent model")
         m = self.model
-        head = m.n_embd // max(m.n_head, 1)
-        k_len = int(m.meta(f"{m.arch}.attention.key_length") or head)
-        v_len = int(m.meta(f"{m.arch}.attention.value_length") or head)
+        k_len, v_len = m.kv_head_sizes()
         n_kv_layers = sum(1 for n in m._meta_list("attention.head_count_kv", m.n_head_kv) if n > 0)
         plain = len(kv_parts) == 1 and kv_parts[0].name == "kv"
         for part in kv_parts:
@@ -693,12 +686,11 @@ class Context:
         m = self.model
         if getattr(m, "_sha256_prefix", None) is None:
             m._sha256_prefix = model_facts(str(m.path), sha256=True)["model_sha256"]
-        head = m.n_embd // max(m.n_head, 1)
+        k_len, v_len = m.kv_head_sizes()
         facts = {
             "model": m.path.name, "model_sha256": m._sha256_prefix, "arch": m.arch, "n_layer": m.n_layer,
             "n_head_kv": m.n_head_kv,
-            "n_embd_head_k": int(m.meta(f"{m.arch}.attention.key_length") or head),
-            "n_embd_head_v": int(m.meta(f"{m.arch}.attention.value_length") or head),
+            "n_embd_head_k": k_len, "n_embd_head_v": v_len,
             "type_k": ggml_type_name(self.params.type_k), "type_v": ggml_type_name(self.params.type_v),
             "flash_attn": self.flash_attn, "kv_unified": bool(self.params.kv_unified), "n_ctx": self.n_ctx,
             "llama_cpp_commit": EXTENSION_INFO.get("llama_cpp_commit"),

@@ -191,6 +191,13 @@ class Model:
         nums = [int(x) for x in re.findall(r"-?\d+", value)]
         return nums if len(nums) == n else [nums[0]] * n
 
+    def kv_head_sizes(self) -> tuple[int, int]:
+        """K and V head sizes: ``<arch>.attention.key_length`` / ``value_length`` from the GGUF,
+        default ``n_embd / n_head`` (as llama.cpp's hparams read them)."""
+        head_dim = self.n_embd // max(self.n_head, 1)
+        return (int(self.meta(f"{self.arch}.attention.key_length") or head_dim),
+                int(self.meta(f"{self.arch}.attention.value_length") or head_dim))
+
     def kv_bytes_per_token(self, type_k="f16", type_v="f16") -> int:
         """Bytes of K and V cache one token takes, summed over layers.
 
@@ -201,9 +208,7 @@ class Model:
         / ``value_length`` (default ``n_embd / n_head``). Cell metadata is not included.
         """
         tk, tv = ggml_type(type_k, "type_k"), ggml_type(type_v, "type_v")
-        head_dim = self.n_embd // max(self.n_head, 1)
-        k_len = int(self.meta(f"{self.arch}.attention.key_length") or head_dim)
-        v_len = int(self.meta(f"{self.arch}.attention.value_length") or head_dim)
+        k_len, v_len = self.kv_head_sizes()
         total = 0
         for n_kv in self._meta_list("attention.head_count_kv", self.n_head_kv):
             if n_kv > 0:

@@ -16,8 +16,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -38,23 +36,11 @@ def start(port: int, threads: int) -> subprocess.Popen:
 
 
 def measure(model, n_prompt: int, n_gen: int, threads: int) -> tuple[float, float]:
-    import pyllamacpp as pl
-    toks = np.resize(model.tokenize("The cat sat on the mat. The dog lay by the door. "), n_prompt)
-    with model.context(n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_threads=threads, n_threads_batch=threads) as ctx:
-        t0 = time.perf_counter()
-        pos = ctx.prefill(toks)
-        t1 = time.perf_counter()
-        b = pl.Batch(1, model=model)
-        tok = int(np.argmax(ctx.logits()))
-        t2 = time.perf_counter()
-        for _ in range(n_gen):
-            b.clear()
-            b.add(tok, pos, 0, logits=True)
-            ctx.decode(b)
-            tok = int(np.argmax(ctx.logits()))
-            pos += 1
-        t3 = time.perf_counter()
-    return n_prompt / (t1 - t0), n_gen / (t3 - t2)
+    """One prefill of n_prompt tokens and n_gen greedy decode steps (ubatch-sweep's measurement)."""
+    from pyllamacpp.experiments.sweep import measure as sweep_measure
+    r = sweep_measure(model, n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_ubatch=n_prompt, n_prompt=n_prompt,
+                      n_gen=n_gen, repeat=1, ctx_kwargs=dict(n_threads=threads, n_threads_batch=threads))
+    return r["prefill_tps"], r["decode_tps"]
 
 
 def main() -> None:
