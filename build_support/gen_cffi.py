@@ -51,6 +51,9 @@ typedef struct { int abort_requested; int watch_sigint; ...; } pyl_abort_state;
 bool pyl_abort_flag_cb(void *);
 int pyl_sigint_watch(void);
 int pyl_sigint_unwatch(void);
+typedef struct { int32_t rc; int32_t sigint; int32_t next; } pyl_step_out;
+void pyl_decode_sample(struct llama_context *, struct llama_batch *, struct llama_sampler *,
+                       pyl_abort_state *, int, llama_token, llama_pos, llama_seq_id, pyl_step_out *);
 """
 _CALLBACK_CHECKS = """
 /* The compiler checks that each Python trampoline has the type llama.cpp expects. */

@@ -51,3 +51,34 @@ static int pyl_sigint_unwatch(void) {
     pyl_sigint_seen = 0;
     return seen;
 }
+
+/* One step of pyllamacpp.generate(), in one call: put `token` at `pos` of `seq_id` into slot 0 of
+ * `batch` (logits on), llama_decode it under the abort/SIGINT watch Context.decode uses, then, when
+ * `smpl` is not NULL and the decode succeeded, sample the next token from its logits. The C calls
+ * are those of examples/simple's loop; done from Python they were a dozen interpreted calls per
+ * token, whose cost (in caches that llama_decode had just flushed) showed as 1-2% of tokens/s. */
+typedef struct {
+    int32_t rc;      /* llama_decode's return code */
+    int32_t sigint;  /* SIGINT arrived while watched */
+    int32_t next;    /* the sampled token; -1 when not sampled */
+} pyl_step_out;
+
+static void pyl_decode_sample(struct llama_context *ctx, struct llama_batch *batch,
+                              struct llama_sampler *smpl, pyl_abort_state *st, int watch,
+                              llama_token token, llama_pos pos, llama_seq_id seq_id, pyl_step_out *out) {
+    batch->n_tokens = 1;
+    batch->token[0] = token;
+    batch->pos[0] = pos;
+    batch->n_seq_id[0] = 1;
+    batch->seq_id[0][0] = seq_id;
+    batch->logits[0] = 1;
+    if (watch) st->watch_sigint = pyl_sigint_watch();
+    out->rc = llama_decode(ctx, *batch);
+    if (out->rc == 2) st->abort_requested = 0; /* consumed; an abort() that came too late stays for the next */
+    out->sigint = 0;
+    if (watch) {
+        out->sigint = pyl_sigint_unwatch();
+        st->watch_sigint = 0;
+    }
+    out->next = (out->rc == 0 && smpl != NULL) ? llama_sampler_sample(smpl, ctx, -1) : -1;
+}

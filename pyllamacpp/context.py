@@ -188,6 +188,7 @@ class Context:
         self._pending_stream_copies: set[int] = set()  # dst seqs of queued cross-stream copies
         self._device_saved: set[int] = set()  # seqs saved with StateFlags.ON_DEVICE (llama.cpp keeps them)
         self._own_states = weakref.WeakValueDictionary()  # id -> read-only array seq_state made here
+        self._kv_row_bytes: tuple[int, int] | None = None  # see _cells_held
         model._contexts.add(self)
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -282,7 +283,6 @@ class Context:
         watch = self.handle_sigint and threading.get_ident() == _MAIN_THREAD
         sigint = 0
         try:
-            self._abort_state.abort_requested = 0
             if watch:
                 self._abort_state.watch_sigint = lib.pyl_sigint_watch()
             with _log.capture() as cap:
@@ -292,24 +292,63 @@ class Context:
                 sigint = lib.pyl_sigint_unwatch()
                 self._abort_state.watch_sigint = 0
             self._lock.release()
+        if rc == 2:  # consumed; an abort() that came after the last check stays for the next decode
+            self._abort_state.abort_requested = 0
         if rc == 0:
-            if self._pending_stream_copies:
-                self._pending_stream_copies.clear()  # llama.cpp ran them at the start of this decode
-            self._n_outputs = n_outputs
-            self._out_reserved = max(self._out_reserved, n_out)
-            if sigint:  # Ctrl-C came too late to stop this decode: deliver it now
-                signal.raise_signal(signal.SIGINT)
+            self._decoded(n_outputs, sigint)
             return
+        self._decode_failed(rc, sigint, cap, batch, "llama_decode" if fn is lib.llama_decode else "llama_encode")
+
+    def _decoded(self, n_outputs: int, sigint: int) -> None:
+        if self._pending_stream_copies:
+            self._pending_stream_copies.clear()  # llama.cpp ran them at the start of this decode
+        self._n_outputs = n_outputs
+        if n_outputs > self._out_reserved:
+            self._out_reserved = n_outputs
+        if sigint:  # Ctrl-C came too late to stop this decode: deliver it now
+            signal.raise_signal(signal.SIGINT)
+
+    def _decode_failed(self, rc: int, sigint: int, cap, batch: Batch, func: str) -> None:
         self._n_outputs = 0
         try:
             if rc == 2 and sigint:
-                raise DecodeAborted("llama_decode() aborted by Ctrl-C (SIGINT)", func="llama_decode", code=2)
-            check_decode(rc, "llama_decode" if fn is lib.llama_decode else "llama_encode", reason=cap.reason())
+                raise DecodeAborted(f"{func}() aborted by Ctrl-C (SIGINT)", func=func, code=2)
+            check_decode(rc, func, reason=cap.reason())
         except DecodeAborted as e:
             # Which positions made it into memory: ubatches that finished before the abort stay.
             e.seq_pos_max = {int(sq): self.memory.seq_pos_max(int(sq)) for sq in np.unique(
                 batch.seq_id[np.arange(batch.n_seq_max) < batch.n_seq_id[:, None]])}
             raise
+
+    def _generation_step(self, sampler, seq_id: int):
+        """For :func:`pyllamacpp.generate`: ``step(token, pos, sample_next)`` decodes ``token`` at
+        ``pos`` of ``seq_id`` and returns the next token sampled from its logits (or -1), in one
+        C call (``pyl_decode_sample`` in build_support/helpers.h), with what :meth:`decode` does
+        around it: the thread lock, the abort flag and SIGINT watch, error mapping. The token is
+        one the sampler produced, and seq_id is checked here once, so the batch checks of
+        :meth:`decode` have nothing left to find."""
+        seq_id = self.memory._seq(self, seq_id)
+        batch = Batch(1, 1)
+        pbatch, out, state, lock = batch._p, ffi.new("pyl_step_out *"), self._abort_state, self._lock
+        fn, capture, null, get_ident = lib.pyl_decode_sample, _log.capture, ffi.NULL, threading.get_ident
+
+        def step(token: int, pos: int, sample_next: bool) -> int:
+            ptr = self.ptr  # raises once the context is closed
+            smpl = sampler.ptr if sample_next else null
+            watch = self.handle_sigint and get_ident() == _MAIN_THREAD
+            if not lock.acquire(False):
+                raise RuntimeError("this context is being used by another thread; use one context per thread")
+            try:
+                with capture() as cap:
+                    fn(ptr, pbatch, smpl, state, watch, token, pos, seq_id, out)
+            finally:
+                lock.release()
+            if out.rc:
+                self._decode_failed(out.rc, out.sigint, cap, batch, "llama_decode")
+            self._decoded(1, out.sigint)
+            return out.next
+
+        return step
 
     def _check_batch(self, batch: Batch) -> None:
         """What llama.cpp would not survive, refused before C: the batch's views can be written
@@ -482,7 +521,8 @@ class Context:
         buf = _as_uint8(data)
         if buf.size == 0:
             raise StateError("empty state", func="llama_state_seq_set_data_ext")
-        own = isinstance(data, SeqState) and self._own_states.get(id(data.data)) is data.data
+        own = (isinstance(data, SeqState) and self._own_states.get(id(data.data)) is data.data
+               and not data.data.flags.writeable)
         if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
             # The blob names the sequence whose on-device copy to use; llama.cpp asserts (aborts
             # the process) when this context never saved that sequence with ON_DEVICE.
@@ -494,7 +534,10 @@ class Context:
                                  func="llama_state_seq_set_data_ext")
         elif validate and not own:
             self.check_state(buf, kind="sequence")
-        backup = self.seq_state(seq_id) if keep_on_error and self.memory.seq_pos_max(seq_id) >= 0 else None
+        trusted = own or validate or bool(flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE)
+        backup = None
+        if keep_on_error and self.memory.seq_pos_max(seq_id) >= 0 and not (trusted and self._load_fits(seq_id, buf)):
+            backup = self.seq_state(seq_id)
         with _log.capture() as cap:
             n = lib.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(buf), buf.size, seq_id, int(flags))
         if n == 0:
@@ -506,6 +549,56 @@ class Context:
                              + ("unchanged" if keep_on_error else "now empty"),
                              func="llama_state_seq_set_data_ext", reason=cap.reason())
         return int(n)
+
+    def _load_fits(self, seq_id: int, buf: np.ndarray) -> bool:
+        """True when loading this checked sequence blob into ``seq_id`` cannot fail, so the
+        sequence needs no backup. Checked, the blob can still fail on room alone:
+        llama_kv_cache::state_read_meta removes ``seq_id``'s cells, then ``find_slot`` needs
+        ``cell_count`` usable cells of its stream, any of them (not contiguous). So it fits when
+        ``cell_count <= n_ctx_seq - (cells the other sequences of that stream hold)``.
+        Plain KV caches only (iSWA, recurrent and hybrid memories restore more than one part:
+        they get the backup)."""
+        m = self.model
+        if m.n_swa or lib.llama_model_is_recurrent(m.ptr) or lib.llama_model_is_hybrid(m.ptr):
+            return False
+        if buf.size < 12 or not buf.flags.c_contiguous:
+            return False
+        n_stream = int(buf[8:12].view("<u4")[0])
+        if not 1 <= n_stream <= 256 or buf.size < 12 + 4 * n_stream:
+            return False
+        # u32 cell_count of stream 0, then its cells...: only a leading run of empty streams
+        # reads as counts, and a checked sequence blob has cells in one stream
+        counts = buf[12:12 + 4 * n_stream].view("<u4")
+        nz = np.flatnonzero(counts)
+        cell_count = int(counts[nz[0]]) if nz.size else 0
+        room = self.n_ctx_seq
+        if self.params.kv_unified and self.n_seq_max > 1:  # one stream that the other sequences share
+            for s in range(self.n_seq_max):
+                if s != seq_id and self.memory.seq_pos_max(s) >= 0:
+                    c = self._cells_held(s)
+                    if c is None:
+                        return False
+                    room -= c
+        return cell_count <= room
+
+    def _cells_held(self, s: int) -> int | None:
+        """Cells sequence ``s`` holds in a one-stream plain KV cache, from two sizes llama.cpp
+        counts without copying anything (llama_io_write_dummy): with and without
+        ``ON_DEVICE`` (headers only). Their difference is cells x the K+V row bytes of a token;
+        the headers-only size is 16 + cells x (12 or 24 with llama_kv_cell_ext) + 8 + 12 per
+        K/V record. Both must agree, else None (the caller then keeps a backup)."""
+        ptr = self.ptr
+        meta = int(lib.llama_state_seq_get_size_ext(ptr, s, lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE))
+        full = int(lib.llama_state_seq_get_size_ext(ptr, s, 0))
+        if self._kv_row_bytes is None:
+            m = self.model
+            n_kv_layers = sum(1 for n in m._meta_list("attention.head_count_kv", m.n_head_kv) if n > 0)
+            self._kv_row_bytes = (m.kv_bytes_per_token(self.params.type_k, self.params.type_v), n_kv_layers)
+        row_bytes, n_layers = self._kv_row_bytes
+        cells, rest = divmod(full - meta, row_bytes)
+        if rest or meta - 16 - 8 - 24 * n_layers not in (12 * cells, 24 * cells):
+            return None
+        return cells
 
     def check_state(self, data, *, kind: str = "sequence") -> None:
         """Parse a state blob with :mod:`pyllamacpp.state` and check it against this context before
@@ -560,6 +653,15 @@ class Context:
                 pos = s.cells["pos"]
                 if pos.size and pos.min() < 0:
                     bad(f"a cell of stream {s.index} has a negative position")
+                if kind == "sequence" and (s.cells["n_seq_id"] != 1).any():
+                    # llama_kv_cache::state_read_meta: "invalid seq_id-agnostic kv cell"
+                    bad(f"a cell of stream {s.index} lists {int(s.cells['n_seq_id'].max())} sequences; "
+                        "a sequence dump's cells list exactly one")
+            if kind == "sequence" and sum(1 for s in part.streams if s.cell_count) > 1:
+                # llama.cpp writes one sequence's cells from its one stream; loading several would
+                # put each into the same stream, the later ones removing the earlier
+                bad(f"cells in {sum(1 for s in part.streams if s.cell_count)} streams of {part.name}; "
+                    "a sequence dump has them in one")
 
     def _check_no_pending_copy(self, seq_id, func: str) -> None:
         if self._pending_stream_copies and (seq_id is None or seq_id in self._pending_stream_copies):

@@ -12,19 +12,23 @@ from .sampling import Sampler
 
 def generate(ctx, tokens, n_predict: int, sampler: Sampler | None = None, seq_id: int = 0) -> Iterator[int]:
     """Prefill ``tokens`` into ``seq_id`` (after what it holds), then yield up to ``n_predict``
-    sampled tokens, one ``llama_decode`` each; stops after an end-of-generation token."""
+    sampled tokens, one ``llama_decode`` each; stops after an end-of-generation token.
+
+    Each yielded token is decoded when the next one is asked for (so breaking out of the loop
+    leaves the last yielded token out of memory); the decode and the next sample are one C call
+    (``Context._generation_step``)."""
     sampler = sampler or Sampler.greedy()
-    model = ctx.model
+    is_eog = ctx.model.is_eog
     pos = ctx.prefill(tokens, seq_id)
-    batch = Batch(1, ctx.n_seq_max, model=model)
-    for _ in range(n_predict):
-        tok = sampler.sample(ctx, -1)
+    if n_predict <= 0:
+        return
+    step = ctx._generation_step(sampler, seq_id)
+    tok = sampler.sample(ctx, -1)
+    for i in range(1, n_predict + 1):
         yield tok
-        if model.is_eog(tok):
+        if is_eog(tok):
             return
-        batch.clear()
-        batch.add(tok, pos, seq_id, logits=True)
-        ctx.decode(batch)
+        tok = step(tok, pos, i < n_predict)  # the last token is decoded too, as it always was
         pos += 1
 
 

@@ -362,3 +362,37 @@ def test_a_handle_frees_its_pointer_before_its_dependencies():
     assert order == []
     del ctx_h
     assert order == ["context", "model"]
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])  # V rows, or V transposed: other record headers
+def test_a_load_that_cannot_fail_skips_the_backup_and_one_that_can_keeps_the_sequence(model, flash_attn):
+    """set_seq_state backs an occupied sequence up only when llama.cpp could fail to load the blob
+    (room): a checked blob of c cells always finds them when c <= n_ctx_seq - cells of the other
+    sequences of the stream. Both sides of that rule, against what llama.cpp does."""
+    toks = np.resize(model.tokenize(PROMPT), 200)
+    with model.context(n_ctx=256, n_seq_max=2, kv_unified=True, flash_attn=flash_attn, n_threads=2) as ctx:
+        assert ctx.n_ctx_seq == 256
+        ctx.prefill(toks[:100], 0)
+        st100 = ctx.seq_state(0)
+        ctx.memory.clear()
+        ctx.prefill(toks[:30], 0)
+        st30 = ctx.seq_state(0)
+        ctx.prefill(toks[:200], 1)  # seq 1: 200 cells; seq 0: 30; 26 free
+        before = bytes(ctx.seq_state(0))
+        backups = []
+        orig = ctx.seq_state
+        ctx.seq_state = lambda *a, **k: backups.append(a) or orig(*a, **k)
+        # 30 cells into seq 0: at most 256 - 200 others' are needed, so no backup, and it loads
+        assert ctx._load_fits(0, st30.data)
+        assert ctx.set_seq_state(0, st30) == len(st30) and backups == []
+        # 100 cells: only 56 would be free once seq 0's 30 go; backed up, llama.cpp fails, put back
+        assert not ctx._load_fits(0, st100.data)
+        with pytest.raises(pl.StateError, match="unchanged"):
+            ctx.set_seq_state(0, st100)
+        assert len(backups) == 1
+        del ctx.seq_state
+        assert bytes(ctx.seq_state(0)) == before and ctx.memory.seq_pos_max(1) == 199
+        assert ctx._cells_held(1) == 200 and ctx._cells_held(0) == 30
+    with model.context(n_ctx=256, n_threads=2) as ctx:  # one sequence: an own blob always fits
+        ctx.prefill(toks[:100])
+        assert ctx._load_fits(0, ctx.seq_state(0).data)

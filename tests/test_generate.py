@@ -77,6 +77,53 @@ def test_generate_parallel_equals_each_sequence_alone(model, kv_unified):
         assert r.finished_by in ("eog", "n_predict") and r.text
 
 
+def test_generate_fills_the_cache_then_raises_and_the_context_goes_on(model):
+    """A step that finds no room raises KVCacheFullError from the generator; what was generated
+    up to there is what a roomy context generates, and the context decodes afterwards."""
+    toks = model.tokenize("Once upon a time")  # greedy goes past 256 tokens without an end token
+    with model.context(n_ctx=512, n_threads=2) as roomy:
+        want = list(pl.generate(roomy, toks, 260))
+    assert not any(model.is_eog(t) for t in want)
+    with model.context(n_ctx=256, n_threads=2) as ctx:
+        assert ctx.n_ctx == 256
+        got = []
+        with pytest.raises(pl.KVCacheFullError):
+            for t in pl.generate(ctx, toks, 260):
+                got.append(t)
+        # cells 0..255 hold the prompt and the generated tokens decoded so far; the next found none
+        assert ctx.memory.seq_pos_max(0) == 255
+        assert len(got) == 256 - toks.size + 1 and got == want[:len(got)]
+        ctx.memory.clear()
+        assert list(pl.generate(ctx, toks, 5)) == want[:5]  # the context decodes afterwards
+
+
+def test_generate_after_close_raises_and_abort_stops_it(model):
+    toks = model.tokenize(PROMPT)
+    ctx = model.context(n_ctx=256, n_threads=2)
+    g = pl.generate(ctx, toks, 50)
+    next(g)
+    ctx.close()
+    with pytest.raises(pl.ClosedError):
+        next(g)
+    with model.context(n_ctx=256, n_threads=2) as ctx:
+        sampler = pl.Sampler.greedy()
+        g = pl.generate(ctx, toks, 50, sampler)
+        next(g)
+        sampler.close()
+        with pytest.raises(pl.ClosedError):
+            next(g)
+        # abort() between steps is not lost: the next decode stops, and its exception says how far
+        ctx.memory.clear()
+        g = pl.generate(ctx, toks, 50)
+        first = [next(g), next(g)]
+        ctx.abort()
+        with pytest.raises(pl.DecodeAborted) as info:
+            next(g)
+        assert info.value.seq_pos_max == {0: toks.size}  # prompt + the first token; the second not
+        assert len(first) == 2
+        assert list(pl.generate(ctx, [first[1]], 3))  # usable afterwards, the flag was consumed
+
+
 def test_public_names_are_not_shadowed_by_submodules():
     import importlib
     importlib.import_module("pyllamacpp.generation")
