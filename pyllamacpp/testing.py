@@ -23,7 +23,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-ARCHS = ("llama", "qwen3", "gemma2", "gemma3", "mamba")
+ARCHS = ("llama", "qwen3", "gemma2", "gemma3", "mamba", "lfm2")
 """Architectures ``make_model`` writes (llama.cpp's ``general.architecture`` names)."""
 
 _ATTENTION_ARCHS = ("llama", "qwen3", "gemma2", "gemma3")
@@ -37,6 +37,7 @@ _OPTIONS = {
     "gemma3": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-6, "n_swa": 4096, "swa_pattern": None},
     "mamba": {"norm_rms_eps": 1e-5, "ssm_d_conv": 4, "ssm_d_state": 16, "ssm_dt_rank": None,
               "ssm_d_inner": None},
+    "lfm2": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-5, "conv_l_cache": 3, "attn_layers": None},
 }
 
 _STD = 0.02
@@ -62,6 +63,12 @@ def make_model(path: str | os.PathLike, arch: str = "llama", *, n_layer: int, n_
     - ``mamba`` (recurrent memory; no attention, leave ``n_head`` unset): ``ssm_d_conv`` (4),
       ``ssm_d_state`` (16), ``ssm_dt_rank`` (``ceil(n_embd / 16)``); ``ssm_d_inner`` must be
       ``2 * n_embd``, the only expansion llama.cpp's mamba supports.
+    - ``lfm2`` (hybrid memory: a KV cache for the attention layers, then recurrent state for the
+      short-convolution layers): ``attn_layers``, one bool per layer (True = attention; default:
+      every other layer from layer 1), written as a per-layer ``attention.head_count_kv`` where 0
+      marks a convolution layer (models/lfm2.cpp: ``is_recr_impl[il] = n_head_kv(il) == 0``);
+      ``conv_l_cache`` (``shortconv.l_cache``, 3), ``rope_freq_base``, ``norm_rms_eps``. Heads have
+      ``n_embd / n_head`` values (lfm2 has no key_length); leave ``head_dim`` unset.
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -91,7 +98,10 @@ def make_model(path: str | os.PathLike, arch: str = "llama", *, n_layer: int, n_
         ("output_norm.weight", (n_embd,), "norm"),
     ]  # no output.weight: every arch here falls back to token_embd (TENSOR_DUPLICATED)
 
-    if arch in _ATTENTION_ARCHS:
+    if arch == "lfm2":
+        n_ff = _lfm2(kv, tensors, opt, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                     head_dim=head_dim, n_ff=n_ff)
+    elif arch in _ATTENTION_ARCHS:
         if not n_head or n_head < 1:
             raise ValueError(f"{arch} needs n_head >= 1")
         n_head_kv = n_head if n_head_kv is None else int(n_head_kv)
@@ -203,6 +213,62 @@ def make_model(path: str | os.PathLike, arch: str = "llama", *, n_layer: int, n_
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _lfm2(kv: dict, tensors: list, opt: dict, *, n_layer: int, n_embd: int, n_head, n_head_kv, head_dim,
+          n_ff) -> int:
+    """Metadata and tensors of models/lfm2.cpp (load_arch_hparams, load_arch_tensors), dense FFN only
+    (``n_layer_dense_lead = n_layer``: no MoE layer)."""
+    T = gguf.GGUFValueType
+    if not n_head or n_head < 1 or n_embd % n_head:
+        raise ValueError(f"lfm2 needs n_head >= 1 dividing n_embd ({n_embd})")
+    if head_dim is not None:
+        raise ValueError("lfm2 heads have n_embd / n_head values: leave head_dim unset")
+    n_head_kv = n_head if n_head_kv is None else int(n_head_kv)
+    if n_head_kv < 1 or n_head % n_head_kv:
+        raise ValueError(f"n_head ({n_head}) must be a multiple of n_head_kv ({n_head_kv})")
+    attn = opt["attn_layers"]
+    attn = [il % 2 == 1 for il in range(n_layer)] if attn is None else [bool(x) for x in attn]
+    if len(attn) != n_layer:
+        raise ValueError(f"attn_layers has {len(attn)} entries, expected n_layer={n_layer}")
+    l_cache = int(opt["conv_l_cache"])
+    if l_cache < 2:
+        raise ValueError(f"conv_l_cache must be >= 2 (GGML_ASSERT in models/lfm2.cpp), got {l_cache}")
+    hd = n_embd // n_head
+    n_ff = 4 * n_embd if n_ff is None else int(n_ff)
+    arch = "lfm2"
+    kv[f"{arch}.feed_forward_length"] = (n_ff, T.UINT32)
+    kv[f"{arch}.attention.head_count"] = (n_head, T.UINT32)
+    kv[f"{arch}.attention.head_count_kv"] = ([n_head_kv if a else 0 for a in attn], T.ARRAY, T.UINT32)
+    kv[f"{arch}.rope.freq_base"] = (float(opt["rope_freq_base"]), T.FLOAT32)
+    kv[f"{arch}.shortconv.l_cache"] = (l_cache, T.UINT32)
+    # the final norm is named token_embd_norm (LLM_TENSOR_OUTPUT_NORM_LFM2 in llama-arch.cpp)
+    tensors[1] = ("token_embd_norm.weight", (n_embd,), "norm")
+    for i, is_attn in enumerate(attn):
+        b = f"blk.{i}."
+        tensors += [
+            (b + "attn_norm.weight", (n_embd,), "norm"),
+            (b + "ffn_norm.weight", (n_embd,), "norm"),
+            (b + "ffn_gate.weight", (n_embd, n_ff), "w"),
+            (b + "ffn_up.weight", (n_embd, n_ff), "w"),
+            (b + "ffn_down.weight", (n_ff, n_embd), "w"),
+        ]
+        if is_attn:
+            tensors += [
+                (b + "attn_q_norm.weight", (hd,), "norm"),
+                (b + "attn_k_norm.weight", (hd,), "norm"),
+                (b + "attn_q.weight", (n_embd, n_embd), "w"),
+                (b + "attn_k.weight", (n_embd, hd * n_head_kv), "w"),
+                (b + "attn_v.weight", (n_embd, hd * n_head_kv), "w"),
+                (b + "attn_output.weight", (n_embd, n_embd), "w"),
+            ]
+        else:
+            tensors += [
+                (b + "shortconv.conv.weight", (l_cache, n_embd), "w32"),  # ggml_ssm_conv wants f32
+                (b + "shortconv.in_proj.weight", (n_embd, 3 * n_embd), "w"),
+                (b + "shortconv.out_proj.weight", (n_embd, n_embd), "w"),
+            ]
+    return n_ff
 
 
 def _weights(rng: np.random.Generator, ne: tuple[int, ...], kind: str, wtype) -> np.ndarray:

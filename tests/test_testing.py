@@ -97,6 +97,28 @@ def test_recurrent_mamba(tmp_path):
         assert sizes[0] == sizes[1] >= n_layer * ((d_conv - 1) + d_state) * d_inner * 4
 
 
+def test_hybrid_lfm2(tmp_path):
+    # attention at layers 1 and 3 (head_count_kv [0, 2, 0, 2]), short convolutions at 0 and 2
+    n_layer, n_embd, n_head, n_head_kv, l_cache = 4, 64, 4, 2, 3
+    path = make_model(tmp_path / "lfm2.gguf", "lfm2", n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                      n_head_kv=n_head_kv, n_vocab=96, conv_l_cache=l_cache)
+    with pl.Model(path) as model:
+        assert (model.arch, model.n_layer, model.n_embd, model.n_vocab) == ("lfm2", n_layer, n_embd, 96)
+        assert lib.llama_model_is_hybrid(model.ptr) and not lib.llama_model_is_recurrent(model.ptr)
+        assert model.n_head_kv == 0  # llama_model_n_head_kv is layer 0's count: a conv layer
+        ctx = _decode(model)
+        assert {"KV", "RS"} <= set(ctx.buffers["CPU"])
+        state = ctx.seq_state(0)
+        assert _magic(state) == SEQ_MAGIC
+        # llama_memory_hybrid::state_write: the KV cache of the 2 attention layers (one stream),
+        # then the recurrent memory: 1 cell, s_trans, n_layer, R records of (l_cache - 1) x n_embd
+        # f32 and S records of 0 values (hparams.n_embd_s() is 0 for lfm2), headers only
+        kv = 4 + 4 + N_TOKENS * 12 + 8 + 2 * 2 * (12 + N_TOKENS * (n_embd // n_head) * n_head_kv * 2)
+        rs = 4 + 8 + 8 + 2 * (12 + (l_cache - 1) * n_embd * 4) + 2 * 12
+        assert len(state) == 8 + kv + rs
+        ctx.close()
+
+
 def test_test_tokenizer_works(tmp_path):
     # llama.cpp's "test" vocabulary: tokenize hashes 5-byte chunks, pieces are hex ids; no abort
     path = make_model(tmp_path / "tok.gguf", "llama", n_layer=1, n_embd=32, n_head=2, n_vocab=64)
@@ -124,6 +146,9 @@ def test_deterministic_and_atomic(tmp_path):
     ("mamba", dict(n_head=2), ValueError),
     ("mamba", dict(ssm_d_inner=48), ValueError),         # llama.cpp: expansion factor 2 only
     ("gemma2", dict(n_head=2, swa_pattern=[True]), ValueError),
+    ("lfm2", dict(n_head=2, head_dim=32), ValueError),    # lfm2 has no key_length
+    ("lfm2", dict(n_head=2, attn_layers=[True]), ValueError),
+    ("lfm2", dict(n_head=2, conv_l_cache=1), ValueError),
 ])
 def test_bad_arguments(tmp_path, arch, kwargs, error):
     with pytest.raises(error):
@@ -132,4 +157,4 @@ def test_bad_arguments(tmp_path, arch, kwargs, error):
 
 
 def test_archs_listed():
-    assert set(ARCHS) >= {"llama", "qwen3", "gemma2", "gemma3", "mamba"}
+    assert set(ARCHS) >= {"llama", "qwen3", "gemma2", "gemma3", "mamba", "lfm2"}

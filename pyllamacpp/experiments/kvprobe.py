@@ -210,7 +210,8 @@ class Probe:
         from ..state import parse
         mem = self.ctx.memory
         state = self.ctx.seq_state(seq)
-        st = parse(state.data, n_head_kv=self.model.n_head_kv)
+        # n_head_kv is layer 0's: 0 when layer 0 has no attention (hybrid models), then rows stay flat
+        st = parse(state.data, n_head_kv=self.model.n_head_kv or None)
         cells = sum(s.cell_count for p in st.parts for s in p.streams)
         return {"pos_min": mem.seq_pos_min(seq), "pos_max": mem.seq_pos_max(seq), "cells": cells,
                 "bytes": len(state)}

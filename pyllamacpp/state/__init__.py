@@ -14,16 +14,19 @@ The layout (llama-context.cpp, llama-kv-cache.cpp, llama-memory-recurrent.cpp at
   u32 v_trans, u32 n_layer, K records (i32 type, u64 row_size, rows), V records (the same, or
   with v_trans=1: i32 type, u32 element size, u32 n_embd_v_gqa, values value-major).
   iSWA caches write base then swa; hybrid memory the KV cache then the recurrent state.
+- StateFlags.ON_DEVICE dumps hold the same headers without any rows (metadata only).
+- Records carry the model's layer (``il``) when the layer map is known (model=, sidecar).
 """
 from ._buffer import StateFormatError
 from ._parse import IO_MAGIC, SEQ_FILE_MAGIC, SEQ_FILE_VERSION, SESSION_MAGIC, SESSION_VERSION
-from ._records import (DumpKind, Header, Layout, LayoutRow, MemoryPart, Segment, Stream,
-                       TensorRecord)
+from ._layers import layer_map
+from ._records import (DumpKind, Header, LayerViews, Layout, LayoutRow, MemoryPart, MetadataOnlyError,
+                       Segment, Stream, TensorRecord)
 from ._sidecar import SIDECAR_FIELDS, model_facts, read_sidecar, sidecar_path, write_sidecar
 from ._state import KVState, parse
 from ._types import GGMLType, hadamard
 
 __all__ = ["parse", "KVState", "StateFormatError", "DumpKind", "Header", "MemoryPart", "Stream",
-           "TensorRecord", "Layout", "LayoutRow", "Segment", "GGMLType", "hadamard", "write_sidecar",
+           "TensorRecord", "LayerViews", "MetadataOnlyError", "layer_map", "Layout", "LayoutRow", "Segment", "GGMLType", "hadamard", "write_sidecar",
            "read_sidecar", "sidecar_path", "model_facts", "SIDECAR_FIELDS", "IO_MAGIC",
            "SEQ_FILE_MAGIC", "SESSION_MAGIC", "SEQ_FILE_VERSION", "SESSION_VERSION"]

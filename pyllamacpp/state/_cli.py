@@ -43,15 +43,17 @@ def parse_state(args) -> int:
     lay = st.layout()
     layer = args.layer
     data = {"file": str(args.file), "file_size": os.path.getsize(args.file), "kind": st.kind.name,
-            "kind_text": str(st.kind),
+            "kind_text": str(st.kind) + (", metadata only (ON_DEVICE)" if st.metadata_only else ""),
+            "metadata_only": st.metadata_only, "layers": st.layers,
             "metadata_bytes": lay.metadata_bytes, "payload_bytes": lay.payload_bytes,
             "parts": [], "records": [dataclasses.asdict(r) for r in lay.rows]}
     for part in st.parts:
         for s in part.streams:
             entry = {"part": part.name, "stream": s.index, "cell_count": s.cell_count,
                      "v_trans": s.v_trans, "n_layer": s.n_layer, "cells": []}
-            recs = {r.kind: r for r in s.records if r.layer == layer}
-            for c in range(min(args.cells, s.cell_count)):
+            # --layer is the model's il when the layer map is known, else the record index
+            recs = {r.kind: r for r in s.records if r.key == layer and r.has_data and r.n_embd}
+            for c in range(min(args.cells, s.cell_count) if recs else 0):
                 cell = s.cells[c]
                 row = {"cell": c, "pos": int(cell["pos"]),
                        "seq_ids": [int(x) for x in cell["seq_id"] if x >= 0]}
@@ -63,14 +65,17 @@ def parse_state(args) -> int:
         print(json.dumps(data, indent=1, default=str))
         return 0
     print(f"file {args.file}: {data['file_size']:,} bytes")
+    if st.metadata_only:
+        print("metadata only (ON_DEVICE): no K/V rows to show, only the record headers")
     print(st.describe(max_rows=args.rows, n_cells=0, n_values=0).rstrip())
     for entry in data["parts"]:
         if not entry["cells"]:
             continue
-        print(f"\n{entry['part']} stream {entry['stream']}, layer {layer}, first {len(entry['cells'])} cells:")
+        which = f"il {layer}" if st.layers else f"record {layer}"
+        print(f"\n{entry['part']} stream {entry['stream']}, {which}, first {len(entry['cells'])} cells:")
         for row in entry["cells"]:
             print(f"  cell {row['cell']} pos {row['pos']} seq {row['seq_ids']}")
-            for kind in ("K", "V", "R", "S"):
+            for kind in ("K", "V", "R", "P", "S"):
                 if kind in row:
                     r = row[kind]
                     vals = ", ".join(f"{v:.4f}" for v in r["values"])
@@ -85,10 +90,13 @@ def plot_state(args) -> int:
     import matplotlib.pyplot as plt
 
     st = parse(args.file, **_heads_kwargs(args))
+    if st.metadata_only:
+        print(f"{args.file}: metadata only (ON_DEVICE): no K/V rows to plot")
+        return 1
     part = st.parts[0]
     stream = next(s for s in part.streams if s.cell_count)
-    k = next(r for r in stream.records if r.kind == "K" and r.layer == args.layer)
-    v = next((r for r in stream.records if r.kind == "V" and r.layer == args.layer), None)
+    k = next(r for r in stream.records if r.kind == "K" and r.key == args.layer)
+    v = next((r for r in stream.records if r.kind == "V" and r.key == args.layer), None)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [2, 2, 1.4]})
     for ax, rec in zip(axes[:2], (k, v)):
         if rec is None:
@@ -101,14 +109,14 @@ def plot_state(args) -> int:
         if rec.n_head:
             for h in range(1, rec.n_head):
                 ax.axvline(h * rec.head_dim - 0.5, color="k", lw=0.8)
-        ax.set_title(f"{rec.kind} layer {rec.layer} ({rec.type.name}, {rec.n_head or '?'} heads)")
+        ax.set_title(f"{rec.name} ({rec.type.name}, {rec.n_head or '?'} heads)")
         ax.set_xlabel("head x dim" if rec.n_head else "n_embd_gqa (pass --heads to separate heads)")
         ax.set_ylabel("cell")
         fig.colorbar(im, ax=ax, fraction=0.046)
     per_layer = {}
     for r in stream.records:
-        per_layer.setdefault(r.layer, {}).setdefault(r.kind, 0)
-        per_layer[r.layer][r.kind] += r.nbytes
+        per_layer.setdefault(r.key, {}).setdefault(r.kind, 0)
+        per_layer[r.key][r.kind] += r.nbytes
     layers = sorted(per_layer)
     bottom = np.zeros(len(layers))
     for kind in sorted({kd for d in per_layer.values() for kd in d}):
@@ -116,7 +124,7 @@ def plot_state(args) -> int:
         axes[2].bar(layers, b, bottom=bottom, label=kind)
         bottom += b
     axes[2].set_title("bytes per layer")
-    axes[2].set_xlabel("layer")
+    axes[2].set_xlabel("layer (il)" if st.layers else "record index")
     axes[2].legend()
     fig.suptitle(f"{os.path.basename(str(args.file))}: {st.kind}, {stream.cell_count} cells")
     fig.tight_layout()

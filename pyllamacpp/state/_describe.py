@@ -37,7 +37,8 @@ def _values_text(r, n_cells: int, n_values: int) -> list[str]:
 def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
     h = state.header
     access = "writable" if state.writable else "read-only"
-    out = [f"{state.kind} ({_SOURCES[state.kind]}): {state.nbytes:,} bytes, from {state.source} ({access})"]
+    meta = ", metadata only (ON_DEVICE): record headers without rows" if state.metadata_only else ""
+    out = [f"{state.kind} ({_SOURCES[state.kind]}){meta}: {state.nbytes:,} bytes, from {state.source} ({access})"]
     fields = []
     if h.magic is not None:
         fields.append(f"magic 0x{h.magic:08x}")
@@ -52,7 +53,8 @@ def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
         fields.append(f"{len(h.tokens)} tokens {toks}{' ...' if len(h.tokens) > 12 else ''}")
     out.append("header: " + (", ".join(fields) if fields else "-") + f" ({h.nbytes} bytes)")
     out.append(f"memory: {state.options['memory']}, n_head_kv={state.n_head_kv}"
-               + (", cells carry llama_kv_cell_ext" if state.options.get("cell_ext") else ""))
+               + (", cells carry llama_kv_cell_ext" if state.options.get("cell_ext") else "")
+               + (", layers numbered by the model's il" if state.layers else ", layers numbered by record index"))
     for p in state.parts:
         what = "KV cache" if p.kind == "kv" else "recurrent memory"
         out.append(f"  {p.name} ({what})" + (f": {p.n_stream} stream(s)" if p.n_stream is not None else ""))
@@ -69,6 +71,9 @@ def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
                 kinds.setdefault(r.kind, r)
             for r in kinds.values():
                 out.append(f"      {_record_text(r)}")
+            ils = [r.il for r in s.records if r.kind == next(iter(kinds))]
+            if ils and None not in ils:
+                out.append(f"      layers (il): {ils}")
         if empty:
             out.append(f"    empty streams: {empty if len(empty) <= 8 else f'{len(empty)} streams'}")
     lay = state.layout()
@@ -76,13 +81,16 @@ def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
     out.extend("  " + line for line in lay.table(max_rows).splitlines())
     for p in state.parts:
         for s in p.streams:
-            if not s.cell_count or not s.records or n_cells <= 0:
+            if not s.cell_count or not s.records or n_cells <= 0 or state.metadata_only:
                 continue
             firsts = {}
             for r in s.records:
-                firsts.setdefault(r.kind, r)
+                if r.n_embd:  # lfm2's S records hold 0 values per cell
+                    firsts.setdefault(r.kind, r)
             what = "head 0" if s.records[0].n_head else "row"
-            out.append(f"first cells of {p.name} stream {s.index} (layer 0, {what}, first {n_values} values):")
+            first = s.records[0]
+            label = f"il {first.il}" if first.il is not None else "record 0"
+            out.append(f"first cells of {p.name} stream {s.index} ({label}, {what}, first {n_values} values):")
             texts = {k: _first_values(r, n_cells, n_values) for k, r in firsts.items()}
             for i in range(min(n_cells, s.cell_count)):
                 c = s.cells[i]

@@ -1,14 +1,10 @@
-"""The format grammar, as llama.cpp writes it (llama-context.cpp, llama-kv-cache.cpp,
-llama-memory-recurrent.cpp). Every read goes through Buffer.view(); nothing here copies payloads.
-
-A dump's header says what produced it; its memory part is one or more memory modules' states
-back to back. Their number and kind are not written down, nor whether cells carry
-llama_kv_cell_ext or whether layers have V, so ``parse_memory`` tries the layouts llama.cpp can
-write and keeps the first that accounts for every byte.
+"""The format grammar, as llama.cpp writes it (llama-context.cpp, llama-kv-cache.cpp): the
+header, cells, per-layer records and a KV cache's state. Every read goes through Buffer.view();
+nothing here copies payloads. Recurrent memory is in _recurrent, the choice among layouts in
+_memory.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import numpy as np
@@ -26,18 +22,6 @@ LLAMA_MAX_SEQ = 256              # src/llama-cparams.h; also bounds n_stream
 CELL_EXT_SIZE = 12               # llama_kv_cell_ext: i32 x, i32 y, i32 tok (llama-kv-cells.h)
 MAX_ARCH_NAME = 64
 
-# memory= names -> the parts, in the order llama.cpp writes them
-MEMORY_LAYOUTS = {
-    "kv": ("kv",),                                 # llama_kv_cache
-    "iswa": ("kv", "kv"),                          # llama_kv_cache_iswa: base, then swa
-    "hybrid": ("kv", "recurrent"),                 # llama_memory_hybrid: attn, then recurrent
-    "hybrid-iswa": ("kv", "kv", "recurrent"),      # llama_memory_hybrid_iswa
-    "recurrent": ("recurrent",),                   # llama_memory_recurrent
-}
-PART_NAMES = {
-    "kv": ("kv",), "iswa": ("base", "swa"), "hybrid": ("kv", "recurrent"),
-    "hybrid-iswa": ("base", "swa", "recurrent"), "recurrent": ("recurrent",),
-}
 _ARCH_RE = re.compile(rb"[A-Za-z0-9_.\-]+")
 
 
@@ -173,28 +157,43 @@ def _heads(n_head: int | None, n_embd: int, off: int, what: str) -> int | None:
     return n_head
 
 
+def _rows(buf: Buffer, off: int, nbytes: int, what: str, data: bool) -> np.ndarray | None:
+    # data=False: a metadata-only dump (llama_io_write_dummy(skip_tensors) / llama_io_write_device
+    # in llama-context.cpp skip every write_tensor), where the next header follows at once.
+    return buf.view(off, nbytes, what) if data else None
+
+
 def row_record(buf: Buffer, p: int, part: str, s: int, kind: str, il: int, n_cells: int,
-               n_head: int | None) -> TensorRecord:
-    """``i32 type, u64 row_size`` then n_cells rows (llama_kv_cache::state_write_data)."""
+               n_head: int | None, *, data: bool = True, empty_ok: bool = False) -> TensorRecord:
+    """``i32 type, u64 row_size`` then n_cells rows (llama_kv_cache::state_write_data,
+    llama_memory_recurrent::state_write_data). ``empty_ok``: a row size of 0 is valid (a
+    recurrent S record of lfm2, whose hparams.n_embd_s() is 0)."""
     what = f"{part} stream {s} {kind}[{il}]"
     t = ggml_type(buf.i32(p, f"{what} type"), offset=p, what=f"{what} type")
     row_size = buf.u64(p + 4, f"{what} row size")
     n_embd = t.n_values(row_size)
-    if not row_size or n_embd is None:
+    if (not row_size and not empty_ok) or n_embd is None:
         raise StateFormatError(f"row size {row_size} is not a whole number of {t.name} blocks "
                                f"({t.type_size} bytes per {t.block_size} values)",
                                offset=p + 4, what=f"{what} row size")
     n_head = _heads(n_head, n_embd, p + 4, f"{what} row size")
-    data = buf.view(p + 12, n_cells * row_size, f"{what} data ({n_cells} rows x {row_size} bytes)")
-    return TensorRecord(part, s, kind, il, t, p, p + 12, n_cells, row_size, n_embd, False, n_head, data)
+    rows = _rows(buf, p + 12, n_cells * row_size, f"{what} data ({n_cells} rows x {row_size} bytes)", data)
+    return TensorRecord(part, s, kind, il, t, p, p + 12, n_cells, row_size, n_embd, False, n_head, rows)
 
 
 def transposed_record(buf: Buffer, p: int, part: str, s: int, il: int, n_cells: int,
-                      n_head: int | None) -> TensorRecord:
+                      n_head: int | None, *, data: bool = True) -> TensorRecord:
     """V with v_trans=1: ``i32 type, u32 element_size, u32 n_embd_v_gqa`` then, for each of the
     n_embd values, that value of every cell."""
     what = f"{part} stream {s} V[{il}]"
     t = ggml_type(buf.i32(p, f"{what} type"), offset=p, what=f"{what} type")
+    if t.quantized:
+        # llama_init_from_model and llama_context's constructor (llama-context.cpp) refuse a
+        # quantized V cache without flash attention, and only flash attention off gives v_trans=1; a block type written "value by
+        # value" (state_write_data copies ggml_type_size() bytes per value) would be nonsense.
+        raise StateFormatError(f"transposed V (v_trans=1) of block-quantized type {t.name}: this "
+                               f"llama.cpp never writes one (quantized V requires flash attention, "
+                               f"which stores V untransposed)", offset=p, what=f"{what} type")
     el = buf.u32(p + 4, f"{what} element size")
     if el != t.type_size:
         raise StateFormatError(f"element size {el}, but ggml_type_size({t.name}) is {t.type_size}",
@@ -203,8 +202,9 @@ def transposed_record(buf: Buffer, p: int, part: str, s: int, il: int, n_cells: 
     if not n_embd:
         raise StateFormatError("n_embd_v_gqa is 0", offset=p + 8, what=f"{what} n_embd_v_gqa")
     n_head = _heads(n_head, n_embd, p + 8, f"{what} n_embd_v_gqa")
-    data = buf.view(p + 12, n_embd * n_cells * el, f"{what} data ({n_embd} x {n_cells} values of {el} bytes)")
-    return TensorRecord(part, s, "V", il, t, p, p + 12, n_cells, n_embd * el, n_embd, True, n_head, data)
+    rows = _rows(buf, p + 12, n_embd * n_cells * el,
+                 f"{what} data ({n_embd} x {n_cells} values of {el} bytes)", data)
+    return TensorRecord(part, s, "V", il, t, p, p + 12, n_cells, n_embd * el, n_embd, True, n_head, rows)
 
 
 def _count(records: list[TensorRecord], tally: list[int] | None) -> int:
@@ -225,7 +225,7 @@ def _layer_header(buf: Buffer, p: int, what: str, flag_name: str = "v_trans") ->
 
 
 def parse_kv(buf: Buffer, off: int, name: str, *, ext: bool, has_v: bool, n_head: int | None,
-             tally: list[int] | None = None) -> MemoryPart:
+             tally: list[int] | None = None, data: bool = True) -> MemoryPart:
     """llama_kv_cache::state_write: u32 n_stream, then per stream u32 cell_count and, unless it is
     0, cells, u32 v_trans, u32 n_layer, n_layer K records, n_layer V records (none without V)."""
     n_stream = buf.u32(off, f"{name}: n_stream")
@@ -245,109 +245,12 @@ def parse_kv(buf: Buffer, off: int, name: str, *, ext: bool, has_v: bool, n_head
         q += 8
         records = []
         for il in range(n_layer):
-            records.append(row_record(buf, q, name, s, "K", il, cell_count, n_head))
+            records.append(row_record(buf, q, name, s, "K", il, cell_count, n_head, data=data))
             q = _count(records, tally)
         for il in range(n_layer if has_v else 0):
-            records.append(transposed_record(buf, q, name, s, il, cell_count, n_head) if v_trans
-                           else row_record(buf, q, name, s, "V", il, cell_count, n_head))
+            records.append(transposed_record(buf, q, name, s, il, cell_count, n_head, data=data) if v_trans
+                           else row_record(buf, q, name, s, "V", il, cell_count, n_head, data=data))
             q = _count(records, tally)
         streams.append(Stream(name, s, p, cell_count, cells, p + 4, nb, v_trans, n_layer, tuple(records), q))
         p = q
     return MemoryPart(name, "kv", off, n_stream, tuple(streams), p)
-
-
-def parse_recurrent(buf: Buffer, off: int, name: str, tally: list[int] | None = None) -> MemoryPart:
-    """llama_memory_recurrent::state_write: u32 cell_count, cells, u32 s_trans (always 0),
-    u32 n_layer, then an R record and later an S record per layer that has them, written even
-    when cell_count is 0. Which layers have them is not written down: this part is always the
-    last, so the records run to the end of the dump, half R and half S."""
-    what = f"{name} stream 0"
-    cell_count = buf.u32(off, f"{what}: cell_count")
-    cells, nb = parse_cells(buf, off + 4, cell_count, ext=False, what=what)
-    q = off + 4 + nb
-    s_trans, n_layer = _layer_header(buf, q, what, "s_trans")
-    if s_trans:
-        raise StateFormatError("s_trans 1: this llama.cpp only writes 0", offset=q, what=f"{what}: s_trans")
-    q += 8
-    records = []
-    while q < buf.size:
-        if len(records) == 2 * n_layer:
-            raise StateFormatError(f"more than 2 x n_layer ({2 * n_layer}) R and S records",
-                                   offset=q, what=f"{what}: records")
-        records.append(row_record(buf, q, name, 0, "R/S", len(records), cell_count, None))
-        q = _count(records, tally)
-    if len(records) % 2:
-        raise StateFormatError(f"{len(records)} records: expected as many R as S records",
-                               offset=q, what=f"{what}: records")
-    half = len(records) // 2
-    records = [dataclasses.replace(r, kind="R" if i < half else "S", layer=i % half if half else 0)
-               for i, r in enumerate(records)]
-    stream = Stream(name, 0, off, cell_count, cells, off + 4, nb, s_trans, n_layer, tuple(records), q)
-    return MemoryPart(name, "recurrent", off, None, (stream,), q)
-
-
-def _rename(part: MemoryPart, name: str) -> MemoryPart:
-    if part.name == name:
-        return part
-    streams = tuple(dataclasses.replace(s, part=name, records=tuple(dataclasses.replace(r, part=name)
-                                                                  for r in s.records))
-                    for s in part.streams)
-    return dataclasses.replace(part, name=name, streams=streams)
-
-
-def parse_memory(buf: Buffer, off: int, *, memory: str | None = None, cell_ext: bool | None = None,
-                 has_v: bool | None = None, n_head: int | None = None) -> tuple[tuple[MemoryPart, ...], dict]:
-    """The memory part from ``off`` to the end: the first layout that reads every byte.
-
-    Returns the parts and the options that read them (memory, cell_ext, has_v). When no layout
-    fits, raises the error of the attempt that read the most records (the earliest attempt on
-    a tie): a misreading attempt fails before its first record, so its error is not the one
-    that explains the dump, even when it fails at a later byte.
-    """
-    if memory is not None and memory not in MEMORY_LAYOUTS:
-        raise ValueError(f"memory={memory!r}: expected one of {sorted(MEMORY_LAYOUTS)}")
-    layouts = [memory] if memory else list(MEMORY_LAYOUTS)
-    exts = [cell_ext] if cell_ext is not None else [False, True]
-    has_vs = [has_v] if has_v is not None else [True, False]
-    memo: dict = {}  # a part at an offset reads the same in every layout that has it there
-    best: tuple[int, StateFormatError] | None = None
-
-    def part_at(kind: str, i: int, p: int, ext: bool, hv: bool) -> MemoryPart:
-        label = kind if i == 0 else f"{kind}#{i + 1}"
-        key = (label, p, ext, hv) if kind == "kv" else (label, p)
-        if key not in memo:
-            tally = [0]
-            try:
-                memo[key] = (parse_kv(buf, p, label, ext=ext, has_v=hv, n_head=n_head, tally=tally)
-                             if kind == "kv" else parse_recurrent(buf, p, label, tally))
-            except StateFormatError as e:
-                e._records_read = tally[0]
-                memo[key] = e
-        if isinstance(memo[key], StateFormatError):
-            raise memo[key]
-        return memo[key]
-
-    for name in layouts:
-        kinds = MEMORY_LAYOUTS[name]
-        combos = [(e, h) for e in exts for h in has_vs] if "kv" in kinds else [(exts[0], has_vs[0])]
-        for ext, hv in combos:
-            parts, p, n_records = [], off, 0
-            try:
-                for i, kind in enumerate(kinds):
-                    parts.append(part_at(kind, i, p, ext, hv))
-                    p = parts[-1].end
-                    n_records += sum(len(s.records) for s in parts[-1].streams)
-                if p != buf.size:
-                    raise StateFormatError(f"{buf.size - p} trailing bytes after the memory part",
-                                           offset=p, what="end of dump")
-            except StateFormatError as e:
-                score = n_records + getattr(e, "_records_read", 0)
-                if best is None or score > best[0]:
-                    best = (score, e)
-                continue
-            named = tuple(_rename(part, n) for part, n in zip(parts, PART_NAMES[name]))
-            opts = {"memory": name, "cell_ext": ext if "kv" in kinds else None,
-                    "has_v": hv if "kv" in kinds else None}
-            return named, opts
-    assert best is not None
-    raise best[1]

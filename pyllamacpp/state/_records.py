@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,14 +34,19 @@ class Header:
     nbytes: int                # the memory part starts here
 
 
+class MetadataOnlyError(ValueError):
+    """A record of a metadata-only dump (StateFlags.ON_DEVICE) has no rows to read."""
+
+
 @dataclass(frozen=True)
 class TensorRecord:
     """One per-layer record: ``i32 type, u64 row_size`` (or, for transposed V, ``i32 type,
-    u32 element_size, u32 n_embd``) followed by the rows of the dumped cells."""
+    u32 element_size, u32 n_embd``; for a recurrent PLE row, ``u64 row_size`` alone) followed by
+    the rows of the dumped cells, or by nothing in a metadata-only dump (``data`` is None)."""
     part: str
     stream: int
-    kind: str                  # K, V (attention) or R, S (recurrent)
-    layer: int                 # index of the record in its stream, not the model's il
+    kind: str                  # K, V (attention) or R, P, S (recurrent; P: PLE conv rows)
+    layer: int                 # index of the record among its stream's records of this kind
     type: GGMLType
     header_offset: int
     data_offset: int
@@ -49,7 +55,22 @@ class TensorRecord:
     n_embd: int                # values per cell (n_embd_k_gqa / n_embd_v_gqa)
     transposed: bool           # V with v_trans=1: stored value-major, [n_embd][n_cells]
     n_head: int | None         # heads to shape views with (n_head_kv); None keeps rows flat
-    data: np.ndarray = field(repr=False, compare=False)  # the payload, uint8 view
+    data: np.ndarray | None = field(repr=False, compare=False)  # the payload, uint8 view; None: not in the dump
+    il: int | None = None      # the model's layer index, when the layer map is known (see _layers)
+
+    @property
+    def name(self) -> str:
+        """How messages name the record: ``K[il 5]`` with a layer map, ``K[#2]`` (index) without."""
+        return f"{self.kind}[il {self.il}]" if self.il is not None else f"{self.kind}[#{self.layer}]"
+
+    @property
+    def key(self) -> int:
+        """What ``k[...]`` indexes by: the model's il when known, else the record index."""
+        return self.il if self.il is not None else self.layer
+
+    @property
+    def has_data(self) -> bool:
+        return self.data is not None
 
     @property
     def header_size(self) -> int:
@@ -57,19 +78,34 @@ class TensorRecord:
 
     @property
     def nbytes(self) -> int:
+        """Payload bytes in the dump: 0 in a metadata-only dump."""
+        return self.rows_nbytes if self.data is not None else 0
+
+    @property
+    def rows_nbytes(self) -> int:
+        """Bytes the rows take (in the dump, or in device memory for a metadata-only dump)."""
         return self.n_cells * self.row_size
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head if self.n_head else self.n_embd
 
+    def _payload(self) -> np.ndarray:
+        if self.data is None:
+            raise MetadataOnlyError(
+                f"{self.part} stream {self.stream} {self.name}: this is a metadata-only dump "
+                f"(StateFlags.ON_DEVICE): llama.cpp wrote the record headers and kept the "
+                f"{self.rows_nbytes:,} bytes of rows in its own memory (llama_io_write_device)")
+        return self.data
+
     @property
     def rows(self) -> np.ndarray:
         """Raw bytes, one row per cell, shape (n_cells, row_size); transposed V has no such rows."""
+        data = self._payload()
         if self.transposed:
             raise ValueError(f"{self.kind}[{self.layer}] is stored transposed (v_trans=1): it has no "
                              f"per-cell byte rows; use .values")
-        return self.data.reshape(self.n_cells, self.row_size)
+        return data.reshape(self.n_cells, self.row_size)
 
     @property
     def values(self) -> np.ndarray:
@@ -80,7 +116,7 @@ class TensorRecord:
         if t.dtype is None:
             return self.rows
         shape = (self.n_cells, self.n_head, self.head_dim) if self.n_head else (self.n_cells, self.n_embd)
-        flat = self.data.view(t.dtype)
+        flat = self._payload().view(t.dtype)
         el = t.dtype.itemsize
         if self.transposed:  # [n_embd][n_cells]: value j of cell c at (j * n_cells + c)
             col = self.n_cells * el
@@ -138,6 +174,7 @@ class TensorRecord:
 
     def address(self, cell: int, head: int = 0, element: int = 0) -> int:
         """Byte offset in the dump of one value (of its block, for quantized types)."""
+        self._payload()  # a metadata-only dump holds no value to point at
         j = self._index(cell, head, element)
         if self.transposed:
             return self.data_offset + (j * self.n_cells + cell) * self.type.type_size
@@ -198,21 +235,70 @@ class Stream:
     def v_records(self): return self._kind("V")
 
     @property
-    def k(self) -> tuple[np.ndarray, ...]:
-        """``k[il]``: the K values of record il (see TensorRecord.values)."""
-        return tuple(r.values for r in self.k_records)
+    def k(self) -> "LayerViews":
+        """``k[il]``: the K values of layer il (the model's layer with a layer map, else the
+        record index; see TensorRecord.values)."""
+        return LayerViews(self._kind("K"))
 
     @property
-    def v(self) -> tuple[np.ndarray, ...]:
-        return tuple(r.values for r in self.v_records)
+    def v(self) -> "LayerViews":
+        return LayerViews(self._kind("V"))
 
     @property
-    def r(self) -> tuple[np.ndarray, ...]:
-        return tuple(r.values for r in self._kind("R"))
+    def r(self) -> "LayerViews":
+        return LayerViews(self._kind("R"))
 
     @property
-    def s(self) -> tuple[np.ndarray, ...]:
-        return tuple(r.values for r in self._kind("S"))
+    def p(self) -> "LayerViews":
+        """PLE conv rows (recurrent layers with a PLE conv tensor, qwen4exp at this pin)."""
+        return LayerViews(self._kind("P"))
+
+    @property
+    def s(self) -> "LayerViews":
+        return LayerViews(self._kind("S"))
+
+
+class LayerViews(Sequence):
+    """The values of a run of records, indexed by layer: ``views[il]`` is the record whose
+    ``key`` is il (the model's layer index when the layer map is known, else the record index),
+    built when asked for. ``len()``, iteration and slices go by record order; ``.layers`` lists
+    the keys, ``.record(il)`` gives the record itself."""
+
+    __slots__ = ("records", "_by_key")
+
+    def __init__(self, records):
+        self.records = tuple(records)
+        self._by_key = {r.key: r for r in self.records}
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(r.key for r in self.records)
+
+    def record(self, il: int) -> TensorRecord:
+        if isinstance(il, (bool, np.bool_)) or not isinstance(il, (int, np.integer)):
+            raise TypeError(f"layers are ints, not {type(il).__name__}")
+        r = self._by_key.get(int(il))
+        if r is None:
+            what = "model layers (il)" if self.records and self.records[0].il is not None else "record indices"
+            raise IndexError(f"no layer {il}: these records hold {what} {list(self.layers)}")
+        return r
+
+    def __getitem__(self, il):
+        if isinstance(il, slice):
+            return tuple(r.values for r in self.records[il])
+        return self.record(il).values
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self):
+        return (r.values for r in self.records)
+
+    def __contains__(self, il) -> bool:
+        return il in self._by_key
+
+    def __repr__(self) -> str:
+        return f"<LayerViews {len(self.records)} records, layers {list(self.layers)}>"
 
 
 @dataclass(frozen=True)
@@ -232,7 +318,8 @@ class LayoutRow:
     part: str
     stream: int
     kind: str
-    layer: int
+    layer: int                 # record index
+    il: int | None             # the model's layer, when the layer map is known
     type: str
     row_size: int
     header_offset: int
@@ -256,9 +343,21 @@ class Layout:
     metadata_bytes: int
     payload_bytes: int
     total_bytes: int
+    metadata_only: bool = False   # an ON_DEVICE dump: headers without rows
+    layers_known: bool = True     # False: "layer" numbers are record indices, not the model's il
+
+    def notes(self) -> list[str]:
+        out = []
+        if self.metadata_only:
+            out.append("metadata only (ON_DEVICE): every record is a header; its rows stayed in "
+                       "llama.cpp's device memory, so the payload is 0 bytes")
+        if not self.layers_known:
+            out.append("il: layer numbers are record indices within each part (no layer map: pass "
+                       "model= or keep a sidecar with 'layers')")
+        return out
 
     def table(self, max_rows: int | None = None) -> str:
-        head = f"{'part':<9} {'strm':>4} {'kv':<2} {'layer':>5} {'type':<6} {'row':>6} {'hdr@':>10} {'data@':>10} {'bytes':>10}"
+        head = f"{'part':<9} {'strm':>4} {'kv':<2} {'#':>3} {'il':>4} {'type':<6} {'row':>6} {'hdr@':>10} {'data@':>10} {'bytes':>10}"
         rows = list(self.rows)
         skipped = 0
         if max_rows is not None and len(rows) > max_rows:
@@ -269,10 +368,12 @@ class Layout:
             if r is None:
                 lines.append(f"  ... {skipped} more records ...")
                 continue
-            lines.append(f"{r.part:<9} {r.stream:>4} {r.kind:<2} {r.layer:>5} {r.type:<6} {r.row_size:>6} "
+            il = "-" if r.il is None else r.il
+            lines.append(f"{r.part:<9} {r.stream:>4} {r.kind:<2} {r.layer:>3} {il:>4} {r.type:<6} {r.row_size:>6} "
                          f"{r.header_offset:>10} {r.data_offset:>10} {r.nbytes:>10}")
         lines.append(f"metadata {self.metadata_bytes:,} B + payload {self.payload_bytes:,} B = "
                      f"{self.total_bytes:,} B")
+        lines.extend(self.notes())
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -8,6 +8,8 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from ._layers import layer_map
+
 SIDECAR_FIELDS = {
     "model": "model file name",
     "model_sha256": "prefix of the model file's sha256",
@@ -23,6 +25,7 @@ SIDECAR_FIELDS = {
     "n_ctx": "context size",
     "llama_cpp_commit": "llama.cpp commit that wrote the dump",
     "tokens": "token ids the dump holds",
+    "layers": "the model layer (il) of each record, per memory part: {part: [il, ...]} (see _layers)",
 }
 
 
@@ -86,19 +89,28 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
     n_head = _field(r, f"{arch}.attention.head_count")
     n_embd = _field(r, f"{arch}.embedding_length")
     default_head = n_embd // n_head if isinstance(n_head, int) and n_head else None
-    if isinstance(head_kv, list):  # per-layer counts: one number only when they agree
-        head_kv = head_kv[0] if len(set(head_kv)) == 1 else None
+    if isinstance(head_kv, list):
+        # per-layer counts, 0 for a layer without attention (hybrid models): one number only
+        # when the attention layers agree
+        head_kv = set(head_kv) - {0}
+        head_kv = head_kv.pop() if len(head_kv) == 1 else None
+    keys = ["general.architecture"] + [f"{arch}.{k}" for k in (
+        "block_count", "nextn_predict_layers", "attention.head_count_kv", "attention.sliding_window",
+        "attention.sliding_window_pattern")]
     return {
         "model": Path(path).name, "arch": arch, "n_layer": _field(r, f"{arch}.block_count"),
-        "n_head_kv": head_kv,
+        "n_head_kv": head_kv or None,
         "n_embd_head_k": _field(r, f"{arch}.attention.key_length") or default_head,
         "n_embd_head_v": _field(r, f"{arch}.attention.value_length") or default_head,
+        "layers": layer_map({k: _field(r, k) for k in keys}),
     }
 
 
 def model_facts(model, *, sha256: bool = False) -> dict:
-    """Head counts and sizes of ``model``: a GGUF path (read with gguf.GGUFReader) or an object
-    with an ``n_head_kv`` attribute (or method). ``sha256=True`` adds the file's sha256 prefix."""
+    """Head counts, sizes and the layer map (``layers``, None for an architecture _layers does
+    not know) of ``model``: a GGUF path (read with gguf.GGUFReader) or an object with an
+    ``n_head_kv`` attribute (or method), whose ``path``, when it has one, is read as the GGUF
+    (pyllamacpp.Model). ``sha256=True`` adds the file's sha256 prefix."""
     if isinstance(model, (str, os.PathLike)):
         st = os.stat(model)
         facts = dict(_gguf_facts(os.fspath(model), st.st_size, st.st_mtime_ns))
@@ -112,4 +124,8 @@ def model_facts(model, *, sha256: bool = False) -> dict:
     n = getattr(model, "n_head_kv", None)
     if n is None:
         raise TypeError(f"model= takes a GGUF path or an object with n_head_kv, not {type(model).__name__}")
-    return {"n_head_kv": int(n() if callable(n) else n)}
+    path = getattr(model, "path", None)
+    facts = model_facts(path) if isinstance(path, (str, os.PathLike)) and os.path.isfile(path) else {}
+    n = int(n() if callable(n) else n)
+    # llama_model_n_head_kv is layer 0's count: 0 when layer 0 has no attention (hybrid models)
+    return {**facts, "n_head_kv": n or facts.get("n_head_kv")}

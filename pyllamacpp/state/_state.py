@@ -1,14 +1,17 @@
 """``parse()`` and the KVState it returns: records, views, layout, addresses, bytes out."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import numpy as np
 
-from ._buffer import Buffer
-from ._parse import parse_header, parse_memory
-from ._records import DumpKind, Header, Layout, LayoutRow, MemoryPart, Segment, Stream, TensorRecord
+from ._buffer import Buffer, StateFormatError
+from ._memory import parse_memory
+from ._parse import parse_header
+from ._records import (DumpKind, Header, LayerViews, Layout, LayoutRow, MemoryPart, Segment, Stream,
+                       TensorRecord)
 from ._sidecar import model_facts, read_sidecar
 
 _SOURCES = {
@@ -46,7 +49,8 @@ def _as_array(data, writable: bool | None) -> tuple[np.ndarray, str, Path | None
 
 
 def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | None = None,
-          memory: str | None = None, cell_ext: bool | None = None, has_v: bool | None = None) -> "KVState":
+          memory: str | None = None, cell_ext: bool | None = None, has_v: bool | None = None,
+          metadata_only: bool | None = None, layers: dict | None = None) -> "KVState":
     """Parse a state dump: bytes-like, a uint8 array, or a path (np.memmap'ed, never read whole).
 
     It may come from llama_state_seq_get_data(_ext), llama_state_get_data,
@@ -54,27 +58,57 @@ def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | No
 
     ``n_head_kv`` (or ``model=``: a GGUF path or an object with ``n_head_kv``; else, for a path,
     its ``<path>.json`` sidecar) shapes views as (cells, n_head_kv, head_dim); without it rows
-    stay (cells, n_embd_gqa). ``writable``: None keeps the input's writability (bytes are
-    read-only, a bytearray or writable array gives writable views, zero-copy); True copies
-    read-only input once (a path is mapped copy-on-write: the file is never changed); False
-    forces read-only views. ``memory`` ("kv", "iswa", "hybrid", "hybrid-iswa", "recurrent"),
-    ``cell_ext`` and ``has_v`` pin what is otherwise detected (see _parse.parse_memory).
-    Raises StateFormatError (a ValueError) on anything that does not follow the format.
+    stay (cells, n_embd_gqa). The same sources give the layer map (``layers=`` sets it: part name
+    -> the model's il of each record, see _layers), which numbers records by the model's layer;
+    without one, layer numbers are record indices. ``writable``: None keeps the input's
+    writability (bytes are read-only, a bytearray or writable array gives writable views,
+    zero-copy); True copies read-only input once (a path is mapped copy-on-write: the file is
+    never changed); False forces read-only views. ``memory`` ("kv", "iswa", "hybrid",
+    "hybrid-iswa", "recurrent"), ``cell_ext``, ``has_v`` and ``metadata_only`` (a
+    StateFlags.ON_DEVICE dump: headers without rows) pin what is otherwise detected (see
+    _memory.parse_memory). Raises StateFormatError (a ValueError) on anything that does not follow
+    the format, or that contradicts the layer map.
     """
     arr, source, path = _as_array(data, writable)
     sidecar = read_sidecar(path) if path is not None else None
-    if n_head_kv is None and model is not None:
-        n_head_kv = model_facts(model).get("n_head_kv")
-    if n_head_kv is None and sidecar:
-        n_head_kv = sidecar.get("n_head_kv")
+    facts = model_facts(model) if model is not None else {}
+    if n_head_kv is None:
+        # 0 (a sidecar of a hybrid model, whose layer 0 has no attention) says nothing: rows stay flat
+        n_head_kv = facts.get("n_head_kv") or (sidecar or {}).get("n_head_kv") or None
     if n_head_kv is not None and (not isinstance(n_head_kv, (int, np.integer)) or n_head_kv < 1):
         raise ValueError(f"n_head_kv must be a positive int, not {n_head_kv!r}")
     n_head_kv = int(n_head_kv) if n_head_kv is not None else None
+    if layers is None:
+        layers = facts.get("layers") or (sidecar or {}).get("layers")
     buf = Buffer(arr)
     header = parse_header(buf)
     parts, options = parse_memory(buf, header.nbytes, memory=memory, cell_ext=cell_ext, has_v=has_v,
-                                  n_head=n_head_kv)
+                                  n_head=n_head_kv, metadata_only=metadata_only)
+    if layers:
+        parts = tuple(_number_layers(p, layers.get(p.name)) for p in parts)
+    options["layers"] = {p.name: layers[p.name] for p in parts if p.name in layers} if layers else None
     return KVState(buf, header, parts, n_head_kv=n_head_kv, options=options, source=source, sidecar=sidecar)
+
+
+def _number_layers(part: MemoryPart, ils) -> MemoryPart:
+    """Give every record of ``part`` its model layer: the i-th record of each kind is layer
+    ``ils[i]`` (a part writes its layers in increasing il: the llama_kv_cache constructor and
+    llama_memory_recurrent's state_write_data both walk il upwards). A P record shares its R's."""
+    if ils is None:
+        return part
+    ils = [int(x) for x in ils]
+    streams = []
+    for s in part.streams:
+        for kind in sorted({r.kind for r in s.records} - {"P"}):  # P: only the layers with PLE rows
+            recs = [r for r in s.records if r.kind == kind]
+            if len(recs) != len(ils):
+                raise StateFormatError(
+                    f"{len(recs)} {kind} records, but the layer map gives part {part.name} "
+                    f"{len(ils)} layers {ils}: a dump of another model?",
+                    offset=recs[0].header_offset, what=f"{part.name} stream {s.index} {kind} records")
+        recs = tuple(dataclasses.replace(r, il=ils[r.layer]) for r in s.records)
+        streams.append(dataclasses.replace(s, records=recs))
+    return dataclasses.replace(part, streams=tuple(streams))
 
 
 class KVState:
@@ -109,11 +143,23 @@ class KVState:
     def tokens(self) -> np.ndarray | None:
         return self.header.tokens
 
+    @property
+    def metadata_only(self) -> bool:
+        """True for a StateFlags.ON_DEVICE dump: record headers, no rows (views raise
+        MetadataOnlyError; layout() shows 0 payload bytes)."""
+        return bool(self.options.get("metadata_only"))
+
+    @property
+    def layers(self) -> dict | None:
+        """The layer map in use, ``{part: [il of each record]}``, or None (numbers are indices)."""
+        return self.options.get("layers")
+
     # --- picking a part, a stream, a record ----------------------------------------------------------
     def part(self, name: str | None = None) -> MemoryPart:
         if name is None:
             if len(self.parts) != 1:
-                raise ValueError(f"this dump has parts {[p.name for p in self.parts]}: pass part=")
+                raise ValueError(f"this dump has parts {[p.name for p in self.parts]}: pass part="
+                                 + ("" if self.layers else " (or model= to index layers across parts)"))
             return self.parts[0]
         for p in self.parts:
             if p.name == name:
@@ -135,21 +181,36 @@ class KVState:
     def cells(self) -> np.ndarray:
         return self.stream().cells
 
-    @property
-    def k(self) -> tuple[np.ndarray, ...]:
-        """``k[il]``: zero-copy K of layer record il, (cells, n_head_kv, head_dim) for plain types."""
-        return self.stream().k
+    def _views(self, kind: str) -> LayerViews:
+        want = "kv" if kind in ("K", "V") else "recurrent"
+        parts = [p for p in self.parts if p.kind == want]
+        if len(parts) <= 1:
+            return getattr(self.stream(parts[0].name), kind.lower()) if parts else LayerViews(())
+        # several KV parts (iSWA): one index over all of them, which needs the model's layer numbers
+        recs = [r for p in parts for r in self.stream(p.name).records if r.kind == kind]
+        if not self.layers or any(r.il is None for r in recs):
+            raise ValueError(f"this dump has parts {[p.name for p in self.parts]} and no layer map: "
+                             f"pass part= (stream(part=...).{kind.lower()}) or model= for the model's layer numbers")
+        return LayerViews(sorted(recs, key=lambda r: r.il))
 
     @property
-    def v(self) -> tuple[np.ndarray, ...]:
+    def k(self) -> LayerViews:
+        """``k[il]``: zero-copy K of layer il, (cells, n_head_kv, head_dim) for plain types. il is
+        the model's layer when the layer map is known (then iSWA and hybrid dumps are indexed
+        across their parts), else the record index of the only part."""
+        return self._views("K")
+
+    @property
+    def v(self) -> LayerViews:
         """``v[il]``: zero-copy V, un-transposed through strides when v_trans=1."""
-        return self.stream().v
+        return self._views("V")
 
     def record(self, kind: str, layer: int, *, part: str | None = None, stream: int | None = None) -> TensorRecord:
-        recs = [r for r in self.stream(part, stream).records if r.kind == kind.upper()]
-        if not 0 <= layer < len(recs):
-            raise IndexError(f"{kind}[{layer}] out of range: {len(recs)} {kind.upper()} records")
-        return recs[layer]
+        """The ``kind`` record of ``layer`` (the model's il with a layer map, else the index)."""
+        kind = kind.upper()
+        if part is None and stream is None and len(self.parts) > 1:
+            return self._views(kind).record(layer)
+        return LayerViews(r for r in self.stream(part, stream).records if r.kind == kind).record(layer)
 
     def records(self):
         for p in self.parts:
@@ -168,7 +229,7 @@ class KVState:
         """Byte offset of one value in llama.cpp's per-layer cache tensor (see
         TensorRecord.tensor_offset: row-major for K and v_trans=0 V, value-major for v_trans=1).
         ``part``/``stream`` pick the record in the dump; ``cell``/``dest_stream`` the cache slot."""
-        rec = self.record(kind, layer, part=part, stream=stream)
+        rec = self.record(kind, layer, part=part, stream=stream)  # no rows needed: metadata-only works
         return rec.tensor_offset(cell, head, element, kv_size=kv_size, dest_stream=dest_stream,
                                  n_embd_tensor=n_embd_tensor)
 
@@ -189,20 +250,21 @@ class KVState:
                                         False))
                 for r in s.records:
                     segs.append(Segment(r.header_offset, r.header_size, f"{p.name} stream {s.index} "
-                                        f"{r.kind}[{r.layer}] header", False))
+                                        f"{r.name} header", False))
                     if r.nbytes:
                         segs.append(Segment(r.data_offset, r.nbytes, f"{p.name} stream {s.index} "
-                                            f"{r.kind}[{r.layer}] data", True))
+                                            f"{r.name} data", True))
         return segs
 
     def layout(self) -> Layout:
         """One row per record plus metadata/payload totals, which add up to the input length."""
-        rows = tuple(LayoutRow(r.part, r.stream, r.kind, r.layer, r.type.name, r.row_size,
+        rows = tuple(LayoutRow(r.part, r.stream, r.kind, r.layer, r.il, r.type.name, r.row_size,
                                r.header_offset, r.data_offset, r.nbytes) for r in self.records())
         segs = tuple(self.segments())
         payload = sum(s.nbytes for s in segs if s.payload)
         meta = sum(s.nbytes for s in segs if not s.payload)
-        return Layout(rows, segs, meta, payload, meta + payload)
+        return Layout(rows, segs, meta, payload, meta + payload, metadata_only=self.metadata_only,
+                      layers_known=all(r.il is not None for r in rows))
 
     # --- bytes out -----------------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -225,5 +287,6 @@ class KVState:
 
     def __repr__(self) -> str:
         cells = sum(s.cell_count for p in self.parts for s in p.streams)
-        return (f"<KVState {self.kind}: {self.nbytes:,} bytes, parts {[p.name for p in self.parts]}, "
+        meta = ", metadata only (ON_DEVICE)" if self.metadata_only else ""
+        return (f"<KVState {self.kind}{meta}: {self.nbytes:,} bytes, parts {[p.name for p in self.parts]}, "
                 f"{cells} cells, n_head_kv={self.n_head_kv}>")

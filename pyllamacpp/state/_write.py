@@ -34,6 +34,11 @@ def select_cells(state, mask, *, part=None, stream=None):
     """
     from ._state import parse
 
+    if state.metadata_only:
+        # Its rows are in llama.cpp's memory, saved as one chunk per record and range; a blob with
+        # other cells would not match them (llama_io_read_device aborts: "memory buffer mismatch").
+        raise ValueError("a metadata-only dump (StateFlags.ON_DEVICE) has no rows to select: "
+                         "select cells in a full dump (flags without ON_DEVICE) instead")
     if callable(mask):
         sel = {(p.name, s.index): _indices(mask(s.cells), s.cell_count, f"{p.name} stream {s.index}")
                for p in state.parts for s in p.streams if s.cell_count}
@@ -62,7 +67,7 @@ def select_cells(state, mask, *, part=None, stream=None):
             flags_at = s.cells_offset + s.cells_nbytes
             chunks.append(copy(flags_at, flags_at + 8, "v_trans, n_layer"))  # s_trans when recurrent
             for r in s.records:
-                chunks.append(copy(r.header_offset, r.data_offset, f"{r.kind}[{r.layer}] header"))
+                chunks.append(copy(r.header_offset, r.data_offset, f"{r.name} header"))
                 if r.transposed:
                     el = r.type.type_size
                     chunks.append(r.data.reshape(r.n_embd, r.n_cells, el)[:, idx, :].tobytes())
@@ -70,4 +75,5 @@ def select_cells(state, mask, *, part=None, stream=None):
                     chunks.append(r.rows[idx].tobytes())
     opts = state.options
     return parse(bytearray(b"".join(chunks)), n_head_kv=state.n_head_kv, memory=opts["memory"],
-                 cell_ext=opts["cell_ext"], has_v=opts["has_v"])
+                 cell_ext=opts["cell_ext"], has_v=opts["has_v"], metadata_only=False,
+                 layers=opts.get("layers"))

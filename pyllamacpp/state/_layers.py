@@ -1,0 +1,95 @@
+"""Which model layer (llama.cpp's ``il``) each record of a dump belongs to.
+
+A dump writes one record per layer *of that memory part*, and a part holds only some layers: an
+iSWA cache's base part the non-SWA layers and its swa part the SWA ones, a hybrid memory's KV part
+the attention layers and its recurrent part the others. The dump does not say which, so the map
+is computed from the model's GGUF metadata, as llama.cpp's hparams and ``create_memory`` decide.
+
+``layer_map(fields)`` returns ``{part name: [il, ...]}`` (part names as ``parse`` names them:
+kv, base, swa, recurrent) or None when this module does not know the architecture's rule: a wrong
+map would be worse than none.
+"""
+from __future__ import annotations
+
+# llama-arch.cpp llm_arch_is_recurrent(); llama_model::load_hparams fills is_recr_impl with 1 for
+# them and llama_model::create_memory builds llama_memory_recurrent with no filter: every layer.
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+
+# Hybrid archs whose models/<arch>.cpp load_arch_hparams sets ``is_recr_impl[il] = n_head_kv(il)
+# == 0`` and that create_memory leaves on llama_memory_hybrid's default filters (attention part:
+# !is_recr(il), recurrent part: is_recr(il); llama-memory-hybrid.cpp constructor).
+HYBRID_BY_HEAD_COUNT = frozenset({"jamba", "granitehybrid", "lfm2", "lfm2moe"})
+# lfm2/lfm2moe with attention.sliding_window > 0: swa_type STANDARD and is_swa_impl[il] =
+# !is_recr_impl[il] (models/lfm2.cpp), so create_memory picks llama_memory_hybrid_iswa.
+HYBRID_SWA_ARCHS = frozenset({"lfm2", "lfm2moe"})
+
+# iSWA archs: default sliding_window_pattern period and whether SWA is on without the
+# sliding_window key (models/gemma2.cpp: always, load_swa_pattern(ml, 2); models/gemma3.cpp:
+# only when attention.sliding_window > 0, load_swa_pattern(ml, 6)). dense_first is false for both.
+ISWA_ARCHS = {"gemma2": (2, True), "gemma3": (6, False)}
+
+# Archs checked to use a plain llama_kv_cache over all layers (no SWA, no filter in their
+# load_arch_hparams / create_memory's default branch).
+PLAIN_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
+
+
+def _per_layer(value, n_layer: int) -> list[int] | None:
+    """A scalar or per-layer array key as llama_model_loader::get_key_or_arr reads it."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value] if len(value) == n_layer else None
+    return [int(value)] * n_layer
+
+
+def _swa_pattern(value, n_layer: int, default: int) -> list[bool] | None:
+    """is_swa per layer: llama_model_base::load_swa_pattern (a bool array as is) and
+    llama_hparams::set_swa_pattern (a period n: il % n < n - 1, every layer when n == 0)."""
+    if isinstance(value, (list, tuple)):
+        return [bool(v) for v in value] if len(value) == n_layer else None
+    n = default if value is None else int(value)
+    return [n == 0 or il % n < n - 1 for il in range(n_layer)]
+
+
+def layer_map(fields: dict) -> dict[str, list[int]] | None:
+    """``fields``: GGUF key -> value (arrays as lists). See the module docstring."""
+    arch = fields.get("general.architecture")
+    n_layer = fields.get(f"{arch}.block_count")
+    if not isinstance(arch, str) or not isinstance(n_layer, int) or n_layer < 1:
+        return None
+    if fields.get(f"{arch}.nextn_predict_layers"):  # MTP layers: filtered per context type
+        return None
+    layers = list(range(n_layer))
+
+    def key(name):
+        return fields.get(f"{arch}.{name}")
+
+    if arch in RECURRENT_ARCHS:
+        return {"recurrent": layers}
+    if arch == "falcon-h1":  # create_memory: filter_attn and filter_recr both always true
+        return {"kv": layers, "recurrent": layers}
+    if arch in HYBRID_BY_HEAD_COUNT:
+        head_kv = _per_layer(key("attention.head_count_kv"), n_layer)
+        if head_kv is None:
+            return None
+        attn = [il for il in layers if head_kv[il] > 0]
+        recr = [il for il in layers if head_kv[il] == 0]
+        if (key("attention.sliding_window") or 0) > 0:
+            if arch not in HYBRID_SWA_ARCHS:
+                return None
+            # llama_kv_cache_iswa inside llama_memory_hybrid_iswa: base = attention and not SWA
+            return {"base": [], "swa": attn, "recurrent": recr}
+        return {"kv": attn, "recurrent": recr}
+    if arch in ISWA_ARCHS:
+        period, always = ISWA_ARCHS[arch]
+        if always or (key("attention.sliding_window") or 0) > 0:
+            is_swa = _swa_pattern(key("attention.sliding_window_pattern"), n_layer, period)
+            if is_swa is None:
+                return None
+            # llama_kv_cache_iswa constructor: filter_base = !is_swa(il), filter_swa = is_swa(il)
+            return {"base": [il for il in layers if not is_swa[il]],
+                    "swa": [il for il in layers if is_swa[il]]}
+        return {"kv": layers}
+    if arch in PLAIN_ARCHS:
+        return {"kv": layers}
+    return None
