@@ -186,7 +186,9 @@ class Context:
         self._views: weakref.WeakSet = weakref.WeakSet()
         self._batch: Batch | None = None
         self._pending_stream_copies: set[int] = set()  # dst seqs of queued cross-stream copies
-        self._device_saved: set[int] = set()  # seqs saved with StateFlags.ON_DEVICE (llama.cpp keeps them)
+        # seq -> the blob of its latest seq_state(seq, ON_DEVICE): llama.cpp keeps the rows of that
+        # save only, and aborts on a load whose cells do not add up to them
+        self._device_saved: dict[int, bytes] = {}
         self._own_states = weakref.WeakValueDictionary()  # id -> read-only array seq_state made here
         self._kv_row_bytes: tuple[int, int] | None = None  # see _cells_held
         model._contexts.add(self)
@@ -499,7 +501,7 @@ class Context:
             raise StateError(f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
                              func="llama_state_seq_get_data_ext", reason=cap.reason())
         if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
-            self._device_saved.add(seq_id)
+            self._device_saved[seq_id] = buf.tobytes()  # headers only: a few KB
         if own:
             buf.flags.writeable = False  # so set_seq_state can trust it without parsing it again
             self._own_states[id(buf)] = buf
@@ -523,15 +525,22 @@ class Context:
             raise StateError("empty state", func="llama_state_seq_set_data_ext")
         own = (isinstance(data, SeqState) and self._own_states.get(id(data.data)) is data.data
                and not data.data.flags.writeable)
+        if own and (data.flags ^ int(flags)) & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
+            raise StateError("state does not fit this context: a metadata-only dump (seq_state(seq, ON_DEVICE))"
+                             " loads with flags=StateFlags.ON_DEVICE only" if data.flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+                             else "a full dump loads without StateFlags.ON_DEVICE", func="llama_state_seq_set_data_ext")
         if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
-            # The blob names the sequence whose on-device copy to use; llama.cpp asserts (aborts
-            # the process) when this context never saved that sequence with ON_DEVICE.
+            # The blob names the sequence whose on-device copy to use. llama.cpp asserts (aborts the
+            # process) when this context never saved that sequence with ON_DEVICE, and aborts
+            # ("memory buffer mismatch", llama_io_read_device) when the blob's cells do not add up
+            # to the rows of that sequence's latest save: only that blob, unchanged, is safe.
             src = int(np.frombuffer(buf[4:8].tobytes(), "<i4")[0]) if buf.size >= 8 else None
-            magic = int(np.frombuffer(buf[:4].tobytes(), "<u4")[0]) if buf.size >= 4 else None
-            if magic != 0xAF143CD8 or src not in self._device_saved:
-                raise StateError(f"an ON_DEVICE state must come from this context's seq_state(seq, ON_DEVICE); "
-                                 f"it names seq {src}, saved on device here: {sorted(self._device_saved)}",
-                                 func="llama_state_seq_set_data_ext")
+            if self._device_saved.get(src) != buf.tobytes():
+                why = ("it is not the blob of that sequence's latest seq_state(seq, ON_DEVICE)"
+                       if src in self._device_saved else f"it names seq {src}, saved on device here: "
+                       f"{sorted(self._device_saved)}")
+                raise StateError("an ON_DEVICE state loads only as the latest seq_state(seq, ON_DEVICE) "
+                                 f"of this context returned it; {why}", func="llama_state_seq_set_data_ext")
         elif validate and not own:
             self.check_state(buf, kind="sequence")
         trusted = own or validate or bool(flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE)
@@ -618,13 +627,19 @@ class Context:
         def bad(what: str):
             raise StateError(f"state does not fit this context: {what}", func="pyllamacpp.state.parse")
 
+        if parsed.metadata_only:
+            bad("a metadata-only dump (seq_state(seq, ON_DEVICE): the rows stayed in llama.cpp); load it "
+                "with flags=StateFlags.ON_DEVICE into the context that made it")
         n_stream = 1 if self.params.kv_unified else self.n_seq_max
         kv_parts = [p for p in parsed.parts if p.kind == "kv"]
         if lib.llama_model_is_recurrent(self.model.ptr) and kv_parts:
             bad("a KV cache state for a recurrent model")
         m = self.model
         k_len, v_len = m.kv_head_sizes()
-        n_kv_layers = sum(1 for n in m._meta_list("attention.head_count_kv", m.n_head_kv) if n > 0)
+        # per-layer KV heads, 0 for a layer without attention (hybrid models): the KV part holds
+        # the others, in order
+        kv_heads = [n for n in m._meta_list("attention.head_count_kv", m.n_head_kv) if n > 0]
+        n_kv_layers = len(kv_heads)
         plain = len(kv_parts) == 1 and kv_parts[0].name == "kv"
         for part in kv_parts:
             if part.n_stream != n_stream:
@@ -643,8 +658,8 @@ class Context:
                     want_t = self.params.type_k if r.kind == "K" else self.params.type_v
                     if r.type.id != want_t:
                         bad(f"{r.kind}[{r.layer}] is {r.type.name}, this context's cache is {ggml_type_name(want_t)}")
-                    if plain:
-                        n_embd = (k_len if r.kind == "K" else v_len) * m.n_head_kv
+                    if plain and r.layer < n_kv_layers:
+                        n_embd = (k_len if r.kind == "K" else v_len) * kv_heads[r.layer]
                         if r.n_embd != n_embd:
                             bad(f"{r.kind}[{r.layer}] rows hold {r.n_embd} values, the model's hold {n_embd}")
                 ids = s.cells["seq_id"]
@@ -789,9 +804,13 @@ class Context:
         if getattr(m, "_sha256_prefix", None) is None:
             m._sha256_prefix = model_facts(str(m.path), sha256=True)["model_sha256"]
         k_len, v_len = m.kv_head_sizes()
+        # llama_model_n_head_kv is layer 0's count (0 when layer 0 has no attention): give the
+        # attention layers' count when they agree, and the layer map the parser uses for il
+        heads = {n for n in m._meta_list("attention.head_count_kv", m.n_head_kv) if n > 0}
         facts = {
             "model": m.path.name, "model_sha256": m._sha256_prefix, "arch": m.arch, "n_layer": m.n_layer,
-            "n_head_kv": m.n_head_kv,
+            "n_head_kv": heads.pop() if len(heads) == 1 else None,
+            "layers": model_facts(str(m.path))["layers"],
             "n_embd_head_k": k_len, "n_embd_head_v": v_len,
             "type_k": ggml_type_name(self.params.type_k), "type_v": ggml_type_name(self.params.type_v),
             "flash_attn": self.flash_attn, "kv_unified": bool(self.params.kv_unified), "n_ctx": self.n_ctx,

@@ -186,8 +186,12 @@ class Model:
         """A per-layer integer from metadata (a scalar or an array), expanded to n_layer values."""
         value = self.meta(f"{self.arch}.{key}")
         n = self.n_layer
-        if value is None:
-            return [default] * n
+        if value is None:  # llama_model_meta_val_str leaves arrays out: read the GGUF itself
+            from .state._sidecar import gguf_field
+            arr = gguf_field(self.path, f"{self.arch}.{key}") if self.path is not None else None
+            if isinstance(arr, list) and len(arr) == n:
+                return [int(x) for x in arr]
+            return [int(arr) if isinstance(arr, int) else default] * n
         nums = [int(x) for x in re.findall(r"-?\d+", value)]
         return nums if len(nums) == n else [nums[0]] * n
 

@@ -327,3 +327,23 @@ def test_on_device_state_from_elsewhere_is_refused(model):
         with model.context(n_ctx=256, n_threads=2) as other:
             with pytest.raises(pl.StateError, match="ON_DEVICE"):
                 other.set_seq_state(0, meta, on_dev)
+        # llama.cpp keeps the rows of a sequence's latest ON_DEVICE save only, and aborts
+        # ("memory buffer mismatch") on a blob whose cells do not add up to them: an older blob of
+        # the same sequence, or one edited, is refused; without the flag, a metadata-only blob is
+        # refused by the check
+        ctx.prefill(toks, 0)
+        newer = ctx.seq_state(0, on_dev)
+        for stale in (meta, forged_cells(newer)):
+            with pytest.raises(pl.StateError, match="latest"):
+                ctx.set_seq_state(0, stale, on_dev)
+        assert ctx.memory.seq_pos_max(0) == 13
+        with pytest.raises(pl.StateError, match="metadata-only"):
+            ctx.set_seq_state(1, newer)
+        assert ctx.set_seq_state(1, newer, on_dev) > 0 and ctx.memory.seq_pos_max(1) == 13
+
+
+def forged_cells(st):
+    """An ON_DEVICE blob with one cell fewer: cell_count - 1 (u32 at byte 12, one stream)."""
+    b = st.data.copy()
+    b[12:16] = np.frombuffer(np.uint32(int(b[12:16].view("<u4")[0]) - 1).tobytes(), np.uint8)
+    return b

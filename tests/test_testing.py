@@ -108,6 +108,10 @@ def test_hybrid_lfm2(tmp_path):
         assert model.n_head_kv == 0  # llama_model_n_head_kv is layer 0's count: a conv layer
         ctx = _decode(model)
         assert {"KV", "RS"} <= set(ctx.buffers["CPU"])
+        # the per-layer counts come from the GGUF (llama.cpp's metadata API leaves arrays out): two
+        # attention layers of 2 KV heads x 16 dims, K and V in f16
+        assert model.kv_bytes_per_token() == 2 * 2 * (n_head_kv * (n_embd // n_head) * 2)
+        assert ctx.buffers["CPU"]["KV"] == pytest.approx(ctx.n_ctx * model.kv_bytes_per_token() / 2**20, abs=0.01)
         state = ctx.seq_state(0)
         assert _magic(state) == SEQ_MAGIC
         # llama_memory_hybrid::state_write: the KV cache of the 2 attention layers (one stream),

@@ -79,11 +79,23 @@ def _field(reader, key):
     return None if f is None else f.contents()
 
 
-@lru_cache(maxsize=8)
-def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
+@lru_cache(maxsize=4)
+def _gguf_reader(path: str, size: int, mtime_ns: int):
     # GGUFReader reads the whole vocabulary too (~2 s for a 49k-token model): cache per file.
     from gguf import GGUFReader
-    r = GGUFReader(path)
+    return GGUFReader(path)
+
+
+def gguf_field(path: str | os.PathLike, key: str):
+    """One metadata value of a GGUF file (arrays as lists), None when absent. For what
+    llama.cpp's ``llama_model_meta_val_str`` leaves out: it skips array values."""
+    st = os.stat(path)
+    return _field(_gguf_reader(os.fspath(path), st.st_size, st.st_mtime_ns), key)
+
+
+@lru_cache(maxsize=8)
+def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
+    r = _gguf_reader(path, size, mtime_ns)
     arch = _field(r, "general.architecture")
     head_kv = _field(r, f"{arch}.attention.head_count_kv")
     n_head = _field(r, f"{arch}.attention.head_count")

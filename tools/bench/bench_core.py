@@ -118,9 +118,10 @@ def python_cmd(model: str, workload: str, s: dict) -> list[str]:
 class DecodeClock:
     """Wraps ``ctx.decode`` to note when each decode returned and how many tokens it had.
 
-    pl.generate / generate_parallel / ctx.prefill call ``ctx.decode``, so the decode phase can be
-    timed from the end of the prompt's decode, as the native driver does. Cost: one Python call
-    per decode (well under a microsecond, against milliseconds of decode)."""
+    ctx.prefill and generate_parallel call ``ctx.decode`` (generate's steps are one C call each
+    and do not), so the decode phase can be timed from the end of the prompt's decode, as the
+    native driver does. Cost: one Python call per decode (well under a microsecond, against
+    milliseconds of decode)."""
 
     def __init__(self, ctx):
         self.calls: list[tuple[float, int]] = []
@@ -158,10 +159,10 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
             list(pl.generate(ctx, tokens, 16, sampler))
             ctx.memory.clear()
             sampler.reset()
-        clock = DecodeClock(ctx)
+        clock = DecodeClock(ctx)  # generate's prefill goes through ctx.decode; its steps do not
         out = list(pl.generate(ctx, tokens, s["n_predict"], sampler))  # what a user writes
-        t = time.perf_counter() - clock.calls[0][0]
-        n_dec = sum(n for _, n in clock.calls[1:])
+        t = time.perf_counter() - clock.calls[-1][0]
+        n_dec = len(out) - (1 if out and model.is_eog(out[-1]) else 0)  # each token but an end one is decoded
         return {"workload": workload, "flash_attn": flash_attn_verdict(ctx), "n_prompt": int(tokens.size),
                 "n_decoded": n_dec, "t_s": t, "tok_s": n_dec / t, "checksum": checksum(out)}
     if workload == "decode_raw":
