@@ -52,6 +52,8 @@ bool pyl_abort_flag_cb(void *);
 int pyl_sigint_watch(void);
 int pyl_sigint_unwatch(void);
 typedef struct { int32_t rc; int32_t sigint; int32_t next; } pyl_step_out;
+void pyl_log_cb(enum ggml_log_level, const char *, void *);
+int pyl_log_debug;
 void pyl_decode_sample(struct llama_context *, struct llama_batch *, struct llama_sampler *,
                        pyl_abort_state *, int, llama_token, llama_pos, llama_seq_id, pyl_step_out *);
 """

@@ -82,3 +82,17 @@ static void pyl_decode_sample(struct llama_context *ctx, struct llama_batch *bat
     }
     out->next = (out->rc == 0 && smpl != NULL) ? llama_sampler_sample(smpl, ctx, -1) : -1;
 }
+
+/* The log callback llama.cpp gets. DEBUG lines (about 1,100 when a context is created, one per
+ * sequence state load) stay in C unless Python wants them (pyl_log_debug, set from the logger's
+ * level by pyllamacpp._log): each line that reaches Python takes the GIL and a trip through the
+ * interpreter. A GGML_LOG_LEVEL_CONT line goes where the line it continues went. */
+static void _pyllamacpp_log_cb(enum ggml_log_level, const char *, void *); /* cffi defines it below */
+static volatile int pyl_log_debug = 0;
+static _Thread_local int pyl_log_in_debug = 0;
+
+static void pyl_log_cb(enum ggml_log_level level, const char *text, void *user_data) {
+    if (level != GGML_LOG_LEVEL_CONT) pyl_log_in_debug = level == GGML_LOG_LEVEL_DEBUG;
+    if (pyl_log_in_debug && !pyl_log_debug) return;
+    _pyllamacpp_log_cb(level, text, user_data);
+}

@@ -85,6 +85,7 @@ class capture:
     __slots__ = ("cap",)
 
     def __enter__(self) -> Capture:
+        lib.pyl_log_debug = logger.isEnabledFor(logging.DEBUG)  # follow the logger's level
         self.cap = Capture()
         _tls.captures.append(self.cap)
         return self.cap
@@ -101,8 +102,19 @@ class capture:
 
 
 def install() -> None:
-    """Point llama.cpp's and ggml's loggers (``llama_log_set`` sets both) at Python."""
-    lib.llama_log_set(lib._pyllamacpp_log_cb, ffi.NULL)
+    """Point llama.cpp's and ggml's loggers (``llama_log_set`` sets both) at Python, through
+    ``pyl_log_cb`` (build_support/helpers.h): DEBUG lines stay in C unless logger
+    ``pyllamacpp.llama`` is enabled for DEBUG, as checked on entering each :class:`capture`
+    (every pyllamacpp call that logs) or by :func:`sync_level`."""
+    sync_level()
+    lib.llama_log_set(ffi.addressof(lib, "pyl_log_cb"), ffi.NULL)
+
+
+def sync_level() -> None:
+    """Let llama.cpp's DEBUG lines through to Python when logger ``pyllamacpp.llama`` is enabled
+    for DEBUG (for raw ``lib`` calls made after changing the level; pyllamacpp's own calls
+    check it themselves)."""
+    lib.pyl_log_debug = logger.isEnabledFor(logging.DEBUG)
 
 
 install()

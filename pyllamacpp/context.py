@@ -191,6 +191,9 @@ class Context:
         self._device_saved: dict[int, bytes] = {}
         self._own_states = weakref.WeakValueDictionary()  # id -> read-only array seq_state made here
         self._kv_row_bytes: tuple[int, int] | None = None  # see _cells_held
+        # one plain KV cache (not iSWA, recurrent or hybrid): see _load_fits
+        self._plain_kv = not (model.n_swa or lib.llama_model_is_recurrent(model.ptr)
+                              or lib.llama_model_is_hybrid(model.ptr))
         model._contexts.add(self)
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -567,9 +570,12 @@ class Context:
         ``cell_count <= n_ctx_seq - (cells the other sequences of that stream hold)``.
         Plain KV caches only (iSWA, recurrent and hybrid memories restore more than one part:
         they get the backup)."""
-        m = self.model
-        if m.n_swa or lib.llama_model_is_recurrent(m.ptr) or lib.llama_model_is_hybrid(m.ptr):
+        if not self._plain_kv:
             return False
+        if not (self.params.kv_unified and self.n_seq_max > 1):
+            # the sequence's stream is its own: a checked blob (or one this context made) has
+            # cell_count <= n_ctx_seq
+            return True
         if buf.size < 12 or not buf.flags.c_contiguous:
             return False
         n_stream = int(buf[8:12].view("<u4")[0])
@@ -580,14 +586,13 @@ class Context:
         counts = buf[12:12 + 4 * n_stream].view("<u4")
         nz = np.flatnonzero(counts)
         cell_count = int(counts[nz[0]]) if nz.size else 0
-        room = self.n_ctx_seq
-        if self.params.kv_unified and self.n_seq_max > 1:  # one stream that the other sequences share
-            for s in range(self.n_seq_max):
-                if s != seq_id and self.memory.seq_pos_max(s) >= 0:
-                    c = self._cells_held(s)
-                    if c is None:
-                        return False
-                    room -= c
+        room = self.n_ctx_seq  # of the one stream the other sequences share
+        for s in range(self.n_seq_max):
+            if s != seq_id and self.memory.seq_pos_max(s) >= 0:
+                c = self._cells_held(s)
+                if c is None:
+                    return False
+                room -= c
         return cell_count <= room
 
     def _cells_held(self, s: int) -> int | None:

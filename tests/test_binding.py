@@ -270,3 +270,18 @@ def test_an_exception_in_a_log_handler_is_raised_after_the_c_call(tmp_path):
         lg.removeHandler(h)
     with _log.capture():  # nothing left over for the next call
         lib.llama_model_load_from_file(str(tmp_path / "missing.gguf").encode(), lib.llama_model_default_params())
+
+
+def test_debug_lines_reach_python_only_when_the_logger_wants_them(model_path, caplog):
+    # pyl_log_cb keeps llama.cpp's DEBUG lines in C (about 1,100 per context creation) unless
+    # logger pyllamacpp.llama is enabled for DEBUG; INFO and above always come through.
+    import pyllamacpp as pl
+    levels = {}
+    with pl.Model(model_path) as model:
+        for level in (logging.INFO, logging.DEBUG):
+            caplog.set_level(level, logger="pyllamacpp.llama")
+            with model.context(n_ctx=256, n_threads=2) as ctx:
+                levels[level] = {lvl for lvl, _ in ctx.creation_log}
+                assert ctx.buffers["CPU"]["KV"] > 0 and ctx.flash_attn in (True, False)
+    assert logging.DEBUG not in levels[logging.INFO] and logging.INFO in levels[logging.INFO]
+    assert logging.DEBUG in levels[logging.DEBUG]
