@@ -20,7 +20,7 @@ _LAZY = {
     "ContextParams": ".params", "ModelParams": ".params",
     "Model": ".model", "Batch": ".batch",
     "Context": ".context", "Memory": ".context", "SeqState": ".context", "StateFlags": ".context",
-    "devices": ".rpc",
+    "devices": ".rpc", "sync_log_level": "._log",
     "Sampler": ".sampling", "generate": ".generation", "generate_parallel": ".generation",
 }
 

@@ -105,12 +105,12 @@ def install() -> None:
     """Point llama.cpp's and ggml's loggers (``llama_log_set`` sets both) at Python, through
     ``pyl_log_cb`` (build_support/helpers.h): DEBUG lines stay in C unless logger
     ``pyllamacpp.llama`` is enabled for DEBUG, as checked on entering each :class:`capture`
-    (every pyllamacpp call that logs) or by :func:`sync_level`."""
-    sync_level()
+    (every pyllamacpp call that logs) or by :func:`sync_log_level`."""
+    sync_log_level()
     lib.llama_log_set(ffi.addressof(lib, "pyl_log_cb"), ffi.NULL)
 
 
-def sync_level() -> None:
+def sync_log_level() -> None:
     """Let llama.cpp's DEBUG lines through to Python when logger ``pyllamacpp.llama`` is enabled
     for DEBUG (for raw ``lib`` calls made after changing the level; pyllamacpp's own calls
     check it themselves)."""
