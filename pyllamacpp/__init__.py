@@ -19,7 +19,7 @@ _LAZY = {
     "ffi": "._lib", "lib": "._lib", "build_info": "._lib",
     "ContextParams": ".params", "ModelParams": ".params",
     "Model": ".model", "Batch": ".batch",
-    "Context": ".context", "Memory": ".context", "SeqState": ".context", "StateFlags": ".context",
+    "Context": ".context", "Memory": ".memory", "SeqState": ".context_state", "StateFlags": ".context_state",
     "devices": ".rpc", "sync_log_level": "._log",
     "Sampler": ".sampling", "generate": ".generation", "generate_parallel": ".generation",
 }

@@ -1,0 +1,416 @@
+"""Sequence and whole-context state of a :class:`~pyllamacpp.context.Context`: get, check, load,
+files, and the sidecars that make dumps self-describing. ``StateMethods`` is a base of Context;
+its methods use the context's pointer, memory and parameters."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from pathlib import Path
+
+import numpy as np
+
+from . import _log
+from ._lib import ffi, lib
+from .errors import LlamaError, StateError
+
+
+class StateFlags(enum.IntFlag):
+    """``LLAMA_STATE_SEQ_FLAGS_*`` (values from the header of this build)."""
+    NONE = lib.LLAMA_STATE_SEQ_FLAGS_NONE
+    PARTIAL_ONLY = lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # == SWA_ONLY (its old name)
+    SWA_ONLY = lib.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
+    ON_DEVICE = lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+
+
+@dataclasses.dataclass
+class SeqState:
+    """One sequence's state as ``llama_state_seq_get_data_ext`` wrote it: bytes you own.
+
+    Picklable; restore with ``ctx.set_seq_state(seq_id, state)``."""
+    data: np.ndarray  # uint8
+    seq_id: int
+    flags: int = 0
+
+    def __len__(self) -> int:
+        return int(self.data.size)
+
+    def __bytes__(self) -> bytes:
+        return self.data.tobytes()
+
+    def __buffer__(self, flags):  # Python >= 3.12 buffer protocol
+        return memoryview(self.data)
+
+
+def _as_uint8(data) -> np.ndarray:
+    if isinstance(data, SeqState):
+        data = data.data
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+
+
+class StateMethods:
+    """State get/set/check/files for Context (see the module docstring)."""
+
+    def seq_state(self, seq_id: int, flags: int = 0, *, out: np.ndarray | None = None) -> SeqState:
+        """``llama_state_seq_get_size_ext`` + ``llama_state_seq_get_data_ext``: one copy into
+        a numpy buffer you own.
+
+        ``out``: a writable uint8 array to reuse (at least the state's size): no fresh allocation,
+        hence no page faults, for loops that dump again and again. The state is then ``out[:size]``."""
+        ptr = self.ptr
+        seq_id = self.memory._seq(self, seq_id)
+        size = lib.llama_state_seq_get_size_ext(ptr, seq_id, int(flags))
+        own = out is None
+        if own:
+            buf = np.empty(size, dtype=np.uint8)
+        else:
+            if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError("out must be a writable, contiguous 1-D uint8 array")
+            if out.size < size:
+                raise ValueError(f"out holds {out.size} bytes, the state needs {size}")
+            buf = out[:size]
+        with _log.capture() as cap:
+            n = lib.llama_state_seq_get_data_ext(ptr, ffi.from_buffer(buf), size, seq_id, int(flags))
+        if n != size:
+            raise StateError(f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
+                             func="llama_state_seq_get_data_ext", reason=cap.reason())
+        if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
+            self._device_saved[seq_id] = buf.tobytes()  # headers only: a few KB
+        if own:
+            buf.flags.writeable = False  # so set_seq_state can trust it without parsing it again
+            self._own_states[id(buf)] = buf
+        return SeqState(buf, seq_id, int(flags))
+
+    def set_seq_state(self, seq_id: int, data, flags: int = 0, *, validate: bool = True,
+                      keep_on_error: bool = True) -> int:
+        """``llama_state_seq_set_data_ext``: load a sequence state into ``seq_id``.
+
+        The blob is first parsed and checked against this context (:meth:`check_state`; skip with
+        ``validate=False`` to see what llama.cpp itself does). Raises :class:`StateError` when the
+        check fails or llama.cpp reads 0 bytes; the sequence then holds what it held before
+        (llama.cpp clears it on failure, so a non-empty one is saved and put back: one more
+        ``seq_state`` of it; ``keep_on_error=False`` skips that and leaves it cleared on failure).
+        A :class:`SeqState` this context made (its data is read-only) is not parsed again."""
+        ptr = self.ptr
+        seq_id = self.memory._seq(self, seq_id)
+        self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
+        buf = _as_uint8(data)
+        if buf.size == 0:
+            raise StateError("empty state", func="llama_state_seq_set_data_ext")
+        own = (isinstance(data, SeqState) and self._own_states.get(id(data.data)) is data.data
+               and not data.data.flags.writeable)
+        if own and (data.flags ^ int(flags)) & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
+            raise StateError("state does not fit this context: a metadata-only dump (seq_state(seq, ON_DEVICE))"
+                             " loads with flags=StateFlags.ON_DEVICE only" if data.flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+                             else "a full dump loads without StateFlags.ON_DEVICE", func="llama_state_seq_set_data_ext")
+        if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
+            # The blob names the sequence whose on-device copy to use. llama.cpp asserts (aborts the
+            # process) when this context never saved that sequence with ON_DEVICE, and aborts
+            # ("memory buffer mismatch", llama_io_read_device) when the blob's cells do not add up
+            # to the rows of that sequence's latest save: only that blob, unchanged, is safe.
+            src = int(np.frombuffer(buf[4:8].tobytes(), "<i4")[0]) if buf.size >= 8 else None
+            if self._device_saved.get(src) != buf.tobytes():
+                why = ("it is not the blob of that sequence's latest seq_state(seq, ON_DEVICE)"
+                       if src in self._device_saved else f"it names seq {src}, saved on device here: "
+                       f"{sorted(self._device_saved)}")
+                raise StateError("an ON_DEVICE state loads only as the latest seq_state(seq, ON_DEVICE) "
+                                 f"of this context returned it; {why}", func="llama_state_seq_set_data_ext")
+        elif validate and not own:
+            self.check_state(buf, kind="sequence")
+        trusted = own or validate or bool(flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE)
+        backup = None
+        if keep_on_error and self.memory.seq_pos_max(seq_id) >= 0 and not (trusted and self._load_fits(seq_id, buf)):
+            backup = self.seq_state(seq_id)
+        with _log.capture() as cap:
+            n = lib.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(buf), buf.size, seq_id, int(flags))
+        if n == 0:
+            self.memory.seq_rm(seq_id)
+            if backup is not None:
+                with _log.capture():
+                    lib.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(backup.data), len(backup), seq_id, 0)
+            raise StateError("llama_state_seq_set_data_ext() read 0 bytes; the sequence is "
+                             + ("unchanged" if keep_on_error else "now empty"),
+                             func="llama_state_seq_set_data_ext", reason=cap.reason())
+        return int(n)
+
+    def _load_fits(self, seq_id: int, buf: np.ndarray) -> bool:
+        """True when loading this checked sequence blob into ``seq_id`` cannot fail, so the
+        sequence needs no backup. Checked, the blob can still fail on room alone:
+        llama_kv_cache::state_read_meta removes ``seq_id``'s cells, then ``find_slot`` needs
+        ``cell_count`` usable cells of its stream, any of them (not contiguous). So it fits when
+        ``cell_count <= n_ctx_seq - (cells the other sequences of that stream hold)``.
+        Plain KV caches only (iSWA, recurrent and hybrid memories restore more than one part:
+        they get the backup)."""
+        if not self._plain_kv:
+            return False
+        if not (self.params.kv_unified and self.n_seq_max > 1):
+            # the sequence's stream is its own: a checked blob (or one this context made) has
+            # cell_count <= n_ctx_seq
+            return True
+        if buf.size < 12 or not buf.flags.c_contiguous:
+            return False
+        n_stream = int(buf[8:12].view("<u4")[0])
+        if not 1 <= n_stream <= 256 or buf.size < 12 + 4 * n_stream:
+            return False
+        # u32 cell_count of stream 0, then its cells...: only a leading run of empty streams
+        # reads as counts, and a checked sequence blob has cells in one stream
+        counts = buf[12:12 + 4 * n_stream].view("<u4")
+        nz = np.flatnonzero(counts)
+        cell_count = int(counts[nz[0]]) if nz.size else 0
+        room = self.n_ctx_seq  # of the one stream the other sequences share
+        for s in range(self.n_seq_max):
+            if s != seq_id and self.memory.seq_pos_max(s) >= 0:
+                c = self._cells_held(s)
+                if c is None:
+                    return False
+                room -= c
+        return cell_count <= room
+
+    def _cells_held(self, s: int) -> int | None:
+        """Cells sequence ``s`` holds in a one-stream plain KV cache, from two sizes llama.cpp
+        counts without copying anything (llama_io_write_dummy): with and without
+        ``ON_DEVICE`` (headers only). Their difference is cells x the K+V row bytes of a token;
+        the headers-only size is 16 + cells x (12 or 24 with llama_kv_cell_ext) + 8 + 12 per
+        K/V record. Both must agree, else None (the caller then keeps a backup)."""
+        ptr = self.ptr
+        meta = int(lib.llama_state_seq_get_size_ext(ptr, s, lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE))
+        full = int(lib.llama_state_seq_get_size_ext(ptr, s, 0))
+        if self._kv_row_bytes is None:
+            m = self.model
+            n_kv_layers = sum(1 for n in m._meta_list("attention.head_count_kv", m.n_head_kv) if n > 0)
+            self._kv_row_bytes = (m.kv_bytes_per_token(self.params.type_k, self.params.type_v), n_kv_layers)
+        row_bytes, n_layers = self._kv_row_bytes
+        cells, rest = divmod(full - meta, row_bytes)
+        if rest or meta - 16 - 8 - 24 * n_layers not in (12 * cells, 24 * cells):
+            return None
+        return cells
+
+    def check_state(self, data, *, kind: str = "sequence") -> None:
+        """Parse a state blob with :mod:`pyllamacpp.state` and check it against this context before
+        anything reaches C: dump kind, streams (``kv_unified``), layer count, K/V types, row sizes,
+        V layout (flash attention), cell count, sequence ids. Raises :class:`StateError` naming
+        what does not match. (Used by ``set_seq_state`` and ``set_state``.)"""
+        from . import state as st
+        from .params import ggml_type_name
+        try:
+            parsed = st.parse(_as_uint8(data))  # rows stay flat: a dump of another model still parses
+        except st.StateFormatError as e:
+            raise StateError(f"not a valid state: {e}", func="pyllamacpp.state.parse") from e
+        want = {"sequence": (st.DumpKind.SEQUENCE,), "context": (st.DumpKind.CONTEXT,)}[kind]
+        if parsed.kind not in want:
+            raise StateError(f"this is a {parsed.kind}, not a {want[0]}", func="pyllamacpp.state.parse")
+
+        def bad(what: str):
+            raise StateError(f"state does not fit this context: {what}", func="pyllamacpp.state.parse")
+
+        if parsed.metadata_only:
+            bad("a metadata-only dump (seq_state(seq, ON_DEVICE): the rows stayed in llama.cpp); load it "
+                "with flags=StateFlags.ON_DEVICE into the context that made it")
+        n_stream = 1 if self.params.kv_unified else self.n_seq_max
+        kv_parts = [p for p in parsed.parts if p.kind == "kv"]
+        if lib.llama_model_is_recurrent(self.model.ptr) and kv_parts:
+            bad("a KV cache state for a recurrent model")
+        m = self.model
+        k_len, v_len = m.kv_head_sizes()
+        # per-layer KV heads, 0 for a layer without attention (hybrid models): the KV part holds
+        # the others, in order
+        kv_heads = [n for n in m._meta_list("attention.head_count_kv", m.n_head_kv) if n > 0]
+        n_kv_layers = len(kv_heads)
+        plain = len(kv_parts) == 1 and kv_parts[0].name == "kv"
+        for part in kv_parts:
+            if part.n_stream != n_stream:
+                bad(f"{part.n_stream} KV stream(s), this context has {n_stream} "
+                    f"(kv_unified={bool(self.params.kv_unified)}, n_seq_max={self.n_seq_max})")
+            for s in part.streams:
+                if not s.cell_count:
+                    continue
+                if s.cell_count > self.n_ctx_seq:
+                    bad(f"{s.cell_count} cells in stream {s.index}, more than n_ctx_seq={self.n_ctx_seq}")
+                if s.v_trans != (0 if self.flash_attn else 1):
+                    bad(f"v_trans={s.v_trans}, this context has flash attention {'on' if self.flash_attn else 'off'}")
+                if plain and s.n_layer != n_kv_layers:
+                    bad(f"{s.n_layer} layers, the model has {n_kv_layers}")
+                for r in s.records:
+                    want_t = self.params.type_k if r.kind == "K" else self.params.type_v
+                    if r.type.id != want_t:
+                        bad(f"{r.kind}[{r.layer}] is {r.type.name}, this context's cache is {ggml_type_name(want_t)}")
+                    if plain and r.layer < n_kv_layers:
+                        n_embd = (k_len if r.kind == "K" else v_len) * kv_heads[r.layer]
+                        if r.n_embd != n_embd:
+                            bad(f"{r.kind}[{r.layer}] rows hold {r.n_embd} values, the model's hold {n_embd}")
+                ids = s.cells["seq_id"]
+                if ids.size and ((ids >= self.n_seq_max) | (ids < -1)).any():
+                    bad(f"a cell of stream {s.index} names a sequence outside [0, {self.n_seq_max})")
+                pos = s.cells["pos"]
+                if pos.size and pos.min() < 0:
+                    bad(f"a cell of stream {s.index} has a negative position")
+                if kind == "sequence" and (s.cells["n_seq_id"] != 1).any():
+                    # llama_kv_cache::state_read_meta: "invalid seq_id-agnostic kv cell"
+                    bad(f"a cell of stream {s.index} lists {int(s.cells['n_seq_id'].max())} sequences; "
+                        "a sequence dump's cells list exactly one")
+            if kind == "sequence" and sum(1 for s in part.streams if s.cell_count) > 1:
+                # llama.cpp writes one sequence's cells from its one stream; loading several would
+                # put each into the same stream, the later ones removing the earlier
+                bad(f"cells in {sum(1 for s in part.streams if s.cell_count)} streams of {part.name}; "
+                    "a sequence dump has them in one")
+
+    def _check_no_pending_copy(self, seq_id, func: str) -> None:
+        if self._pending_stream_copies and (seq_id is None or seq_id in self._pending_stream_copies):
+            which = sorted(self._pending_stream_copies) if seq_id is None else [seq_id]
+            raise StateError(f"a cross-stream seq_cp into seq {which} is still queued in llama.cpp (kv_unified=False): "
+                             "it runs at the next decode and would overwrite what is loaded now; decode first",
+                             func=func)
+
+    def save_seq_state(self, path, seq_id: int, tokens=(), *, sidecar: bool = False) -> int:
+        """``llama_state_seq_save_file`` (written to a temporary file, then renamed); with
+        ``sidecar=True`` also ``path + ".json"`` (:meth:`sidecar_facts`)."""
+        ptr = self.ptr
+        seq_id = self.memory._seq(self, seq_id)
+        toks = np.ascontiguousarray(tokens, dtype=np.int32)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        with _log.capture() as cap:
+            n = lib.llama_state_seq_save_file(ptr, os.fsencode(tmp), seq_id,
+                                              ffi.from_buffer("llama_token[]", toks), toks.size)
+        if n == 0:
+            tmp.unlink(missing_ok=True)
+            raise OSError(f"llama_state_seq_save_file() could not write {path}: {cap.reason() or 'failed'}")
+        os.replace(tmp, path)
+        if sidecar:
+            from .state import write_sidecar
+            write_sidecar(path, **self.sidecar_facts(toks))
+        return int(n)
+
+    def load_seq_state(self, path, seq_id: int, max_tokens: int | None = None) -> np.ndarray:
+        """``llama_state_seq_load_file`` into ``seq_id``; returns the tokens stored in the file."""
+        ptr = self.ptr
+        seq_id = self.memory._seq(self, seq_id)
+        self._check_no_pending_copy(seq_id, "llama_state_seq_load_file")
+        cap_tokens = max_tokens if max_tokens is not None else self.n_ctx
+        toks = np.empty(cap_tokens, dtype=np.int32)
+        count = ffi.new("size_t *")
+        if not Path(path).is_file():
+            raise FileNotFoundError(path)
+        with _log.capture() as cap:
+            n = lib.llama_state_seq_load_file(ptr, os.fsencode(path), seq_id,
+                                              ffi.from_buffer("llama_token[]", toks), cap_tokens, count)
+        if n == 0:
+            raise StateError(f"llama_state_seq_load_file() could not load {path}",
+                             func="llama_state_seq_load_file", reason=cap.reason())
+        return toks[: count[0]].copy()
+
+    def state(self) -> np.ndarray:
+        """``llama_state_get_size`` + ``llama_state_get_data``: the whole context's state."""
+        ptr = self.ptr
+        size = lib.llama_state_get_size(ptr)
+        out = np.empty(size, dtype=np.uint8)
+        n = lib.llama_state_get_data(ptr, ffi.from_buffer(out), size)
+        if n != size:
+            raise StateError(f"llama_state_get_data() wrote {n} of {size} bytes", func="llama_state_get_data")
+        return out
+
+    def set_state(self, data) -> int:
+        """``llama_state_set_data``: load a whole-context state."""
+        ptr = self.ptr
+        self._check_no_pending_copy(None, "llama_state_set_data")
+        buf = _as_uint8(data)
+        self.check_state(buf, kind="context")
+        if len(self._views):
+            raise LlamaError("output views are alive: loading a whole state may reallocate the output "
+                             "buffer they point into; copy or delete them first", func="llama_state_set_data")
+        with _log.capture() as cap:
+            n = lib.llama_state_set_data(ptr, ffi.from_buffer(buf), buf.size)
+        if n == 0:
+            raise StateError("llama_state_set_data() read 0 bytes", func="llama_state_set_data",
+                             reason=cap.reason())
+        self._out_reserved = max(self._out_reserved, self.n_batch)
+        return int(n)
+
+    def save_state(self, path, tokens=()) -> None:
+        """``llama_state_save_file`` (session file; temporary file, then renamed)."""
+        ptr = self.ptr
+        toks = np.ascontiguousarray(tokens, dtype=np.int32)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        with _log.capture() as cap:
+            ok = lib.llama_state_save_file(ptr, os.fsencode(tmp), ffi.from_buffer("llama_token[]", toks), toks.size)
+        if not ok:
+            tmp.unlink(missing_ok=True)
+            raise OSError(f"llama_state_save_file() could not write {path}: {cap.reason() or 'failed'}")
+        os.replace(tmp, path)
+
+    def load_state(self, path, max_tokens: int | None = None) -> np.ndarray:
+        """``llama_state_load_file``; returns the tokens stored in the session file."""
+        ptr = self.ptr
+        if not Path(path).is_file():
+            raise FileNotFoundError(path)
+        self._check_no_pending_copy(None, "llama_state_load_file")
+        if len(self._views):
+            raise LlamaError("output views are alive; copy or delete them before loading a whole state",
+                             func="llama_state_load_file")
+        cap_tokens = max_tokens if max_tokens is not None else self.n_ctx
+        toks = np.empty(cap_tokens, dtype=np.int32)
+        count = ffi.new("size_t *")
+        with _log.capture() as cap:
+            ok = lib.llama_state_load_file(ptr, os.fsencode(path), ffi.from_buffer("llama_token[]", toks),
+                                           cap_tokens, count)
+        if not ok:
+            raise StateError(f"llama_state_load_file() could not load {path}", func="llama_state_load_file",
+                             reason=cap.reason())
+        self._out_reserved = max(self._out_reserved, self.n_batch)
+        return toks[: count[0]].copy()
+
+    # -- self-describing dumps ------------------------------------------------------------------
+    @property
+    def flash_attn(self) -> bool:
+        """Whether flash attention is on (``"auto"`` resolved as llama.cpp logged it)."""
+        for _, text in self.creation_log:
+            if "Flash Attention enabled" in text:
+                return True
+            if "Flash Attention disabled" in text:
+                return False
+        return self.params.flash_attn_type == lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+
+    def sidecar_facts(self, tokens=None) -> dict:
+        """What a dump of this context does not say about itself (see ``pyllamacpp.state`` sidecars)."""
+        from ._lib import EXTENSION_INFO
+        from .params import ggml_type_name
+        from .state import model_facts
+        m = self.model
+        if getattr(m, "_sha256_prefix", None) is None:
+            m._sha256_prefix = model_facts(str(m.path), sha256=True)["model_sha256"]
+        k_len, v_len = m.kv_head_sizes()
+        # llama_model_n_head_kv is layer 0's count (0 when layer 0 has no attention): give the
+        # attention layers' count when they agree, and the layer map the parser uses for il
+        heads = {n for n in m._meta_list("attention.head_count_kv", m.n_head_kv) if n > 0}
+        facts = {
+            "model": m.path.name, "model_sha256": m._sha256_prefix, "arch": m.arch, "n_layer": m.n_layer,
+            "n_head_kv": heads.pop() if len(heads) == 1 else None,
+            "layers": model_facts(str(m.path))["layers"],
+            "n_embd_head_k": k_len, "n_embd_head_v": v_len,
+            "type_k": ggml_type_name(self.params.type_k), "type_v": ggml_type_name(self.params.type_v),
+            "flash_attn": self.flash_attn, "kv_unified": bool(self.params.kv_unified), "n_ctx": self.n_ctx,
+            "llama_cpp_commit": EXTENSION_INFO.get("llama_cpp_commit"),
+        }
+        if tokens is not None:
+            facts["tokens"] = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        return facts
+
+    def save_seq_dump(self, path, seq_id: int, *, flags: int = 0, tokens=None, sidecar: bool = True) -> int:
+        """Write ``seq_state(seq_id, flags)`` (raw ``llama_state_seq_get_data_ext`` bytes) to ``path``
+        atomically, and ``path + ".json"`` with :meth:`sidecar_facts` unless ``sidecar=False``."""
+        state = self.seq_state(seq_id, flags)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(memoryview(state.data))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        if sidecar:
+            from .state import write_sidecar
+            write_sidecar(path, **self.sidecar_facts(tokens))
+        return len(state)

@@ -1,0 +1,92 @@
+"""``Memory``: a context's sequences (``llama_memory_*``: KV cache or recurrent state)."""
+from __future__ import annotations
+
+import weakref
+
+from ._lib import lib
+from .errors import ClosedError, LlamaError
+
+
+class Memory:
+    """``llama_get_memory(ctx)``: the context's sequences (KV cache or recurrent state).
+
+    Sequence ids are checked against ``[0, n_seq_max)`` in Python first: llama.cpp asserts
+    (and aborts the process) on some out-of-range ids."""
+
+    def __init__(self, ctx: "Context"):
+        self._ctx = weakref.ref(ctx)
+
+    def _mem(self):
+        ctx = self._ctx()
+        if ctx is None:
+            raise ClosedError("the context is gone", func="llama_get_memory")
+        return lib.llama_get_memory(ctx.ptr), ctx
+
+    def _seq(self, ctx, seq_id, *, allow_all=False) -> int:
+        seq_id = int(seq_id)
+        if allow_all and seq_id < 0:
+            return -1
+        if not 0 <= seq_id < ctx.n_seq_max:
+            raise ValueError(f"seq_id {seq_id} is outside [0, {ctx.n_seq_max}) (n_seq_max)")
+        return seq_id
+
+    def clear(self, data: bool = True) -> None:
+        """``llama_memory_clear``."""
+        mem, _ = self._mem()
+        lib.llama_memory_clear(mem, data)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """``llama_memory_seq_rm``: remove positions [p0, p1) of ``seq_id`` (-1: all sequences)."""
+        mem, ctx = self._mem()
+        return bool(lib.llama_memory_seq_rm(mem, self._seq(ctx, seq_id, allow_all=True), p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """``llama_memory_seq_cp``.
+
+        With ``kv_unified=False`` each sequence has its own stream, and llama.cpp only queues a
+        copy between streams: the buffers are copied at the start of the next ``decode``. Until
+        then, loading a state into ``dst`` would be overwritten by that copy, so pyllamacpp refuses
+        such a load. A partial range across streams aborts llama.cpp (GGML_ASSERT): refused here."""
+        mem, ctx = self._mem()
+        src, dst = self._seq(ctx, src), self._seq(ctx, dst)
+        cross = not ctx.params.kv_unified and src != dst and lib.llama_model_is_recurrent(ctx.model.ptr) == 0
+        if cross and not (p0 <= 0 and p1 < 0):
+            raise ValueError(f"seq_cp({src}, {dst}, {p0}, {p1}): with kv_unified=False the sequences live in "
+                             "different streams and llama.cpp copies only whole sequences between them")
+        lib.llama_memory_seq_cp(mem, src, dst, p0, p1)
+        if cross:
+            ctx._pending_stream_copies.add(dst)
+
+    def seq_keep(self, seq_id: int) -> None:
+        """``llama_memory_seq_keep``."""
+        mem, ctx = self._mem()
+        lib.llama_memory_seq_keep(mem, self._seq(ctx, seq_id))
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """``llama_memory_seq_add``: shift positions [p0, p1) by ``delta``."""
+        mem, ctx = self._mem()
+        if not lib.llama_memory_can_shift(mem):
+            raise LlamaError("this memory cannot shift positions", func="llama_memory_seq_add")
+        lib.llama_memory_seq_add(mem, self._seq(ctx, seq_id), p0, p1, delta)
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """``llama_memory_seq_div``: integer-divide positions [p0, p1) by ``d``."""
+        mem, ctx = self._mem()
+        if d <= 0:
+            raise ValueError(f"seq_div: d must be positive, got {d}")
+        if not lib.llama_memory_can_shift(mem):
+            raise LlamaError("this memory cannot shift positions", func="llama_memory_seq_div")
+        lib.llama_memory_seq_div(mem, self._seq(ctx, seq_id), p0, p1, d)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        mem, ctx = self._mem()
+        return lib.llama_memory_seq_pos_min(mem, self._seq(ctx, seq_id))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        mem, ctx = self._mem()
+        return lib.llama_memory_seq_pos_max(mem, self._seq(ctx, seq_id))
+
+    @property
+    def can_shift(self) -> bool:
+        mem, _ = self._mem()
+        return bool(lib.llama_memory_can_shift(mem))
