@@ -124,6 +124,32 @@ def test_generate_after_close_raises_and_abort_stops_it(model):
         assert list(pl.generate(ctx, [first[1]], 3))  # usable afterwards, the flag was consumed
 
 
+def test_ctrl_c_stops_generate_and_the_context_goes_on(model):
+    """SIGINT during a generation step's decode is a DecodeAborted (the C step watches it); one
+    that lands between two steps is Python's own KeyboardInterrupt. Either way generation stops
+    and the context decodes afterwards."""
+    import os
+    import signal
+    import threading
+    toks = model.tokenize("Once upon a time")
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with model.context(n_ctx=512, n_threads=2) as ctx:
+            got = []
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+            with pytest.raises((pl.DecodeAborted, KeyboardInterrupt)) as info:
+                for t in pl.generate(ctx, toks, 400):
+                    got.append(t)
+            assert 0 < len(got) < 400
+            if isinstance(info.value, pl.DecodeAborted):
+                assert "SIGINT" in str(info.value)
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            ctx.memory.clear()
+            assert list(pl.generate(ctx, toks, 3)) == got[:3]
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_public_names_are_not_shadowed_by_submodules():
     import importlib
     importlib.import_module("pyllamacpp.generation")
