@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--model", help="GGUF that made the dump (for the KV head count)")
     g.add_argument("--heads", type=int, help="n_head_kv (otherwise from --model or a sidecar)")
     p.add_argument("--hex", action="store_true", help="also print the first bytes of each row")
+    p.add_argument("--partial", action="store_true",
+                   help="the dump was made with StateFlags.PARTIAL_ONLY (otherwise from its sidecar)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lambda a: importlib.import_module(".state._cli", __package__).parse_state(a))
 

@@ -50,6 +50,32 @@ def _as_uint8(data) -> np.ndarray:
     return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
 
 
+def _model_memory(m) -> tuple[str | None, dict | None]:
+    """(memory, layer map) of model ``m`` from llama.cpp's metadata (llama_model_meta_val_str).
+    Not from the GGUF through gguf.GGUFReader, which reads the whole vocabulary (~2 s for 49k
+    tokens): only an array key the rule needs is read there (llama.cpp's metadata leaves arrays
+    out), as ``Model._meta_list`` does for per-layer head counts."""
+    from .state import layer_map, memory_of
+    from .state._layers import ISWA_ARCHS
+    from .state._sidecar import gguf_field
+    arch = m.arch
+
+    def num(key: str) -> int | None:
+        v = m.meta(f"{arch}.{key}")
+        return int(v) if v is not None and v.strip().lstrip("-").isdigit() else None
+
+    pattern = num("attention.sliding_window_pattern")
+    if pattern is None and arch in ISWA_ARCHS and m.path is not None:
+        pattern = gguf_field(m.path, f"{arch}.attention.sliding_window_pattern")  # a bool array, or absent
+    layers = layer_map({
+        "general.architecture": arch, f"{arch}.block_count": num("block_count"),
+        f"{arch}.nextn_predict_layers": num("nextn_predict_layers"),
+        f"{arch}.attention.head_count_kv": m._meta_list("attention.head_count_kv", m.n_head_kv),
+        f"{arch}.attention.sliding_window": num("attention.sliding_window"),
+        f"{arch}.attention.sliding_window_pattern": pattern})
+    return memory_of(layers), layers
+
+
 class StateMethods:
     """State get/set/check/files for Context (see the module docstring)."""
 
@@ -78,6 +104,7 @@ class StateMethods:
                              func="llama_state_seq_get_data_ext", reason=cap.reason())
         if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
             self._device_saved[seq_id] = buf.tobytes()  # headers only: a few KB
+            self._device_flags()[seq_id] = int(flags)
         if own:
             buf.flags.writeable = False  # so set_seq_state can trust it without parsing it again
             self._own_states[id(buf)] = buf
@@ -92,7 +119,10 @@ class StateMethods:
         check fails or llama.cpp reads 0 bytes; the sequence then holds what it held before
         (llama.cpp clears it on failure, so a non-empty one is saved and put back: one more
         ``seq_state`` of it; ``keep_on_error=False`` skips that and leaves it cleared on failure).
-        A :class:`SeqState` this context made (its data is read-only) is not parsed again."""
+        A :class:`SeqState` this context made (its data is read-only) is not parsed again, unless
+        ``flags`` differ from its own in ``PARTIAL_ONLY``. ``flags=StateFlags.PARTIAL_ONLY`` loads a
+        partial dump: llama.cpp then reads only the memory's partial part (an iSWA cache's swa
+        part, a hybrid memory's recurrent part) and leaves the rest of the sequence as it was."""
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
@@ -101,6 +131,8 @@ class StateMethods:
             raise StateError("empty state", func="llama_state_seq_set_data_ext")
         own = (isinstance(data, SeqState) and self._own_states.get(id(data.data)) is data.data
                and not data.data.flags.writeable)
+        if own and (data.flags ^ int(flags)) & lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY:
+            own = False  # made with the other PARTIAL_ONLY setting: checked like any blob
         if own and (data.flags ^ int(flags)) & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
             raise StateError("state does not fit this context: a metadata-only dump (seq_state(seq, ON_DEVICE))"
                              " loads with flags=StateFlags.ON_DEVICE only" if data.flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
@@ -117,11 +149,20 @@ class StateMethods:
                        f"{sorted(self._device_saved)}")
                 raise StateError("an ON_DEVICE state loads only as the latest seq_state(seq, ON_DEVICE) "
                                  f"of this context returned it; {why}", func="llama_state_seq_set_data_ext")
+            saved = self._device_flags().get(src, int(flags))
+            if (saved ^ int(flags)) & lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY and self._partial_differs():
+                # the device reader would take the saved chunks for other parts: an abort
+                # ("memory buffer mismatch", llama_io_read_device)
+                raise StateError(f"this ON_DEVICE state was saved with flags={saved}: load it with the same "
+                                 "PARTIAL_ONLY setting", func="llama_state_seq_set_data_ext")
         elif validate and not own:
-            self.check_state(buf, kind="sequence")
+            self.check_state(buf, kind="sequence", flags=flags)
         trusted = own or validate or bool(flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE)
         backup = None
-        if keep_on_error and self.memory.seq_pos_max(seq_id) >= 0 and not (trusted and self._load_fits(seq_id, buf)):
+        # occupied: a hybrid memory whose attention part is empty has seq_pos_max -1 (the min
+        # of its parts' maxima, llama_memory_hybrid::seq_pos_max) but seq_pos_min >= 0
+        occupied = self.memory.seq_pos_max(seq_id) >= 0 or self.memory.seq_pos_min(seq_id) >= 0
+        if keep_on_error and occupied and not (trusted and self._load_fits(seq_id, buf)):
             backup = self.seq_state(seq_id)
         with _log.capture() as cap:
             n = lib.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(buf), buf.size, seq_id, int(flags))
@@ -187,11 +228,35 @@ class StateMethods:
             return None
         return cells
 
-    def check_state(self, data, *, kind: str = "sequence") -> None:
+    def _device_flags(self) -> dict[int, int]:
+        """seq -> the flags of its latest ON_DEVICE save (beside ``_device_saved``)."""
+        return self._device_flags_by_seq
+
+    def _memory_layers(self) -> tuple[str | None, dict | None]:
+        """This context's memory as pyllamacpp.state names it (kv, iswa, hybrid, hybrid-iswa,
+        recurrent) and its layer map (state._layers); (None, None) for an architecture whose rule
+        that module does not know. Cached on the model."""
+        m = self.model
+        found = m.__dict__.get("_state_memory_layers")
+        if found is None:
+            found = m.__dict__["_state_memory_layers"] = _model_memory(m)
+        return found
+
+    def _partial_differs(self) -> bool:
+        """Whether PARTIAL_ONLY changes what this context's memory writes and reads (iSWA and
+        hybrid memories; plain KV caches and recurrent memories ignore the flag)."""
+        memory, _ = self._memory_layers()
+        if memory is None:
+            return not self._plain_kv
+        return memory in ("iswa", "hybrid", "hybrid-iswa")
+
+    def check_state(self, data, *, kind: str = "sequence", flags: int = 0) -> None:
         """Parse a state blob with :mod:`pyllamacpp.state` and check it against this context before
-        anything reaches C: dump kind, streams (``kv_unified``), layer count, K/V types, row sizes,
-        V layout (flash attention), cell count, sequence ids. Raises :class:`StateError` naming
-        what does not match. (Used by ``set_seq_state`` and ``set_state``.)"""
+        anything reaches C: dump kind, the memory parts llama.cpp will read with ``flags``
+        (``StateFlags.PARTIAL_ONLY``: an iSWA cache reads only its swa part, a hybrid memory only
+        its recurrent part), streams (``kv_unified``), layer counts, K/V types, row sizes, V layout
+        (flash attention), cell count, sequence ids. Raises :class:`StateError` naming what does
+        not match. (Used by ``set_seq_state`` and ``set_state``.)"""
         from . import state as st
         from .params import ggml_type_name
         try:
@@ -208,18 +273,46 @@ class StateMethods:
         if parsed.metadata_only:
             bad("a metadata-only dump (seq_state(seq, ON_DEVICE): the rows stayed in llama.cpp); load it "
                 "with flags=StateFlags.ON_DEVICE into the context that made it")
-        n_stream = 1 if self.params.kv_unified else self.n_seq_max
-        kv_parts = [p for p in parsed.parts if p.kind == "kv"]
-        if lib.llama_model_is_recurrent(self.model.ptr) and kv_parts:
-            bad("a KV cache state for a recurrent model")
+        # llama_context::state_read_data (whole states) reads with flags 0
+        partial = kind == "sequence" and bool(int(flags) & lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        memory, layers = self._memory_layers()
         m = self.model
+        # the parts llama.cpp will read, each with its model layers (None: unknown architecture)
+        expect = [None] * len(parsed.parts)
+        if memory is not None:
+            reads = st.written_parts(memory, partial)
+            got = tuple(p.kind for p in parsed.parts)
+            if got != tuple(k for k, _ in reads):
+                other = st.written_parts(memory, not partial)
+                names, others = [n for _, n in reads], [n for _, n in other]
+                if kind == "sequence" and got == tuple(k for k, _ in other) and other != reads:
+                    bad(f"a full dump (parts {others}) loaded with PARTIAL_ONLY, with which this context's "
+                        f"{memory} memory reads only {names}" if partial else
+                        f"a PARTIAL_ONLY dump (parts {others} of this context's {memory} memory); load it "
+                        "with flags=StateFlags.PARTIAL_ONLY")
+                bad(f"memory parts {[p.kind for p in parsed.parts]}, this context's {memory} memory reads "
+                    f"{[f'{k} ({n})' for k, n in reads]}" + (" with PARTIAL_ONLY" if partial else ""))
+            expect = [(n, layers[n]) for _, n in reads]
+        n_stream = 1 if self.params.kv_unified else self.n_seq_max
+        kv_parts = [(p, e) for p, e in zip(parsed.parts, expect) if p.kind == "kv"]
+        if lib.llama_model_is_recurrent(m.ptr) and kv_parts:
+            bad("a KV cache state for a recurrent model")
         k_len, v_len = m.kv_head_sizes()
-        # per-layer KV heads, 0 for a layer without attention (hybrid models): the KV part holds
-        # the others, in order
-        kv_heads = [n for n in m._meta_list("attention.head_count_kv", m.n_head_kv) if n > 0]
-        n_kv_layers = len(kv_heads)
-        plain = len(kv_parts) == 1 and kv_parts[0].name == "kv"
-        for part in kv_parts:
+        # llama_model_loader reads attention.key_length_swa / value_length_swa for SWA layers
+        # (default: the full layers' sizes; llama_hparams::n_embd_head_k(il))
+        k_swa = int(m.meta(f"{m.arch}.attention.key_length_swa") or k_len)
+        v_swa = int(m.meta(f"{m.arch}.attention.value_length_swa") or v_len)
+        swa_layers = set((layers or {}).get("swa") or ())
+        # per-layer KV heads, 0 for a layer without attention (hybrid models)
+        heads = m._meta_list("attention.head_count_kv", m.n_head_kv)
+        # without a layer map: a lone "kv" part holds every attention layer, in order, unless a
+        # PARTIAL_ONLY load into a non-plain memory reads it (then which layers is unknown)
+        plain = (len(kv_parts) == 1 and kv_parts[0][0].name == "kv" and kv_parts[0][1] is None
+                 and (self._plain_kv or not partial))
+        for part, exp in kv_parts:
+            # no map: a plain part's records are the attention layers in order
+            ils = exp[1] if exp is not None else ([il for il, n in enumerate(heads) if n > 0] if plain else None)
+            label = exp[0] if exp is not None else part.name
             if part.n_stream != n_stream:
                 bad(f"{part.n_stream} KV stream(s), this context has {n_stream} "
                     f"(kv_unified={bool(self.params.kv_unified)}, n_seq_max={self.n_seq_max})")
@@ -230,16 +323,21 @@ class StateMethods:
                     bad(f"{s.cell_count} cells in stream {s.index}, more than n_ctx_seq={self.n_ctx_seq}")
                 if s.v_trans != (0 if self.flash_attn else 1):
                     bad(f"v_trans={s.v_trans}, this context has flash attention {'on' if self.flash_attn else 'off'}")
-                if plain and s.n_layer != n_kv_layers:
-                    bad(f"{s.n_layer} layers, the model has {n_kv_layers}")
+                if ils is not None and s.n_layer != len(ils):
+                    bad(f"{s.n_layer} layers in the {label} part, the model's has {len(ils)}"
+                        if exp is not None else f"{s.n_layer} layers, the model has {len(ils)}")
                 for r in s.records:
                     want_t = self.params.type_k if r.kind == "K" else self.params.type_v
                     if r.type.id != want_t:
                         bad(f"{r.kind}[{r.layer}] is {r.type.name}, this context's cache is {ggml_type_name(want_t)}")
-                    if plain and r.layer < n_kv_layers:
-                        n_embd = (k_len if r.kind == "K" else v_len) * kv_heads[r.layer]
+                    if ils is not None and r.layer < len(ils):
+                        il = ils[r.layer]
+                        size = (k_swa if r.kind == "K" else v_swa) if il in swa_layers else \
+                            (k_len if r.kind == "K" else v_len)
+                        n_embd = size * heads[il]
                         if r.n_embd != n_embd:
-                            bad(f"{r.kind}[{r.layer}] rows hold {r.n_embd} values, the model's hold {n_embd}")
+                            bad(f"{r.kind}[{r.layer}] rows hold {r.n_embd} values, "
+                                f"the model's (layer {il}) hold {n_embd}")
                 ids = s.cells["seq_id"]
                 if ids.size and ((ids >= self.n_seq_max) | (ids < -1)).any():
                     bad(f"a cell of stream {s.index} names a sequence outside [0, {self.n_seq_max})")
@@ -255,6 +353,10 @@ class StateMethods:
                 # put each into the same stream, the later ones removing the earlier
                 bad(f"cells in {sum(1 for s in part.streams if s.cell_count)} streams of {part.name}; "
                     "a sequence dump has them in one")
+        for part in parsed.parts:
+            # llama_memory_recurrent::state_write_data writes n_layer = hparams.n_layer()
+            if part.kind == "recurrent" and part.streams[0].n_layer != m.n_layer:
+                bad(f"{part.streams[0].n_layer} layers in the recurrent part, the model has {m.n_layer}")
 
     def _check_no_pending_copy(self, seq_id, func: str) -> None:
         if self._pending_stream_copies and (seq_id is None or seq_id in self._pending_stream_copies):
@@ -280,7 +382,7 @@ class StateMethods:
         os.replace(tmp, path)
         if sidecar:
             from .state import write_sidecar
-            write_sidecar(path, **self.sidecar_facts(toks))
+            write_sidecar(path, **self.sidecar_facts(toks, flags=0))  # the file holds a flags-0 dump
         return int(n)
 
     def load_seq_state(self, path, seq_id: int, max_tokens: int | None = None) -> np.ndarray:
@@ -373,8 +475,9 @@ class StateMethods:
                 return False
         return self.params.flash_attn_type == lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
 
-    def sidecar_facts(self, tokens=None) -> dict:
-        """What a dump of this context does not say about itself (see ``pyllamacpp.state`` sidecars)."""
+    def sidecar_facts(self, tokens=None, *, flags: int = 0) -> dict:
+        """What a dump of this context does not say about itself (see ``pyllamacpp.state`` sidecars);
+        ``flags``: the ``llama_state_seq_flags`` the dump is made with (PARTIAL_ONLY, ON_DEVICE)."""
         from ._lib import EXTENSION_INFO
         from .params import ggml_type_name
         from .state import model_facts
@@ -392,7 +495,7 @@ class StateMethods:
             "n_embd_head_k": k_len, "n_embd_head_v": v_len,
             "type_k": ggml_type_name(self.params.type_k), "type_v": ggml_type_name(self.params.type_v),
             "flash_attn": self.flash_attn, "kv_unified": bool(self.params.kv_unified), "n_ctx": self.n_ctx,
-            "llama_cpp_commit": EXTENSION_INFO.get("llama_cpp_commit"),
+            "llama_cpp_commit": EXTENSION_INFO.get("llama_cpp_commit"), "flags": int(flags),
         }
         if tokens is not None:
             facts["tokens"] = [int(t) for t in np.asarray(tokens).reshape(-1)]
@@ -400,7 +503,8 @@ class StateMethods:
 
     def save_seq_dump(self, path, seq_id: int, *, flags: int = 0, tokens=None, sidecar: bool = True) -> int:
         """Write ``seq_state(seq_id, flags)`` (raw ``llama_state_seq_get_data_ext`` bytes) to ``path``
-        atomically, and ``path + ".json"`` with :meth:`sidecar_facts` unless ``sidecar=False``."""
+        atomically, and ``path + ".json"`` with :meth:`sidecar_facts` (``flags`` included, so
+        ``parse`` reads a PARTIAL_ONLY dump as one) unless ``sidecar=False``."""
         state = self.seq_state(seq_id, flags)
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -412,5 +516,5 @@ class StateMethods:
             tmp.unlink(missing_ok=True)
         if sidecar:
             from .state import write_sidecar
-            write_sidecar(path, **self.sidecar_facts(tokens))
+            write_sidecar(path, **self.sidecar_facts(tokens, flags=flags))
         return len(state)

@@ -283,6 +283,7 @@ def test_sidecar_written_with_dumps(model, tmp_path):
     side = st.read_sidecar(tmp_path / "a.bin")
     assert side["n_head_kv"] == 3 and side["type_k"] == "f16" and side["tokens"] == toks.tolist()
     assert side["flash_attn"] is True and side["model"] == model.path.name
+    assert side["flags"] == 0 == st.read_sidecar(tmp_path / "b.seq")["flags"]  # the flags the dump was made with
     assert st.parse(tmp_path / "a.bin").k[0].shape == (7, 3, 64)
     assert st.parse(tmp_path / "b.seq").kind == st.DumpKind.SEQ_FILE
 

@@ -15,11 +15,14 @@ The layout (llama-context.cpp, llama-kv-cache.cpp, llama-memory-recurrent.cpp at
   with v_trans=1: i32 type, u32 element size, u32 n_embd_v_gqa, values value-major).
   iSWA caches write base then swa; hybrid memory the KV cache then the recurrent state.
 - StateFlags.ON_DEVICE dumps hold the same headers without any rows (metadata only).
+- StateFlags.PARTIAL_ONLY dumps hold only the memory's partial part: an iSWA cache's swa part, a
+  hybrid memory's recurrent part (``partial=``/``flags=``, a sidecar's ``flags``, or a layer map).
 - Records carry the model's layer (``il``) when the layer map is known (model=, sidecar).
 """
 from ._buffer import StateFormatError
 from ._parse import IO_MAGIC, SEQ_FILE_MAGIC, SEQ_FILE_VERSION, SESSION_MAGIC, SESSION_VERSION
 from ._layers import layer_map
+from ._memory import ON_DEVICE, PARTIAL_ONLY, memory_of, written_parts
 from ._records import (DumpKind, Header, LayerViews, Layout, LayoutRow, MemoryPart, MetadataOnlyError,
                        Segment, Stream, TensorRecord)
 from ._sidecar import SIDECAR_FIELDS, model_facts, read_sidecar, sidecar_path, write_sidecar
@@ -29,4 +32,5 @@ from ._types import GGMLType, hadamard
 __all__ = ["parse", "KVState", "StateFormatError", "DumpKind", "Header", "MemoryPart", "Stream",
            "TensorRecord", "LayerViews", "MetadataOnlyError", "layer_map", "Layout", "LayoutRow", "Segment", "GGMLType", "hadamard", "write_sidecar",
            "read_sidecar", "sidecar_path", "model_facts", "SIDECAR_FIELDS", "IO_MAGIC",
-           "SEQ_FILE_MAGIC", "SESSION_MAGIC", "SEQ_FILE_VERSION", "SESSION_VERSION"]
+           "SEQ_FILE_MAGIC", "SESSION_MAGIC", "SEQ_FILE_VERSION", "SESSION_VERSION", "PARTIAL_ONLY",
+           "ON_DEVICE", "memory_of", "written_parts"]

@@ -11,11 +11,12 @@ from ._state import parse
 
 
 def _heads_kwargs(args) -> dict:
+    kw = {"partial": True} if getattr(args, "partial", False) else {}
     if getattr(args, "heads", None):
-        return {"n_head_kv": args.heads}
+        return {**kw, "n_head_kv": args.heads}
     if getattr(args, "model", None):
-        return {"model": str(args.model)}
-    return {}
+        return {**kw, "model": str(args.model)}
+    return kw
 
 
 def _cell_rows(rec, cell: int, n_values: int, with_hex: bool) -> dict:
@@ -43,8 +44,10 @@ def parse_state(args) -> int:
     lay = st.layout()
     layer = args.layer
     data = {"file": str(args.file), "file_size": os.path.getsize(args.file), "kind": st.kind.name,
-            "kind_text": str(st.kind) + (", metadata only (ON_DEVICE)" if st.metadata_only else ""),
-            "metadata_only": st.metadata_only, "layers": st.layers,
+            "kind_text": str(st.kind) + (", metadata only (ON_DEVICE)" if st.metadata_only else "")
+            + (", partial (PARTIAL_ONLY)" if st.partial else ""),
+            "metadata_only": st.metadata_only, "partial": st.partial, "memory": st.options["memory"],
+            "layers": st.layers,
             "metadata_bytes": lay.metadata_bytes, "payload_bytes": lay.payload_bytes,
             "parts": [], "records": [dataclasses.asdict(r) for r in lay.rows]}
     for part in st.parts:
@@ -67,6 +70,8 @@ def parse_state(args) -> int:
     print(f"file {args.file}: {data['file_size']:,} bytes")
     if st.metadata_only:
         print("metadata only (ON_DEVICE): no K/V rows to show, only the record headers")
+    if st.partial:
+        print(f"partial (PARTIAL_ONLY): parts {[p.name for p in st.parts]}, memory {st.options['memory']!r}")
     print(st.describe(max_rows=args.rows, n_cells=0, n_values=0).rstrip())
     for entry in data["parts"]:
         if not entry["cells"]:

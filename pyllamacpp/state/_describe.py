@@ -34,10 +34,25 @@ def _values_text(r, n_cells: int, n_values: int) -> list[str]:
     return [" ".join(f"{v:+.4f}" for v in row) for row in vals]
 
 
+def _partial_text(state) -> str:
+    """What a PARTIAL_ONLY dump holds (llama_kv_cache_iswa / llama_memory_hybrid::state_write)."""
+    mem = state.options["memory"]
+    whose = {"iswa": "an iSWA", "hybrid": "a hybrid", "hybrid-iswa": "a hybrid iSWA"}
+    if mem in whose:
+        names = " and ".join(p.name for p in state.parts)
+        return f"only the {names} part{'s' if len(state.parts) > 1 else ''} of {whose[mem]} memory"
+    if state.layers is None:  # read without a layer map: a plain cache and an iSWA swa part look alike
+        return (f"{'one KV cache' if mem == 'kv' else 'recurrent state'}: all of a {mem} memory or the "
+                f"partial part of {'an iSWA' if mem == 'kv' else 'a hybrid'} one (pass model= to tell)")
+    return f"a {mem} memory writes all of itself either way"
+
+
 def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
     h = state.header
     access = "writable" if state.writable else "read-only"
     meta = ", metadata only (ON_DEVICE): record headers without rows" if state.metadata_only else ""
+    if state.partial:
+        meta += ", partial (PARTIAL_ONLY): " + _partial_text(state)
     out = [f"{state.kind} ({_SOURCES[state.kind]}){meta}: {state.nbytes:,} bytes, from {state.source} ({access})"]
     fields = []
     if h.magic is not None:
@@ -52,7 +67,7 @@ def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
         toks = h.tokens[:12].tolist()
         fields.append(f"{len(h.tokens)} tokens {toks}{' ...' if len(h.tokens) > 12 else ''}")
     out.append("header: " + (", ".join(fields) if fields else "-") + f" ({h.nbytes} bytes)")
-    out.append(f"memory: {state.options['memory']}, n_head_kv={state.n_head_kv}"
+    out.append(f"memory: {state.options['memory']}{' (partial)' if state.partial else ''}, n_head_kv={state.n_head_kv}"
                + (", cells carry llama_kv_cell_ext" if state.options.get("cell_ext") else "")
                + (", layers numbered by the model's il" if state.layers else ", layers numbered by record index"))
     for p in state.parts:

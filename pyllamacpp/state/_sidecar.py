@@ -26,6 +26,7 @@ SIDECAR_FIELDS = {
     "llama_cpp_commit": "llama.cpp commit that wrote the dump",
     "tokens": "token ids the dump holds",
     "layers": "the model layer (il) of each record, per memory part: {part: [il, ...]} (see _layers)",
+    "flags": "llama_state_seq_flags the dump was written with (PARTIAL_ONLY 1, ON_DEVICE 2)",
 }
 
 

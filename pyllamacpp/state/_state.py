@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ._buffer import Buffer, StateFormatError
-from ._memory import parse_memory
+from ._memory import ON_DEVICE, PARTIAL_ONLY, memory_of, parse_memory, written_parts
 from ._parse import parse_header
 from ._records import (DumpKind, Header, LayerViews, Layout, LayoutRow, MemoryPart, Segment, Stream,
                        TensorRecord)
@@ -50,7 +50,8 @@ def _as_array(data, writable: bool | None) -> tuple[np.ndarray, str, Path | None
 
 def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | None = None,
           memory: str | None = None, cell_ext: bool | None = None, has_v: bool | None = None,
-          metadata_only: bool | None = None, layers: dict | None = None) -> "KVState":
+          metadata_only: bool | None = None, layers: dict | None = None, partial: bool | None = None,
+          flags: int | None = None) -> "KVState":
     """Parse a state dump: bytes-like, a uint8 array, or a path (np.memmap'ed, never read whole).
 
     It may come from llama_state_seq_get_data(_ext), llama_state_get_data,
@@ -66,11 +67,26 @@ def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | No
     never changed); False forces read-only views. ``memory`` ("kv", "iswa", "hybrid",
     "hybrid-iswa", "recurrent"), ``cell_ext``, ``has_v`` and ``metadata_only`` (a
     StateFlags.ON_DEVICE dump: headers without rows) pin what is otherwise detected (see
-    _memory.parse_memory). Raises StateFormatError (a ValueError) on anything that does not follow
-    the format, or that contradicts the layer map.
+    _memory.parse_memory). ``partial=True``: written with StateFlags.PARTIAL_ONLY, so only the
+    memory's partial part is there (an iSWA cache's swa part, a hybrid memory's recurrent part;
+    plain KV caches and recurrent memories write all of themselves); ``flags=`` (the
+    ``llama_state_seq_flags`` the dump was made with, as a sidecar's ``flags``) sets it and, with
+    ON_DEVICE, ``metadata_only``. With a layer map the memory is the map's, and a partial dump is
+    told apart from a full one by reading. Raises StateFormatError (a ValueError) on anything that
+    does not follow the format, or that contradicts the layer map.
     """
     arr, source, path = _as_array(data, writable)
     sidecar = read_sidecar(path) if path is not None else None
+    if flags is None and partial is None and (sidecar or {}).get("flags") is not None:
+        flags = sidecar["flags"]
+    if flags is not None:
+        if isinstance(flags, bool) or not isinstance(flags, (int, np.integer)) or flags & ~(PARTIAL_ONLY | ON_DEVICE):
+            raise ValueError(f"flags={flags!r}: expected llama_state_seq_flags (PARTIAL_ONLY=1 | ON_DEVICE=2)")
+        if partial is not None and bool(partial) != bool(flags & PARTIAL_ONLY):
+            raise ValueError(f"partial={partial!r} contradicts flags={int(flags)}")
+        partial = bool(flags & PARTIAL_ONLY)
+        if metadata_only is None and flags & ON_DEVICE:
+            metadata_only = True  # llama_io_write_device writes headers only, on every backend
     facts = model_facts(model) if model is not None else {}
     if n_head_kv is None:
         # 0 (a sidecar of a hybrid model, whose layer 0 has no attention) says nothing: rows stay flat
@@ -82,8 +98,30 @@ def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | No
         layers = facts.get("layers") or (sidecar or {}).get("layers")
     buf = Buffer(arr)
     header = parse_header(buf)
-    parts, options = parse_memory(buf, header.nbytes, memory=memory, cell_ext=cell_ext, has_v=has_v,
-                                  n_head=n_head_kv, metadata_only=metadata_only)
+    if header.kind is not DumpKind.SEQUENCE:
+        # llama_state_seq_save_file and llama_context::state_write_data write with flags 0
+        if partial:
+            raise StateFormatError(f"a {header.kind} is written without PARTIAL_ONLY: it cannot be partial",
+                                   offset=0, what="dump kind")
+        partial = False
+    kw = dict(cell_ext=cell_ext, has_v=has_v, n_head=n_head_kv, metadata_only=metadata_only, partial=partial)
+    by_map = memory is None and memory_of(layers)
+    try:
+        parts, options = parse_memory(buf, header.nbytes, memory=memory or by_map or None, **kw)
+    except StateFormatError as e:
+        if not by_map:
+            raise
+        # does it read as another memory? then say the map is not this dump's
+        try:
+            other, opts = parse_memory(buf, header.nbytes, **kw)
+        except StateFormatError:
+            raise e from None
+        want = " or ".join(str([n for _, n in written_parts(by_map, p)])
+                           for p in ((False, True) if partial is None else (partial,)))
+        raise StateFormatError(
+            f"the layer map is for memory {by_map!r} (parts {want}), but the dump reads as memory "
+            f"{opts['memory']!r} (parts {[p.name for p in other]}): a dump of another model?",
+            offset=header.nbytes, what="memory layout") from None
     if layers:
         parts = tuple(_number_layers(p, layers.get(p.name)) for p in parts)
     options["layers"] = {p.name: layers[p.name] for p in parts if p.name in layers} if layers else None
@@ -148,6 +186,13 @@ class KVState:
         """True for a StateFlags.ON_DEVICE dump: record headers, no rows (views raise
         MetadataOnlyError; layout() shows 0 payload bytes)."""
         return bool(self.options.get("metadata_only"))
+
+    @property
+    def partial(self) -> bool | None:
+        """True for a StateFlags.PARTIAL_ONLY dump (only the memory's partial part), False for a
+        full one, None when neither the flags nor the reading tell (plain KV caches and recurrent
+        memories write the same bytes either way)."""
+        return self.options.get("partial")
 
     @property
     def layers(self) -> dict | None:
@@ -288,5 +333,6 @@ class KVState:
     def __repr__(self) -> str:
         cells = sum(s.cell_count for p in self.parts for s in p.streams)
         meta = ", metadata only (ON_DEVICE)" if self.metadata_only else ""
+        meta += ", partial (PARTIAL_ONLY)" if self.partial else ""
         return (f"<KVState {self.kind}{meta}: {self.nbytes:,} bytes, parts {[p.name for p in self.parts]}, "
                 f"{cells} cells, n_head_kv={self.n_head_kv}>")

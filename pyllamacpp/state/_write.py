@@ -76,4 +76,4 @@ def select_cells(state, mask, *, part=None, stream=None):
     opts = state.options
     return parse(bytearray(b"".join(chunks)), n_head_kv=state.n_head_kv, memory=opts["memory"],
                  cell_ext=opts["cell_ext"], has_v=opts["has_v"], metadata_only=False,
-                 layers=opts.get("layers"))
+                 layers=opts.get("layers"), partial=opts.get("partial"))
