@@ -1,0 +1,200 @@
+"""What only a GPU shows: run on the device machine by tools/gpu/run.sh, after the CUDA build.
+
+    python tools/gpu/check.py [--out DIR] [--cpu-only]
+
+Uses a synthetic model (``pyllamacpp.testing.make_model``: no weights travel) and compares a
+context with every layer offloaded (``n_gpu_layers=99``) against a CPU one of the same model:
+
+- the build registers CUDA and sees the GPU (``build_info()``, ``devices()``);
+- the model and KV buffers llama.cpp logs are on the GPU (``ctx.buffers``);
+- logits of the same prompt, GPU against CPU (max |diff|), and greedy continuations;
+- sequence state: a dump from the GPU context parses with ``pyllamacpp.state`` to the same layout
+  as the CPU one (same bytes of metadata, payload within the logits' tolerance), loads into the
+  CPU context and the other way round, and the next logits follow;
+- ``StateFlags.ON_DEVICE`` on the GPU: the blob holds headers only while the rows stay in GPU
+  memory; after clearing the sequence, loading it back gives bit-identical next logits;
+- ``generate`` tokens/s against the same loop in raw ``lib`` calls on the GPU (where a decode takes
+  about a millisecond, Python's share per token matters more than on the CPU).
+
+Prints a summary and writes ``gpu_check.json`` to ``--out`` (default ``$OUT`` or the current
+folder). Exits 1 when a check fails. ``--cpu-only`` runs the same code with both contexts on the
+CPU, to try the script without a GPU (the offload checks are then skipped).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cpu-only", action="store_true", help="both contexts on the CPU (a dry run)")
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    args = ap.parse_args(argv)
+
+    import pyllamacpp as pl
+    from pyllamacpp import lib, state
+    from pyllamacpp.testing import make_model
+
+    results: dict = {"checks": {}, "figures": {}}
+    failed: list[str] = []
+
+    def check(name: str, ok: bool, detail) -> None:
+        results["checks"][name] = {"ok": bool(ok), "detail": detail}
+        print(f"[{'ok' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+        if not ok:
+            failed.append(name)
+
+    info = pl.build_info()
+    results["package"] = pl.__file__
+    print(f"pyllamacpp from {pl.__file__}; backends {info.get('backends')}", flush=True)
+    results["build_info"] = {k: info.get(k) for k in ("backends", "devices", "llama_cpp_commit", "ggml_options")}
+    gpu = not args.cpu_only
+    devs = pl.devices()
+    results["devices"] = devs
+    if gpu:
+        check("cuda backend registered", "cuda" in info.get("backends", []), info.get("backends"))
+        check("a GPU device", any(d["type"] == "gpu" for d in devs),
+              [(d["name"], d["description"], d["memory_total"]) for d in devs])
+        if failed:
+            return finish(args, results, failed)
+
+    tmp = Path(tempfile.mkdtemp(prefix="pyl-gpu-"))
+    # big enough that a GPU decode is not all launch overhead, small enough to make in seconds
+    path = make_model(tmp / "synth-llama.gguf", "llama", n_layer=8, n_embd=512, n_head=8, n_head_kv=4,
+                      n_vocab=2048, n_ff=1024, seed=1)
+    toks = (np.arange(48, dtype=np.int32) * 37 + 11) % 2048
+    kw = dict(n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=4, n_threads_batch=4, flash_attn="on")
+    with pl.Model(path) as m_cpu, pl.Model(path, n_gpu_layers=99 if gpu else 0) as m_gpu, \
+            m_cpu.context(**kw) as c_cpu, m_gpu.context(**kw) as c_gpu:
+        results["buffers"] = {"cpu": c_cpu.buffers, "gpu": c_gpu.buffers}
+        if gpu:
+            on_gpu = [b for b in c_gpu.buffers if b.upper().startswith("CUDA")]
+            check("model and KV buffers on the GPU",
+                  any("model" in c_gpu.buffers[b] for b in on_gpu) and any("KV" in c_gpu.buffers[b] for b in on_gpu),
+                  c_gpu.buffers)
+
+        # logits of the same prompt
+        c_cpu.prefill(toks)
+        c_gpu.prefill(toks)
+        lc, lg = c_cpu.logits().copy(), c_gpu.logits().copy()
+        diff = float(np.abs(lc - lg).max())
+        scale = float(np.abs(lc).max())
+        results["figures"]["logits_max_abs_diff"] = diff
+        check("logits GPU vs CPU", diff <= 1e-2 * max(scale, 1.0), f"max |diff| {diff:.3g} (max |logit| {scale:.3g})")
+        ref_cpu = pl_generate(pl, c_cpu, toks, 16)
+        ref_gpu = pl_generate(pl, c_gpu, toks, 16)
+        same = sum(a == b for a, b in zip(ref_cpu, ref_gpu))
+        results["figures"]["greedy_agree_of_16"] = same
+        check("greedy continuation GPU vs CPU", same >= 8, f"{same}/16 tokens equal (random weights: ties can split)")
+
+        # sequence state across devices
+        for c in (c_cpu, c_gpu):
+            c.memory.clear()
+            c.prefill(toks)
+        s_cpu, s_gpu = c_cpu.seq_state(0), c_gpu.seq_state(0)
+        p_cpu, p_gpu = state.parse(s_cpu.data, model=str(path)), state.parse(s_gpu.data, model=str(path))
+        lay_cpu, lay_gpu = p_cpu.layout(), p_gpu.layout()
+        same_layout = ([(r.kind, r.il, r.type, r.row_size, r.data_offset) for r in lay_cpu.rows]
+                       == [(r.kind, r.il, r.type, r.row_size, r.data_offset) for r in lay_gpu.rows])
+        check("GPU dump parses to the CPU dump's layout", same_layout and len(s_cpu) == len(s_gpu),
+              f"{len(s_gpu):,} bytes, {len(lay_gpu.rows)} records, metadata {lay_gpu.metadata_bytes:,} B")
+        k0 = float(np.abs(p_cpu.k[0].astype(np.float32) - p_gpu.k[0].astype(np.float32)).max())
+        results["figures"]["k0_max_abs_diff"] = k0
+        check("K of layer 0, GPU vs CPU", k0 <= 5e-2, f"max |diff| {k0:.3g}")
+        nxt = np.array([int(toks[-1])], np.int32)
+        after = {}
+        for name, c, blob in (("gpu<-cpu", c_gpu, s_cpu.data), ("cpu<-gpu", c_cpu, s_gpu.data)):
+            c.memory.clear()
+            n = c.set_seq_state(0, blob)
+            c.prefill(nxt, 0, toks.size)
+            after[name] = c.logits().copy()
+            check(f"state {name} loads", n == len(blob), f"{n:,} bytes")
+        d = float(np.abs(after["gpu<-cpu"] - after["cpu<-gpu"]).max())
+        check("next logits after a cross-device load agree", d <= 1e-2 * max(scale, 1.0), f"max |diff| {d:.3g}")
+
+        # ON_DEVICE: headers in the blob, rows kept where they are
+        c_gpu.memory.clear()
+        c_gpu.prefill(toks)
+        c_gpu.prefill(nxt, 0, toks.size)
+        want = c_gpu.logits().copy()
+        c_gpu.memory.seq_rm(0, toks.size)
+        meta = c_gpu.seq_state(0, pl.StateFlags.ON_DEVICE)
+        pm = state.parse(meta.data)
+        check("ON_DEVICE blob is metadata only", pm.metadata_only and len(meta) < len(s_gpu) // 10,
+              f"{len(meta):,} bytes against {len(s_gpu):,}")
+        c_gpu.memory.clear()
+        c_gpu.set_seq_state(0, meta, pl.StateFlags.ON_DEVICE)
+        c_gpu.prefill(nxt, 0, toks.size)
+        got = c_gpu.logits()
+        check("ON_DEVICE load gives the same next logits", np.array_equal(got, want),
+              f"max |diff| {float(np.abs(got - want).max()):.3g}")
+
+        # generate against raw lib calls, same context
+        rates = {}
+        for side in ("raw", "generate", "raw", "generate"):
+            c_gpu.memory.clear()
+            t, n = (raw_loop(pl, lib, c_gpu, toks, args.n_predict) if side == "raw"
+                    else timed_generate(pl, c_gpu, toks, args.n_predict))
+            rates.setdefault(side, []).append(n / t)
+        r = {k: float(np.median(v)) for k, v in rates.items()}
+        results["figures"]["decode_tok_s"] = r
+        print(f"[figure] decode on {'GPU' if gpu else 'CPU'}: generate {r['generate']:.1f} tok/s, raw lib loop "
+              f"{r['raw']:.1f} tok/s, ratio {r['generate'] / r['raw']:.3f}", flush=True)
+    return finish(args, results, failed)
+
+
+def pl_generate(pl, ctx, toks, n):
+    ctx.memory.clear()
+    return list(pl.generate(ctx, toks, n))
+
+
+def timed_generate(pl, ctx, toks, n):
+    g = pl.generate(ctx, toks, n)
+    next(g)  # prefill and the first sample, as raw_loop's clock starts after them
+    t0 = time.perf_counter()
+    k = sum(1 for _ in g)
+    return time.perf_counter() - t0, k
+
+
+def raw_loop(pl, lib, ctx, toks, n):
+    ptr, smpl = ctx.ptr, pl.Sampler.greedy()
+    ctx.prefill(toks)
+    b = lib.llama_batch_init(1, 0, 1)
+    try:
+        pos = int(toks.size)
+        tok = lib.llama_sampler_sample(smpl.ptr, ptr, -1)
+        t0 = time.perf_counter()
+        for i in range(n):  # what generate does after its first token: n decodes, n - 1 samples
+            b.n_tokens = 1
+            b.token[0], b.pos[0], b.n_seq_id[0], b.seq_id[0][0], b.logits[0] = tok, pos, 1, 0, 1
+            if lib.llama_decode(ptr, b) != 0:
+                raise RuntimeError("decode failed")
+            if i < n - 1:
+                tok = lib.llama_sampler_sample(smpl.ptr, ptr, -1)
+            pos += 1
+        return time.perf_counter() - t0, n - 1
+    finally:
+        lib.llama_batch_free(b)
+
+
+def finish(args, results, failed) -> int:
+    results["failed"] = failed
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
+    print(f"{len(results['checks']) - len(failed)}/{len(results['checks'])} checks passed; "
+          f"wrote {out / 'gpu_check.json'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
