@@ -288,10 +288,28 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
             if it >= 0:
                 fg.append(t1 - t0), fs.append(t2 - t1)
         ms = lambda v: statistics.median(v) * 1e3  # noqa: E731
+        # The same get / set with the dump at page offsets 0, 512 ... 3584 of one buffer, as
+        # native_driver.c does: the copy's speed depends on the destination's place in its page.
+        big = np.empty(size + 8192, dtype=np.uint8)
+        pg, ps = [], []
+        for k in range(8):
+            at = (512 * k - big.ctypes.data) % 4096
+            view_k = big[at:at + size]
+            g, st_ = [], []
+            for it in range(-s["warmup"], s["iters"]):
+                t0 = clock()
+                st = ctx.seq_state(0, out=view_k)
+                t1 = clock()
+                ctx.set_seq_state(0, st, validate=False, keep_on_error=False)
+                t2 = clock()
+                if it >= 0:
+                    g.append(t1 - t0), st_.append(t2 - t1)
+            pg.append(ms(g)), ps.append(ms(st_))
         return {"workload": workload, "n_tokens": s["n_tokens"], "state_bytes": size,
                 "flash_attn": flash_attn_verdict(ctx), "get_ms": ms(tg), "set_ms": ms(ts), "set_empty_ms": ms(te),
                 "fast_get_ms": ms(fg), "fast_set_ms": ms(fs),
-                "fast_roundtrip_ms": statistics.median([a + b for a, b in zip(fg, fs)]) * 1e3}
+                "fast_roundtrip_ms": statistics.median([a + b for a, b in zip(fg, fs)]) * 1e3,
+                "place_get_ms": pg, "place_set_ms": ps}
     raise SystemExit(f"unknown workload {workload}")
 
 
@@ -309,6 +327,9 @@ ROWS = [
     ("state", "set_empty_ms", "set_seq_state, seq empty", "ms", "time", ""),
     ("state", "roundtrip_ms", "round trip get + set (occupied)", "ms", "time", "<= 1.1x"),
     ("state", "fast_roundtrip_ms", "round trip, out= + validate=False + keep_on_error=False", "ms", "time", "<= 1.1x"),
+    ("state", "place_get_min_ms", "  get, dump at the best of 8 page offsets", "ms", "time", ""),
+    ("state", "place_get_max_ms", "  get, dump at the worst of 8 page offsets", "ms", "time", ""),
+    ("state", "place_roundtrip_ms", "  round trip as above, median over the 8 page offsets", "ms", "time", ""),
 ]
 
 
@@ -339,6 +360,10 @@ def summarize(runs: dict) -> list[dict]:
         for r in runs.get("state", {}).get(side, []):
             r["roundtrip_ms"] = r["get_ms"] + r["set_ms"]
             r.setdefault("fast_roundtrip_ms", r["roundtrip_ms"])  # native C has one path
+            if "place_get_ms" in r:  # per page offset of the destination: the median, the extremes
+                trips = [g + t for g, t in zip(r["place_get_ms"], r["place_set_ms"])]
+                r["place_roundtrip_ms"] = statistics.median(trips)
+                r["place_get_min_ms"], r["place_get_max_ms"] = min(r["place_get_ms"]), max(r["place_get_ms"])
     rows = []
     for wl, metric, label, unit, kind, target in ROWS:
         if wl not in runs:

@@ -324,10 +324,36 @@ static int wl_state(void) {
         free(buf);
         if (it >= 0) { tg[it] = t1 - t0; ts[it] = t2 - t1; te[it] = t4 - t3; }
     }
+    // The copy's speed depends on where the destination sits in its page (relative to the KV
+    // tensors it is copied from): the same get / set with the dump at page offsets 0, 512 ... 3584
+    // of one buffer, which bench_core.py's Python side repeats with seq_state(out=).
+    const double get_ms = median(tg, N) * 1e3, set_ms = median(ts, N) * 1e3, set_empty_ms = median(te, N) * 1e3;
+    enum { N_PLACE = 8 };
+    double pg[N_PLACE], ps[N_PLACE];
+    uint8_t * big = malloc(size + 8192);
+    for (int k = 0; k < N_PLACE; k++) {
+        uint8_t * p = big + ((uintptr_t) (512 * k) - (uintptr_t) big) % 4096;
+        for (int it = -S.warmup; it < N; it++) {
+            double t0 = now_s();
+            if (llama_state_seq_get_size_ext(ctx, 0, 0) != size) die("the state changed size");  // as seq_state(out=) asks
+            if (llama_state_seq_get_data_ext(ctx, p, size, 0, 0) != size) die("get_data_ext wrote a short state");
+            double t1 = now_s();
+            if (llama_state_seq_set_data_ext(ctx, p, size, 0, 0) == 0) die("set_data_ext failed");
+            double t2 = now_s();
+            if (it >= 0) { tg[it] = t1 - t0; ts[it] = t2 - t1; }
+        }
+        pg[k] = median(tg, N) * 1e3;
+        ps[k] = median(ts, N) * 1e3;
+    }
+    free(big);
     printf("{\"workload\": \"state\", \"n_tokens\": %d, \"state_bytes\": %zu, \"flash_attn\": \"%s\"", n, size,
            g_flash_attn);
-    printf(", \"get_ms\": %.6g, \"set_ms\": %.6g, \"set_empty_ms\": %.6g}\n", median(tg, N) * 1e3,
-           median(ts, N) * 1e3, median(te, N) * 1e3);
+    printf(", \"get_ms\": %.6g, \"set_ms\": %.6g, \"set_empty_ms\": %.6g", get_ms, set_ms, set_empty_ms);
+    printf(", \"place_get_ms\": [");
+    for (int k = 0; k < N_PLACE; k++) printf("%s%.6g", k ? ", " : "", pg[k]);
+    printf("], \"place_set_ms\": [");
+    for (int k = 0; k < N_PLACE; k++) printf("%s%.6g", k ? ", " : "", ps[k]);
+    printf("]}\n");
     free(tg);
     llama_batch_free(b);
     llama_free(ctx);
