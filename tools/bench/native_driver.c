@@ -328,6 +328,8 @@ static int wl_state(void) {
     // tensors it is copied from): the same get / set with the dump at page offsets 0, 512 ... 3584
     // of one buffer, which bench_core.py's Python side repeats with seq_state(out=).
     const double get_ms = median(tg, N) * 1e3, set_ms = median(ts, N) * 1e3, set_empty_ms = median(te, N) * 1e3;
+    // The same get (size, then data) and set as the first loop, with the dump placed at page offset
+    // 0, 512 ... 3584 of one buffer instead of where malloc puts it.
     enum { N_PLACE = 8 };
     double pg[N_PLACE], ps[N_PLACE];
     uint8_t * big = malloc(size + 8192);
@@ -335,7 +337,7 @@ static int wl_state(void) {
         uint8_t * p = big + ((uintptr_t) (512 * k) - (uintptr_t) big) % 4096;
         for (int it = -S.warmup; it < N; it++) {
             double t0 = now_s();
-            if (llama_state_seq_get_size_ext(ctx, 0, 0) != size) die("the state changed size");  // as seq_state(out=) asks
+            if (llama_state_seq_get_size_ext(ctx, 0, 0) != size) die("the state changed size");
             if (llama_state_seq_get_data_ext(ctx, p, size, 0, 0) != size) die("get_data_ext wrote a short state");
             double t1 = now_s();
             if (llama_state_seq_set_data_ext(ctx, p, size, 0, 0) == 0) die("set_data_ext failed");
