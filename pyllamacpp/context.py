@@ -68,6 +68,7 @@ class Context(StateMethods):
         # save only, and aborts on a load whose cells do not add up to them
         self._device_saved: dict[int, bytes] = {}
         self._device_flags_by_seq: dict[int, int] = {}  # seq -> flags of that save (PARTIAL_ONLY must match)
+        self._memory_layers_cache: tuple | None = None  # see StateMethods._memory_layers
         self._own_states = weakref.WeakValueDictionary()  # id -> read-only array seq_state made here
         self._kv_row_bytes: tuple[int, int] | None = None  # see _cells_held
         # one plain KV cache (not iSWA, recurrent or hybrid): see _load_fits

@@ -78,7 +78,7 @@ def _model_memory(m) -> tuple[str | None, dict | None]:
     layers = layer_map({
         "general.architecture": arch, f"{arch}.block_count": num("block_count"),
         f"{arch}.nextn_predict_layers": num("nextn_predict_layers"),
-        f"{arch}.attention.head_count_kv": m._meta_list("attention.head_count_kv", m.n_head_kv),
+        f"{arch}.attention.head_count_kv": m.kv_head_counts(),
         f"{arch}.attention.sliding_window": num("attention.sliding_window"),
         f"{arch}.attention.sliding_window_pattern": pattern})
     return memory_of(layers), layers
@@ -112,7 +112,7 @@ class StateMethods:
                              func="llama_state_seq_get_data_ext", reason=cap.reason())
         if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
             self._device_saved[seq_id] = buf.tobytes()  # headers only: a few KB
-            self._device_flags()[seq_id] = int(flags)
+            self._device_flags_by_seq[seq_id] = int(flags)
         if own:
             buf.flags.writeable = False  # so set_seq_state can trust it without parsing it again
             self._own_states[id(buf)] = buf
@@ -157,7 +157,7 @@ class StateMethods:
                        f"{sorted(self._device_saved)}")
                 raise StateError("an ON_DEVICE state loads only as the latest seq_state(seq, ON_DEVICE) "
                                  f"of this context returned it; {why}", func="llama_state_seq_set_data_ext")
-            saved = self._device_flags().get(src, int(flags))
+            saved = self._device_flags_by_seq.get(src, int(flags))
             if (saved ^ int(flags)) & lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY and self._partial_differs():
                 # the device reader would take the saved chunks for other parts: an abort
                 # ("memory buffer mismatch", llama_io_read_device)
@@ -228,7 +228,7 @@ class StateMethods:
         full = int(lib.llama_state_seq_get_size_ext(ptr, s, 0))
         if self._kv_row_bytes is None:
             m = self.model
-            n_kv_layers = sum(1 for n in m._meta_list("attention.head_count_kv", m.n_head_kv) if n > 0)
+            n_kv_layers = sum(1 for n in m.kv_head_counts() if n > 0)
             self._kv_row_bytes = (m.kv_bytes_per_token(self.params.type_k, self.params.type_v), n_kv_layers)
         row_bytes, n_layers = self._kv_row_bytes
         cells, rest = divmod(full - meta, row_bytes)
@@ -236,19 +236,13 @@ class StateMethods:
             return None
         return cells
 
-    def _device_flags(self) -> dict[int, int]:
-        """seq -> the flags of its latest ON_DEVICE save (beside ``_device_saved``)."""
-        return self._device_flags_by_seq
-
     def _memory_layers(self) -> tuple[str | None, dict | None]:
         """This context's memory as pyllamacpp.state names it (kv, iswa, hybrid, hybrid-iswa,
         recurrent) and its layer map (state._layers); (None, None) for an architecture whose rule
-        that module does not know. Cached on the model."""
-        m = self.model
-        found = m.__dict__.get("_state_memory_layers")
-        if found is None:
-            found = m.__dict__["_state_memory_layers"] = _model_memory(m)
-        return found
+        that module does not know. Read once per context."""
+        if self._memory_layers_cache is None:
+            self._memory_layers_cache = _model_memory(self.model)
+        return self._memory_layers_cache
 
     def _partial_differs(self) -> bool:
         """Whether PARTIAL_ONLY changes what this context's memory writes and reads (iSWA and
@@ -312,7 +306,7 @@ class StateMethods:
         v_swa = int(m.meta(f"{m.arch}.attention.value_length_swa") or v_len)
         swa_layers = set((layers or {}).get("swa") or ())
         # per-layer KV heads, 0 for a layer without attention (hybrid models)
-        heads = m._meta_list("attention.head_count_kv", m.n_head_kv)
+        heads = m.kv_head_counts()
         # without a layer map: a lone "kv" part holds every attention layer, in order, unless a
         # PARTIAL_ONLY load into a non-plain memory reads it (then which layers is unknown)
         plain = (len(kv_parts) == 1 and kv_parts[0][0].name == "kv" and kv_parts[0][1] is None
@@ -495,11 +489,11 @@ class StateMethods:
         k_len, v_len = m.kv_head_sizes()
         # llama_model_n_head_kv is layer 0's count (0 when layer 0 has no attention): give the
         # attention layers' count when they agree, and the layer map the parser uses for il
-        heads = {n for n in m._meta_list("attention.head_count_kv", m.n_head_kv) if n > 0}
+        heads = {n for n in m.kv_head_counts() if n > 0}
         facts = {
             "model": m.path.name, "model_sha256": m._sha256_prefix, "arch": m.arch, "n_layer": m.n_layer,
             "n_head_kv": heads.pop() if len(heads) == 1 else None,
-            "layers": model_facts(str(m.path))["layers"],
+            "layers": self._memory_layers()[1],  # the map check_state uses
             "n_embd_head_k": k_len, "n_embd_head_v": v_len,
             "type_k": ggml_type_name(self.params.type_k), "type_v": ggml_type_name(self.params.type_v),
             "flash_attn": self.flash_attn, "kv_unified": bool(self.params.kv_unified), "n_ctx": self.n_ctx,

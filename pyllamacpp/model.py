@@ -82,6 +82,7 @@ class Model:
         self._contexts: weakref.WeakSet = weakref.WeakSet()
         self.load_buffers = parse_buffer_sizes(cap.lines)
         self._metadata: dict[str, str] | None = None
+        self._kv_head_counts: list[int] | None = None  # kv_head_counts(), read once
 
     # -- lifetime ------------------------------------------------------------------------------
     @property
@@ -195,6 +196,14 @@ class Model:
         nums = [int(x) for x in re.findall(r"-?\d+", value)]
         return nums if len(nums) == n else [nums[0]] * n
 
+    def kv_head_counts(self) -> list[int]:
+        """KV heads per layer, ``<arch>.attention.head_count_kv`` as llama.cpp's hparams read it
+        (a number or one per layer; 0 for a layer without attention, as in hybrid models).
+        ``n_head_kv`` is llama_model_n_head_kv, layer 0's count only."""
+        if self._kv_head_counts is None:
+            self._kv_head_counts = self._meta_list("attention.head_count_kv", self.n_head_kv)
+        return list(self._kv_head_counts)
+
     def kv_head_sizes(self) -> tuple[int, int]:
         """K and V head sizes: ``<arch>.attention.key_length`` / ``value_length`` from the GGUF,
         default ``n_embd / n_head`` (as llama.cpp's hparams read them)."""
@@ -214,7 +223,7 @@ class Model:
         tk, tv = ggml_type(type_k, "type_k"), ggml_type(type_v, "type_v")
         k_len, v_len = self.kv_head_sizes()
         total = 0
-        for n_kv in self._meta_list("attention.head_count_kv", self.n_head_kv):
+        for n_kv in self.kv_head_counts():
             if n_kv > 0:
                 total += lib.ggml_row_size(tk, k_len * n_kv) + lib.ggml_row_size(tv, v_len * n_kv)
         return int(total)

@@ -110,6 +110,7 @@ def test_hybrid_lfm2(tmp_path):
         assert {"KV", "RS"} <= set(ctx.buffers["CPU"])
         # the per-layer counts come from the GGUF (llama.cpp's metadata API leaves arrays out): two
         # attention layers of 2 KV heads x 16 dims, K and V in f16
+        assert model.kv_head_counts() == [0, n_head_kv, 0, n_head_kv]
         assert model.kv_bytes_per_token() == 2 * 2 * (n_head_kv * (n_embd // n_head) * 2)
         assert ctx.buffers["CPU"]["KV"] == pytest.approx(ctx.n_ctx * model.kv_bytes_per_token() / 2**20, abs=0.01)
         state = ctx.seq_state(0)
