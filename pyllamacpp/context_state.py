@@ -125,8 +125,9 @@ class StateMethods:
         The blob is first parsed and checked against this context (:meth:`check_state`; skip with
         ``validate=False`` to see what llama.cpp itself does). Raises :class:`StateError` when the
         check fails or llama.cpp reads 0 bytes; the sequence then holds what it held before
-        (llama.cpp clears it on failure, so a non-empty one is saved and put back: one more
-        ``seq_state`` of it; ``keep_on_error=False`` skips that and leaves it cleared on failure).
+        (llama.cpp clears it on failure, so an occupied one is copied aside first when the load
+        could fail, see :meth:`_load_fits`, and put back; ``keep_on_error=False`` skips that and
+        leaves it cleared on failure).
         A :class:`SeqState` this context made (its data is read-only) is not parsed again, unless
         ``flags`` differ from its own in ``PARTIAL_ONLY``. ``flags=StateFlags.PARTIAL_ONLY`` loads a
         partial dump: llama.cpp then reads only the memory's partial part (an iSWA cache's swa
@@ -167,10 +168,7 @@ class StateMethods:
             self.check_state(buf, kind="sequence", flags=flags)
         trusted = own or validate or bool(flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE)
         backup = None
-        # occupied: a hybrid memory whose attention part is empty has seq_pos_max -1 (the min
-        # of its parts' maxima, llama_memory_hybrid::seq_pos_max) but seq_pos_min >= 0
-        occupied = self.memory.seq_pos_max(seq_id) >= 0 or self.memory.seq_pos_min(seq_id) >= 0
-        if keep_on_error and occupied and not (trusted and self._load_fits(seq_id, buf)):
+        if keep_on_error and self._occupied(seq_id) and not (trusted and self._load_fits(seq_id, buf)):
             backup = self.seq_state(seq_id)
         with _log.capture() as cap:
             n = lib.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(buf), buf.size, seq_id, int(flags))
@@ -183,6 +181,11 @@ class StateMethods:
                              + ("unchanged" if keep_on_error else "now empty"),
                              func="llama_state_seq_set_data_ext", reason=cap.reason())
         return int(n)
+
+    def _occupied(self, seq_id: int) -> bool:
+        # a hybrid memory whose attention part is empty has seq_pos_max -1 (the min of its
+        # parts' maxima, llama_memory_hybrid::seq_pos_max) but seq_pos_min >= 0
+        return self.memory.seq_pos_max(seq_id) >= 0 or self.memory.seq_pos_min(seq_id) >= 0
 
     def _load_fits(self, seq_id: int, buf: np.ndarray) -> bool:
         """True when loading this checked sequence blob into ``seq_id`` cannot fail, so the
