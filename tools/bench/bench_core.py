@@ -272,6 +272,7 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
             ctx.set_seq_state(0, st)  # into the emptied sequence
             t4 = clock()
             size = len(st)
+            page_offset = st.data.ctypes.data % 4096  # where np.empty put it (see native_driver.c)
             del st
             if it >= 0:
                 tg.append(t1 - t0), ts.append(t2 - t1), te.append(t4 - t3)
@@ -314,7 +315,7 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
                 "flash_attn": flash_attn_verdict(ctx), "get_ms": ms(tg), "set_ms": ms(ts), "set_empty_ms": ms(te),
                 "fast_get_ms": ms(fg), "fast_set_ms": ms(fs),
                 "fast_roundtrip_ms": statistics.median([a + b for a, b in zip(fg, fs)]) * 1e3,
-                "place_get_ms": pg, "place_set_ms": ps}
+                "place_get_ms": pg, "place_set_ms": ps, "buf_page_offset": page_offset}
     raise SystemExit(f"unknown workload {workload}")
 
 
@@ -464,6 +465,10 @@ def main(argv=None) -> int:
     if "state" in runs:
         notes.append(f"state bytes: native {runs['state']['native'][0]['state_bytes']}, "
                      f"python {runs['state']['python'][0]['state_bytes']}")
+        offs = {side: sorted({r.get("buf_page_offset") for r in runs["state"][side]}, key=str)
+                for side in ("native", "python")}
+        notes.append(f"state: page offset of each side's fresh dump buffer (malloc / np.empty): native {offs['native']}, "
+                     f"python {offs['python']}")
     notes.append("Python / native: median over repeats of the ratio of the two back-to-back runs; rates (tok/s): "
                  "higher is better, times: lower is better; 'met' uses it (the fill target: the Python µs)")
     print()

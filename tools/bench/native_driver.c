@@ -305,11 +305,13 @@ static int wl_state(void) {
     int N = S.iters;
     double * tg = malloc(sizeof(double) * (size_t) N * 3), *ts = tg + N, *te = tg + 2 * N;
     size_t size = 0;
+    unsigned page_offset = 0;  // where malloc put the buffer in its page (the copy's speed depends on it)
     for (int it = -S.warmup; it < N; it++) {
         // get: size, a fresh buffer, the copy (what ctx.seq_state does)
         double t0 = now_s();
         size = llama_state_seq_get_size_ext(ctx, 0, 0);
         uint8_t * buf = malloc(size);
+        page_offset = (unsigned) ((uintptr_t) buf % 4096);
         size_t w = llama_state_seq_get_data_ext(ctx, buf, size, 0, 0);
         double t1 = now_s();
         if (w != size) die("llama_state_seq_get_data_ext wrote a short state");
@@ -350,7 +352,8 @@ static int wl_state(void) {
     free(big);
     printf("{\"workload\": \"state\", \"n_tokens\": %d, \"state_bytes\": %zu, \"flash_attn\": \"%s\"", n, size,
            g_flash_attn);
-    printf(", \"get_ms\": %.6g, \"set_ms\": %.6g, \"set_empty_ms\": %.6g", get_ms, set_ms, set_empty_ms);
+    printf(", \"get_ms\": %.6g, \"set_ms\": %.6g, \"set_empty_ms\": %.6g, \"buf_page_offset\": %u", get_ms, set_ms,
+           set_empty_ms, page_offset);
     printf(", \"place_get_ms\": [");
     for (int k = 0; k < N_PLACE; k++) printf("%s%.6g", k ? ", " : "", pg[k]);
     printf("], \"place_set_ms\": [");
