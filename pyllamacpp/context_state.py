@@ -80,7 +80,9 @@ def _model_memory(m) -> tuple[str | None, dict | None]:
         f"{arch}.nextn_predict_layers": num("nextn_predict_layers"),
         f"{arch}.attention.head_count_kv": m.kv_head_counts(),
         f"{arch}.attention.sliding_window": num("attention.sliding_window"),
-        f"{arch}.attention.sliding_window_pattern": pattern})
+        f"{arch}.attention.sliding_window_pattern": pattern,
+        # minimax-m3's indexer layers start after it (_layers.layer_map)
+        f"{arch}.leading_dense_block_count": num("leading_dense_block_count")})
     return memory_of(layers), layers
 
 

@@ -1136,3 +1136,170 @@ def test_hybrid_iswa_partial_layout(tmp_path):
     # a layer map of another memory is an error that says so
     with pytest.raises(StateFormatError, match="layer map is for memory 'iswa' .* reads as memory 'hybrid'"):
         state.parse(full.data, layers={"base": [1, 3], "swa": [0, 2]})
+
+
+# -- composed layouts this llama.cpp writes for archs make_model cannot make: dsa, msa,
+# dsa-iswa, hybrid-idx. Crafted from real parts of real dumps, as their state_write concatenates
+# them; a K-only part is a real KV part with its V records dropped (llama_kv_cache::
+# state_write_data writes no V record for a layer without a V tensor, and nothing else changes).
+@pytest.fixture(scope="module")
+def composed_parts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("composed")
+    lfm2 = _synthetic(tmp, "lfm2", n_layer=4, n_embd=64, n_head=4, n_head_kv=2)["one"].tobytes()
+    llama = _synthetic(tmp, "llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2)["one"].tobytes()
+    gemma = _synthetic(tmp, "gemma2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32,
+                       n_swa=4)["one"].tobytes()
+
+    def kv_part(blob, name=None, k_only=False):
+        st = state.parse(blob)
+        part = st.part(name)
+        assert part.n_stream == 1  # one stream: K records, then V records, contiguous
+        if not k_only:
+            return blob[part.offset:part.end]
+        v0 = next(r for r in part.streams[0].records if r.kind == "V")
+        return blob[part.offset:v0.header_offset]
+
+    return {"hdr": llama[:8], "lfm2": lfm2, "rec": lfm2[state.parse(lfm2).part("recurrent").offset:],
+            "A": kv_part(llama), "Ak": kv_part(llama, k_only=True),
+            "B": kv_part(gemma, "swa"), "Bk": kv_part(gemma, "swa", k_only=True),
+            "Ck": kv_part(gemma, "base", k_only=True)}
+
+
+def _check_composed(st, blob, names, *, memory, has_v):
+    assert [p.name for p in st.parts] == names and st.options["memory"] == memory
+    assert st.options["has_v"] == has_v
+    assert st.to_bytes() == blob and st.layout().total_bytes == len(blob)
+    check_layout(st)
+    for p in st.parts:
+        for r in p.streams[0].records:
+            assert r.rows is None or not r.nbytes or np.shares_memory(r.rows, st.buffer)
+
+
+def test_composed_dsa_msa_look_like_iswa(composed_parts):
+    c = composed_parts
+    dsa = c["hdr"] + c["Ak"] + c["Bk"]   # llama_kv_cache_dsa: kv_mla, kv_lid (MLA: no V)
+    msa = c["hdr"] + c["A"] + c["B"]     # llama_kv_cache_msa: kv_base, kv_idx
+    # no hint: today's reading, an iSWA cache
+    _check_composed(state.parse(dsa), dsa, ["base", "swa"], memory="iswa", has_v=False)
+    _check_composed(state.parse(msa), msa, ["base", "swa"], memory="iswa", has_v=True)
+    st = state.parse(dsa, memory="dsa")
+    _check_composed(st, dsa, ["mla", "lid"], memory="dsa", has_v=False)
+    assert st.part("lid").offset == 8 + len(c["Ak"])
+    assert {r.kind for r in st.records()} == {"K"}
+    assert st.stream("lid").k[0].tobytes() == state.parse(c["hdr"] + c["Bk"]).k[0].tobytes()
+    st = state.parse(msa, memory="msa")
+    _check_composed(st, msa, ["base", "idx"], memory="msa", has_v=True)
+    # the flag changes nothing in what dsa and msa write: partial reads the same
+    assert [p.name for p in state.parse(msa, memory="msa", partial=True).parts] == ["base", "idx"]
+    assert state.written_parts("dsa", True) == state.written_parts("dsa", False) == (("kv", "mla"), ("kv", "lid"))
+    # select_cells keeps the layout and its names
+    small = st.select_cells(lambda cells: cells["pos"] >= 8)
+    assert small.options["memory"] == "msa" and [p.name for p in small.parts] == ["base", "idx"]
+    assert small.stream("idx").cells["pos"].tolist() == [8, 9]
+    assert small.stream("idx").k[0].tobytes() == st.stream("idx").k[0][-2:].tobytes()
+    # a dsa dump is not an msa dump with V
+    with pytest.raises(StateFormatError):
+        state.parse(dsa, memory="msa", has_v=True)
+
+
+def test_composed_dsa_iswa(composed_parts, tmp_path):
+    c = composed_parts
+    full = c["hdr"] + c["Ak"] + c["Ck"] + c["Bk"]   # llama_kv_cache_dsa_iswa: mla, lid, then swa
+    _check_composed(state.parse(full), full, ["mla", "lid", "swa"], memory="dsa-iswa", has_v=False)
+    part = c["hdr"] + c["Bk"]                       # PARTIAL_ONLY: kv_swa only
+    st = state.parse(part, memory="dsa-iswa")
+    _check_composed(st, part, ["swa"], memory="dsa-iswa", has_v=False)
+    assert st.partial is True and "partial part" not in st.describe()
+    assert state.parse(part, flags=state.PARTIAL_ONLY, memory="dsa-iswa").parts[0].name == "swa"
+    assert state.parse(full, memory="dsa-iswa").partial is False
+    assert state.written_parts("dsa-iswa", True) == (("kv", "swa"),)
+    # a sidecar's "memory" names the parts of a dump with no layer map (dsa: two KV caches)
+    f = tmp_path / "dsa.bin"
+    f.write_bytes(c["hdr"] + c["Ak"] + c["Bk"])
+    state.write_sidecar(f, memory="dsa")
+    assert [p.name for p in state.parse(f).parts] == ["mla", "lid"] and state.parse(f).layers is None
+
+
+def test_composed_hybrid_idx(composed_parts):
+    c = composed_parts
+    blob = c["lfm2"] + c["Ak"]  # llama_memory_hybrid_idx: the hybrid state, then mem_idx (no V)
+    for st in (state.parse(blob), state.parse(blob, memory="hybrid-idx")):
+        _check_composed(st, blob, ["kv", "recurrent", "idx"], memory="hybrid-idx", has_v=True)
+        rec = st.stream("recurrent")
+        assert [r.kind for r in rec.records] == ["R", "R", "S", "S"] and rec.n_layer == 4
+        assert st.part("idx").offset == len(c["lfm2"]) == st.part("recurrent").end
+        assert [r.kind for r in st.part("idx").streams[0].records] == ["K", "K"]
+    hybrid = state.parse(c["lfm2"])
+    np.testing.assert_array_equal(st.stream("recurrent").r[1], hybrid.stream("recurrent").r[1])
+    with pytest.raises(StateFormatError, match="recurrent"):  # the indexer's bytes are no R/S records
+        state.parse(blob, memory="hybrid")
+    with pytest.raises(StateFormatError):
+        state.parse(c["lfm2"], memory="hybrid-idx", partial=False)  # no indexer part
+    # the indexer part with V: not what mem_idx writes
+    with pytest.raises(StateFormatError):
+        state.parse(c["lfm2"] + c["A"], memory="hybrid-idx")
+    # PARTIAL_ONLY: the recurrent part only (llama_memory_hybrid::state_write skips mem_attn,
+    # llama_memory_hybrid_idx::state_write mem_idx)
+    part = c["hdr"] + c["rec"]
+    st = state.parse(part, memory="hybrid-idx")
+    assert [p.name for p in st.parts] == ["recurrent"] and st.partial is True and st.to_bytes() == part
+    assert state.written_parts("hybrid-idx", True) == (("recurrent", "recurrent"),)
+    # select_cells on the indexer part
+    st = state.parse(blob)
+    small = st.select_cells([0, 5], part="idx")
+    assert [p.name for p in small.parts] == ["kv", "recurrent", "idx"]
+    assert small.stream("idx").k[1].tobytes() == st.stream("idx").k[1][[0, 5]].tobytes()
+    assert small.stream("kv").cell_count == 10
+
+
+def test_composed_dsv4_is_refused(composed_parts):
+    c = composed_parts
+    # llama_kv_cache_dsv4::state_write: u32 DSV4_STATE_MAGIC, version 1, mode, then its own caches
+    blob = c["hdr"] + (0x34565344).to_bytes(4, "little") + (1).to_bytes(4, "little") + bytes(4) + c["A"]
+    for kw in ({}, {"memory": "kv"}, {"memory": "dsa"}, {"partial": True}):
+        with pytest.raises(StateFormatError, match="dsv4"):
+            state.parse(blob, **kw)
+
+
+def test_composed_layouts_fuzz(composed_parts):
+    c = composed_parts
+    rng = np.random.default_rng(7)
+    bases = [(c["lfm2"] + c["Ak"], None), (c["hdr"] + c["Ak"] + c["Ck"] + c["Bk"], None),
+             (c["hdr"] + c["Ak"] + c["Bk"], "dsa"), (c["lfm2"] + c["Ak"], "hybrid-idx")]
+    outcomes = {"ok": 0, "error": 0}
+    for base, memory in bases:
+        meta = np.concatenate([np.arange(s.offset, s.offset + s.nbytes) for s in
+                               state.parse(base, memory=memory).layout().segments if not s.payload])
+        arr = np.frombuffer(base, np.uint8)
+        for i in range(100):
+            if i % 3 == 0:
+                blob = base[:int(rng.integers(0, len(base)))]
+            else:
+                mutated = arr.copy()
+                where = rng.choice(meta, rng.integers(1, 3))
+                mutated[where] ^= (1 << rng.integers(0, 8, len(where))).astype(np.uint8)
+                blob = mutated.tobytes()
+            try:
+                st = state.parse(blob, memory=memory)
+            except StateFormatError:
+                outcomes["error"] += 1
+                continue
+            outcomes["ok"] += 1
+            assert st.layout().total_bytes == len(blob) and st.to_bytes() == blob
+    assert outcomes["error"] > 100 and outcomes["ok"] > 10, outcomes
+
+
+def test_composed_memory_rules():
+    def facts(arch, n=4, **kv):
+        return {"general.architecture": arch, f"{arch}.block_count": n, **{f"{arch}.{k}": v for k, v in kv.items()}}
+    assert state.layer_map(facts("deepseek32")) == {"mla": [0, 1, 2, 3], "lid": [0, 1, 2, 3]}
+    assert state.memory_of(state.layer_map(facts("deepseek32"))) == "dsa"
+    assert state.layer_map(facts("minimax-m3", leading_dense_block_count=1)) == {"base": [0, 1, 2, 3], "idx": [1, 2, 3]}
+    assert state.memory_of({"base": [0], "idx": [0]}) == "msa"
+    from pyllamacpp.state._layers import memory_for
+    assert memory_for(facts("glm5-next")) == memory_for(facts("qwen4exp")) == "hybrid-idx"
+    assert memory_for(facts("dots3note")) == "dsa-iswa" and memory_for(facts("glm-dsa")) == "dsa"
+    assert memory_for(facts("hy_v4", **{"attention.indexer.top_k": 64})) == "dsa"
+    assert memory_for(facts("hy_v4")) is None and memory_for(facts("deepseek4")) is None
+    assert memory_for(facts("glm-dsa", nextn_predict_layers=1)) is None
+    assert state.layer_map(facts("glm5-next")) is None  # memory only: its layer rule is not read here

@@ -13,7 +13,8 @@ The layout (llama-context.cpp, llama-kv-cache.cpp, llama-memory-recurrent.cpp at
   u32 cell_count, cells (i32 pos, u32 n_seq_id, [12-byte llama_kv_cell_ext], i32 seq_id...),
   u32 v_trans, u32 n_layer, K records (i32 type, u64 row_size, rows), V records (the same, or
   with v_trans=1: i32 type, u32 element size, u32 n_embd_v_gqa, values value-major).
-  iSWA caches write base then swa; hybrid memory the KV cache then the recurrent state.
+  iSWA caches write base then swa; hybrid memory the KV cache then the recurrent state;
+  dsa (mla, lid), msa (base, idx), dsa-iswa (mla, lid, swa), hybrid-idx (kv, recurrent, idx).
 - StateFlags.ON_DEVICE dumps hold the same headers without any rows (metadata only).
 - StateFlags.PARTIAL_ONLY dumps hold only the memory's partial part: an iSWA cache's swa part, a
   hybrid memory's recurrent part (``partial=``/``flags=``, a sidecar's ``flags``, or a layer map).

@@ -35,9 +35,11 @@ def _values_text(r, n_cells: int, n_values: int) -> list[str]:
 
 
 def _partial_text(state) -> str:
-    """What a PARTIAL_ONLY dump holds (llama_kv_cache_iswa / llama_memory_hybrid::state_write)."""
+    """What a PARTIAL_ONLY dump holds (llama_kv_cache_iswa / llama_memory_hybrid(_idx) /
+    llama_kv_cache_dsa_iswa::state_write)."""
     mem = state.options["memory"]
-    whose = {"iswa": "an iSWA", "hybrid": "a hybrid", "hybrid-iswa": "a hybrid iSWA"}
+    whose = {"iswa": "an iSWA", "hybrid": "a hybrid", "hybrid-iswa": "a hybrid iSWA",
+             "dsa-iswa": "a DSA iSWA", "hybrid-idx": "a hybrid indexer"}
     if mem in whose:
         names = " and ".join(p.name for p in state.parts)
         return f"only the {names} part{'s' if len(state.parts) > 1 else ''} of {whose[mem]} memory"

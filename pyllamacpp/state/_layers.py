@@ -6,8 +6,10 @@ the attention layers and its recurrent part the others. The dump does not say wh
 is computed from the model's GGUF metadata, as llama.cpp's hparams and ``create_memory`` decide.
 
 ``layer_map(fields)`` returns ``{part name: [il, ...]}`` (part names as ``parse`` names them:
-kv, base, swa, recurrent) or None when this module does not know the architecture's rule: a wrong
-map would be worse than none.
+kv, base, swa, recurrent, mla, lid, idx) or None when this module does not know the architecture's
+rule: a wrong map would be worse than none. ``memory_for(fields)`` names the memory of an arch
+whose memory is known but whose layer rule is not read here (parse then names the parts right,
+with record indices for layers).
 """
 from __future__ import annotations
 
@@ -32,6 +34,15 @@ ISWA_ARCHS = {"gemma2": (2, True), "gemma3": (6, False)}
 # load_arch_hparams / create_memory's default branch).
 PLAIN_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
 
+# llama_model::create_memory's own cases (llama-model.cpp), main context (no nextn layers):
+# minimax-m3 -> llama_kv_cache_msa; deepseek32, glm-dsa -> llama_kv_cache_dsa; hy_v4 -> _dsa when
+# attention.indexer.top_k > 0 (else a plain cache); dots3note -> llama_kv_cache_dsa_iswa;
+# glm5-next -> llama_memory_hybrid_idx; qwen4exp -> llama_memory_hybrid_idx (its default-branch
+# needs_mem_idx; models/qwen4exp.cpp sets no swa_type, so never the hybrid-iswa branch).
+# deepseek4's llama_kv_cache_dsv4 is not read (parse raises StateFormatError at its magic).
+MEMORY_ARCHS = {"minimax-m3": "msa", "deepseek32": "dsa", "glm-dsa": "dsa", "dots3note": "dsa-iswa",
+                "glm5-next": "hybrid-idx", "qwen4exp": "hybrid-idx"}
+
 
 def _per_layer(value, n_layer: int) -> list[int] | None:
     """A scalar or per-layer array key as llama_model_loader::get_key_or_arr reads it."""
@@ -49,6 +60,17 @@ def _swa_pattern(value, n_layer: int, default: int) -> list[bool] | None:
         return [bool(v) for v in value] if len(value) == n_layer else None
     n = default if value is None else int(value)
     return [n == 0 or il % n < n - 1 for il in range(n_layer)]
+
+
+def memory_for(fields: dict) -> str | None:
+    """The memory of an arch in MEMORY_ARCHS (main context), or None."""
+    arch = fields.get("general.architecture")
+    if not isinstance(arch, str) or fields.get(f"{arch}.nextn_predict_layers"):
+        return None  # nextn layers: an MTP context gets a plain cache, filtered per context type
+    if arch == "hy_v4":
+        top_k = fields.get(f"{arch}.attention.indexer.top_k")
+        return "dsa" if isinstance(top_k, int) and top_k > 0 else None
+    return MEMORY_ARCHS.get(arch)
 
 
 def layer_map(fields: dict) -> dict[str, list[int]] | None:
@@ -92,4 +114,15 @@ def layer_map(fields: dict) -> dict[str, list[int]] | None:
         return {"kv": layers}
     if arch in PLAIN_ARCHS:
         return {"kv": layers}
+    if arch == "deepseek32":
+        # create_memory without nextn: filter_mla nullptr, filter_lid il < n_layer(): every layer
+        return {"mla": layers, "lid": layers}
+    if arch == "minimax-m3":
+        # create_memory: kv_base unfiltered, kv_idx il >= n_layer_dense_lead
+        # (models/minimax-m3.cpp: leading_dense_block_count, optional, default 0)
+        lead = key("leading_dense_block_count")
+        lead = 0 if lead is None else lead
+        if not isinstance(lead, int):
+            return None
+        return {"base": layers, "idx": [il for il in layers if il >= lead]}
     return None

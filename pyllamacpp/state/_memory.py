@@ -4,7 +4,9 @@ A dump's memory part is one or more memory modules' states back to back. Their n
 are not written down, nor whether cells carry llama_kv_cell_ext, whether layers have V, whether
 rows were written at all (StateFlags.ON_DEVICE), or whether only the memory's partial part was
 (StateFlags.PARTIAL_ONLY), so ``parse_memory`` tries the layouts llama.cpp can write and keeps the
-first that accounts for every byte.
+first that accounts for every byte. Some layouts look alike (dsa and msa are two KV caches, as
+iswa): without ``memory=`` (or a layer map, a model, a sidecar that says which) the first listed
+is kept, and only the names of the parts differ.
 """
 from __future__ import annotations
 
@@ -12,41 +14,66 @@ import dataclasses
 
 from ._buffer import Buffer, StateFormatError
 from ._parse import parse_kv
-from ._recurrent import parse_recurrent
+from ._recurrent import parse_recurrent, parse_recurrent_splits
 from ._records import MemoryPart
 
-# memory= names -> the parts, in the order llama.cpp writes them
+# memory= names -> the parts, in the order llama.cpp writes them; the order of this dict is the
+# order layouts are tried without a hint (the first five before the later look-alikes). "kv-k":
+# a KV cache that never has V: llama_memory_hybrid_idx's indexer cache sets
+# n_embd_head_{k,v}_mla_impl ("fool llama_kv_cache into thinking this is a MLA cache"), and the
+# llama_kv_cache constructor makes no V tensor when hparams.is_mla(), so state_write_data writes
+# no V record. Other KV parts follow the model (has_v: one value for all of them, as every part
+# of these memories is built from the same hparams' is_mla()).
 MEMORY_LAYOUTS = {
     "kv": ("kv",),                                 # llama_kv_cache
     "iswa": ("kv", "kv"),                          # llama_kv_cache_iswa: base, then swa
     "hybrid": ("kv", "recurrent"),                 # llama_memory_hybrid: attn, then recurrent
     "hybrid-iswa": ("kv", "kv", "recurrent"),      # llama_memory_hybrid_iswa
     "recurrent": ("recurrent",),                   # llama_memory_recurrent
+    "dsa": ("kv", "kv"),                           # llama_kv_cache_dsa: kv_mla, then kv_lid
+    "msa": ("kv", "kv"),                           # llama_kv_cache_msa: kv_base, then kv_idx
+    "dsa-iswa": ("kv", "kv", "kv"),                # llama_kv_cache_dsa_iswa: kv_dsa (mla, lid), kv_swa
+    "hybrid-idx": ("kv", "recurrent", "kv-k"),     # llama_memory_hybrid_idx: hybrid, then mem_idx
 }
 PART_NAMES = {
     "kv": ("kv",), "iswa": ("base", "swa"), "hybrid": ("kv", "recurrent"),
     "hybrid-iswa": ("base", "swa", "recurrent"), "recurrent": ("recurrent",),
+    "dsa": ("mla", "lid"), "msa": ("base", "idx"), "dsa-iswa": ("mla", "lid", "swa"),
+    "hybrid-idx": ("kv", "recurrent", "idx"),
 }
 # What each memory writes with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (llama.h: "work only with
 # partial states, such as SWA KV cache or recurrent cache"), as (kind, name) per part:
 # llama_kv_cache::state_write and llama_memory_recurrent::state_write ignore the flag (all of
 # themselves); llama_kv_cache_iswa::state_write skips kv_base; llama_memory_hybrid::state_write
 # skips mem_attn; llama_memory_hybrid_iswa::state_write passes the flag to its iSWA cache (swa
-# only) and writes its recurrent memory.
+# only) and writes its recurrent memory. llama_kv_cache_dsa and _msa pass the flag to their two
+# plain caches (all of both); llama_kv_cache_dsa_iswa::state_write skips kv_dsa;
+# llama_memory_hybrid_idx::state_write skips mem_attn (llama_memory_hybrid's) and mem_idx.
 PARTIAL_PARTS = {
     "kv": (("kv", "kv"),), "iswa": (("kv", "swa"),), "hybrid": (("recurrent", "recurrent"),),
     "hybrid-iswa": (("kv", "swa"), ("recurrent", "recurrent")), "recurrent": (("recurrent", "recurrent"),),
+    "dsa": (("kv", "mla"), ("kv", "lid")), "msa": (("kv", "base"), ("kv", "idx")),
+    "dsa-iswa": (("kv", "swa"),), "hybrid-idx": (("recurrent", "recurrent"),),
 }
+# llama_kv_cache_dsv4::state_write begins with DSV4_STATE_MAGIC (llama-kv-cache-dsv4.cpp), then
+# its own compressed caches and states: not a layout this parser reads.
+DSV4_STATE_MAGIC = 0x34565344
 # llama.h's LLAMA_STATE_SEQ_FLAGS_* (this package must not need the compiled extension)
 PARTIAL_ONLY = 1   # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (== SWA_ONLY)
 ON_DEVICE = 2      # LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
 
 
-def written_parts(memory: str, partial: bool) -> tuple[tuple[str, str], ...]:
-    """``(kind, name)`` of each part ``memory`` writes, in order, with or without PARTIAL_ONLY."""
+def _layout(memory: str, partial: bool) -> tuple[tuple[str, str], ...]:
+    # (kind, name) with kind "kv-k" for a KV cache without V (see MEMORY_LAYOUTS)
     if partial:
         return PARTIAL_PARTS[memory]
     return tuple(zip(MEMORY_LAYOUTS[memory], PART_NAMES[memory]))
+
+
+def written_parts(memory: str, partial: bool) -> tuple[tuple[str, str], ...]:
+    """``(kind, name)`` of each part ``memory`` writes, in order, with or without PARTIAL_ONLY;
+    kind as MemoryPart.kind says it ("kv" or "recurrent")."""
+    return tuple(("kv" if k == "kv-k" else k, n) for k, n in _layout(memory, partial))
 
 
 def memory_of(layers: dict | None) -> str | None:
@@ -77,7 +104,7 @@ def _candidates(memory: str | None, partial: bool | None) -> list[tuple[str, boo
         if partial is not None:
             return [(memory, partial)]
         # full first; the partial layout only where it differs (an iSWA or hybrid memory)
-        kinds = [tuple(k for k, _ in written_parts(memory, p)) for p in (False, True)]
+        kinds = [tuple(k for k, _ in _layout(memory, p)) for p in (False, True)]
         return [(memory, False)] + ([(memory, True)] if kinds[0] != kinds[1] else [])
     if partial:
         return [("kv", True), ("hybrid-iswa", True), ("recurrent", True)]
@@ -101,54 +128,113 @@ def parse_memory(buf: Buffer, off: int, *, memory: str | None = None, cell_ext: 
     """
     if memory is not None and memory not in MEMORY_LAYOUTS:
         raise ValueError(f"memory={memory!r}: expected one of {sorted(MEMORY_LAYOUTS)}")
+    if off + 4 <= buf.size and buf.u32(off, "memory") == DSV4_STATE_MAGIC:
+        raise StateFormatError("a llama_kv_cache_dsv4 state (magic 'DSV4', DeepSeek V4): its compressed "
+                               "caches are not read by this parser", offset=off, what="memory layout")
     layouts = _candidates(memory, partial)
     exts = [cell_ext] if cell_ext is not None else [False, True]
     has_vs = [has_v] if has_v is not None else [True, False]
     readings = [bool(metadata_only)] if metadata_only is not None else [False, True]
     memo: dict = {}  # a part at an offset reads the same in every layout that has it there
-    best: tuple[int, StateFormatError] | None = None
+    best: list = [None]  # (score, error) of the attempt that read the most records
 
-    def part_at(kind: str, i: int, p: int, ext: bool, hv: bool, meta: bool) -> MemoryPart:
-        label = kind if i == 0 else f"{kind}#{i + 1}"
-        key = (label, p, ext, hv, meta) if kind == "kv" else (label, p, meta)
+    def fail(score: int, e: StateFormatError) -> None:
+        if best[0] is None or score > best[0][0]:
+            best[0] = (score, e)
+
+    def part_at(kind: str, i: int, p: int, ext: bool, hv: bool, meta: bool, last: bool) -> list:
+        """The readings of part ``i`` at ``p``: one, except a recurrent part that another part
+        follows (its end is not written down: every candidate end, see parse_recurrent_splits)."""
+        base = "kv" if kind == "kv-k" else kind
+        hv = hv and kind != "kv-k"
+        label = base if i == 0 else f"{base}#{i + 1}"
+        key = (label, p, ext, hv, meta) if base == "kv" else (label, p, meta, last)
         if key not in memo:
             tally = [0]
             try:
-                memo[key] = (parse_kv(buf, p, label, ext=ext, has_v=hv, n_head=n_head, tally=tally, data=not meta)
-                             if kind == "kv" else parse_recurrent(buf, p, label, tally, data=not meta))
+                if base == "kv":
+                    memo[key] = [parse_kv(buf, p, label, ext=ext, has_v=hv, n_head=n_head, tally=tally, data=not meta)]
+                elif last:
+                    memo[key] = [parse_recurrent(buf, p, label, tally, data=not meta)]
+                else:
+                    memo[key] = parse_recurrent_splits(buf, p, label, tally, data=not meta)
             except StateFormatError as e:
                 e._records_read = tally[0]
                 memo[key] = e
         if isinstance(memo[key], StateFormatError):
             raise memo[key]
+        if not isinstance(memo[key], list):  # a generator: read its readings once, lazily
+            memo[key] = _Lazy(memo[key])
         return memo[key]
+
+    def read(kinds, i, p, n_records, ext, hv, meta):
+        """The first reading of parts i.. from p to the last byte, or None (errors go to fail)."""
+        if i == len(kinds):
+            if p == buf.size:
+                return []
+            fail(n_records, StateFormatError(f"{buf.size - p} trailing bytes after the memory part",
+                                             offset=p, what="end of dump"))
+            return None
+        n_read = 0
+        try:
+            for part in part_at(kinds[i], i, p, ext, hv, meta, i == len(kinds) - 1):
+                n_read += 1
+                rest = read(kinds, i + 1, part.end, n_records + sum(len(s.records) for s in part.streams),
+                            ext, hv, meta)
+                if rest is not None:
+                    return [part] + rest
+        except StateFormatError as e:
+            fail(n_records + getattr(e, "_records_read", 0), e)
+            return None
+        if not n_read:
+            fail(n_records, StateFormatError("no reading of the recurrent records (as many R as S, one "
+                                             "header each) is followed by the next part", offset=p,
+                                             what=f"{kinds[i]}#{i + 1} records"))
+        return None
 
     for meta in readings:
         for name, part_only in layouts:
-            kinds, names = zip(*written_parts(name, part_only))
-            combos = [(e, h) for e in exts for h in has_vs] if "kv" in kinds else [(exts[0], has_vs[0])]
+            kinds, names = zip(*_layout(name, part_only))
+            has_kv = any(k in ("kv", "kv-k") for k in kinds)
+            combos = [(e, h) for e in exts for h in has_vs] if has_kv else [(exts[0], has_vs[0])]
+            # a V-less part alone: has_v says nothing of it, one reading is enough
+            if "kv" not in kinds:
+                combos = list(dict.fromkeys((e, has_vs[0]) for e, _ in combos))
             for ext, hv in combos:
-                parts, p, n_records = [], off, 0
-                try:
-                    for i, kind in enumerate(kinds):
-                        parts.append(part_at(kind, i, p, ext, hv, meta))
-                        p = parts[-1].end
-                        n_records += sum(len(s.records) for s in parts[-1].streams)
-                    if p != buf.size:
-                        raise StateFormatError(f"{buf.size - p} trailing bytes after the memory part",
-                                               offset=p, what="end of dump")
-                except StateFormatError as e:
-                    score = n_records + getattr(e, "_records_read", 0)
-                    if best is None or score > best[0]:
-                        best = (score, e)
+                parts = read(kinds, 0, off, 0, ext, hv, meta)
+                if parts is None:
                     continue
                 named = tuple(_rename(part, n) for part, n in zip(parts, names))
                 # a dump with no record at all reads the same both ways: call it full
                 has_records = any(s.records for part in parts for s in part.streams)
                 # partial: as given, or told apart by the reading (memory known, layouts differ)
                 told = partial if partial is not None else (part_only if memory and len(layouts) > 1 else None)
-                opts = {"memory": name, "partial": told, "cell_ext": ext if "kv" in kinds else None,
+                opts = {"memory": name, "partial": told, "cell_ext": ext if has_kv else None,
                         "has_v": hv if "kv" in kinds else None, "metadata_only": meta and has_records}
                 return named, opts
-    assert best is not None
-    raise best[1]
+    assert best[0] is not None
+    raise best[0][1]
+
+
+class _Lazy:
+    """A generator's items, read on demand and kept, so that every layout that meets the same
+    part at the same offset iterates the same readings."""
+
+    def __init__(self, gen):
+        self._gen, self._items = gen, []
+
+    def __iter__(self):
+        i = 0
+        while True:
+            if i < len(self._items):
+                yield self._items[i]
+            elif self._gen is None:
+                return
+            else:
+                try:
+                    self._items.append(next(self._gen))
+                except StopIteration:
+                    self._gen = None
+                    return
+                continue
+            i += 1

@@ -8,7 +8,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from ._layers import layer_map
+from ._layers import layer_map, memory_for
 
 SIDECAR_FIELDS = {
     "model": "model file name",
@@ -27,6 +27,7 @@ SIDECAR_FIELDS = {
     "tokens": "token ids the dump holds",
     "layers": "the model layer (il) of each record, per memory part: {part: [il, ...]} (see _layers)",
     "flags": "llama_state_seq_flags the dump was written with (PARTIAL_ONLY 1, ON_DEVICE 2)",
+    "memory": "the memory's layout name (dsa, msa ...) where there is no layer map to say it (see _layers)",
 }
 
 
@@ -109,13 +110,17 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
         head_kv = head_kv.pop() if len(head_kv) == 1 else None
     keys = ["general.architecture"] + [f"{arch}.{k}" for k in (
         "block_count", "nextn_predict_layers", "attention.head_count_kv", "attention.sliding_window",
-        "attention.sliding_window_pattern")]
+        "attention.sliding_window_pattern", "leading_dense_block_count", "attention.indexer.top_k")]
+    fields = {k: _field(r, k) for k in keys}
+    layers = layer_map(fields)
+    memory = None if layers else memory_for(fields)
     return {
         "model": Path(path).name, "arch": arch, "n_layer": _field(r, f"{arch}.block_count"),
         "n_head_kv": head_kv or None,
         "n_embd_head_k": _field(r, f"{arch}.attention.key_length") or default_head,
         "n_embd_head_v": _field(r, f"{arch}.attention.value_length") or default_head,
-        "layers": layer_map({k: _field(r, k) for k in keys}),
+        "layers": layers,
+        **({"memory": memory} if memory else {}),
     }
 
 

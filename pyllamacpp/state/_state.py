@@ -65,7 +65,7 @@ def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | No
     writability (bytes are read-only, a bytearray or writable array gives writable views,
     zero-copy); True copies read-only input once (a path is mapped copy-on-write: the file is
     never changed); False forces read-only views. ``memory`` ("kv", "iswa", "hybrid",
-    "hybrid-iswa", "recurrent"), ``cell_ext``, ``has_v`` and ``metadata_only`` (a
+    "hybrid-iswa", "recurrent", "dsa", "msa", "dsa-iswa", "hybrid-idx"), ``cell_ext``, ``has_v`` and ``metadata_only`` (a
     StateFlags.ON_DEVICE dump: headers without rows) pin what is otherwise detected (see
     _memory.parse_memory). ``partial=True``: written with StateFlags.PARTIAL_ONLY, so only the
     memory's partial part is there (an iSWA cache's swa part, a hybrid memory's recurrent part;
@@ -105,7 +105,9 @@ def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | No
                                    offset=0, what="dump kind")
         partial = False
     kw = dict(cell_ext=cell_ext, has_v=has_v, n_head=n_head_kv, metadata_only=metadata_only, partial=partial)
-    by_map = memory is None and memory_of(layers)
+    # the memory: memory=, else the layer map's, else the model's or sidecar's "memory" (an arch
+    # whose memory _layers knows but not its layer rule)
+    by_map = memory is None and (memory_of(layers) or facts.get("memory") or (sidecar or {}).get("memory"))
     try:
         parts, options = parse_memory(buf, header.nbytes, memory=memory or by_map or None, **kw)
     except StateFormatError as e:
@@ -119,7 +121,7 @@ def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | No
         want = " or ".join(str([n for _, n in written_parts(by_map, p)])
                            for p in ((False, True) if partial is None else (partial,)))
         raise StateFormatError(
-            f"the layer map is for memory {by_map!r} (parts {want}), but the dump reads as memory "
+            f"the {'layer map' if layers else 'model'} is for memory {by_map!r} (parts {want}), but the dump reads as memory "
             f"{opts['memory']!r} (parts {[p.name for p in other]}): a dump of another model?",
             offset=header.nbytes, what="memory layout") from None
     if layers:
