@@ -3,6 +3,7 @@ files, and the sidecars that make dumps self-describing. ``StateMethods`` is a b
 its methods use the context's pointer, memory and parameters."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import os
@@ -40,6 +41,18 @@ class SeqState:
 
     def __buffer__(self, flags):  # Python >= 3.12 buffer protocol
         return memoryview(self.data)
+
+
+@contextlib.contextmanager
+def _replacing(path: Path):
+    """A temporary name beside ``path``, renamed onto it when the block succeeds and removed
+    when it does not: a failed write leaves the earlier file as it was."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _new_state_buffer(size: int) -> np.ndarray:
@@ -379,14 +392,12 @@ class StateMethods:
         seq_id = self.memory._seq(self, seq_id)
         toks = np.ascontiguousarray(tokens, dtype=np.int32)
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        with _log.capture() as cap:
-            n = lib.llama_state_seq_save_file(ptr, os.fsencode(tmp), seq_id,
-                                              ffi.from_buffer("llama_token[]", toks), toks.size)
-        if n == 0:
-            tmp.unlink(missing_ok=True)
-            raise OSError(f"llama_state_seq_save_file() could not write {path}: {cap.reason() or 'failed'}")
-        os.replace(tmp, path)
+        with _replacing(path) as tmp:
+            with _log.capture() as cap:
+                n = lib.llama_state_seq_save_file(ptr, os.fsencode(tmp), seq_id,
+                                                  ffi.from_buffer("llama_token[]", toks), toks.size)
+            if n == 0:
+                raise OSError(f"llama_state_seq_save_file() could not write {path}: {cap.reason() or 'failed'}")
         if sidecar:
             from .state import write_sidecar
             write_sidecar(path, **self.sidecar_facts(toks, flags=0))  # the file holds a flags-0 dump
@@ -442,13 +453,11 @@ class StateMethods:
         ptr = self.ptr
         toks = np.ascontiguousarray(tokens, dtype=np.int32)
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        with _log.capture() as cap:
-            ok = lib.llama_state_save_file(ptr, os.fsencode(tmp), ffi.from_buffer("llama_token[]", toks), toks.size)
-        if not ok:
-            tmp.unlink(missing_ok=True)
-            raise OSError(f"llama_state_save_file() could not write {path}: {cap.reason() or 'failed'}")
-        os.replace(tmp, path)
+        with _replacing(path) as tmp:
+            with _log.capture() as cap:
+                ok = lib.llama_state_save_file(ptr, os.fsencode(tmp), ffi.from_buffer("llama_token[]", toks), toks.size)
+            if not ok:
+                raise OSError(f"llama_state_save_file() could not write {path}: {cap.reason() or 'failed'}")
 
     def load_state(self, path, max_tokens: int | None = None) -> np.ndarray:
         """``llama_state_load_file``; returns the tokens stored in the session file."""
@@ -513,14 +522,8 @@ class StateMethods:
         atomically, and ``path + ".json"`` with :meth:`sidecar_facts` (``flags`` included, so
         ``parse`` reads a PARTIAL_ONLY dump as one) unless ``sidecar=False``."""
         state = self.seq_state(seq_id, flags)
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(memoryview(state.data))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with _replacing(Path(path)) as tmp, open(tmp, "wb") as f:
+            f.write(memoryview(state.data))
         if sidecar:
             from .state import write_sidecar
             write_sidecar(path, **self.sidecar_facts(tokens, flags=flags))
