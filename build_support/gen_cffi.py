@@ -56,6 +56,11 @@ void pyl_log_cb(enum ggml_log_level, const char *, void *);
 int pyl_log_debug;
 void pyl_decode_sample(struct llama_context *, struct llama_batch *, struct llama_sampler *,
                        pyl_abort_state *, int, llama_token, llama_pos, llama_seq_id, pyl_step_out *);
+typedef struct { size_t size; size_t written; } pyl_state_out;
+uint8_t *pyl_state_seq_get(struct llama_context *, llama_seq_id, llama_state_seq_flags, pyl_state_out *);
+void pyl_free(void *);
+size_t pyl_state_seq_set(struct llama_context *, const uint8_t *, size_t, llama_seq_id, llama_state_seq_flags);
+const char *pyl_reason_text(void);
 """
 _CALLBACK_CHECKS = """
 /* The compiler checks that each Python trampoline has the type llama.cpp expects. */

@@ -5,6 +5,7 @@
  * default abort callback is this C function reading a flag that Python sets (ctx.abort() from any
  * thread) or that a SIGINT handler sets while a decode runs on the main thread (Ctrl-C). */
 #include <signal.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct {
@@ -91,8 +92,60 @@ static void _pyllamacpp_log_cb(enum ggml_log_level, const char *, void *); /* cf
 static volatile int pyl_log_debug = 0;
 static _Thread_local int pyl_log_in_debug = 0;
 
+/* The reason llama.cpp logs for a failure, kept in C for the sequence-state calls below, so that no
+ * Python capture (pyllamacpp._log.capture) has to wrap them: while armed on this thread, the first
+ * ERROR line and the first WARN line are kept, and pyl_reason_text() gives the ERROR one, else the
+ * WARN one, as Capture.reason() picks them. */
+static _Thread_local int pyl_reason_armed = 0;
+static _Thread_local char pyl_reason_err[512], pyl_reason_warn[512];
+
+static void pyl_reason_keep(char *dst, const char *text) {
+    if (dst[0]) return;
+    size_t n = strcspn(text, "\n");
+    if (n >= 512) n = 511;
+    memcpy(dst, text, n);
+    dst[n] = 0;
+}
+
+static void pyl_reason_arm(void) {
+    pyl_reason_err[0] = pyl_reason_warn[0] = 0;
+    pyl_reason_armed = 1;
+}
+
+static const char *pyl_reason_text(void) { return pyl_reason_err[0] ? pyl_reason_err : pyl_reason_warn; }
+
 static void pyl_log_cb(enum ggml_log_level level, const char *text, void *user_data) {
     if (level != GGML_LOG_LEVEL_CONT) pyl_log_in_debug = level == GGML_LOG_LEVEL_DEBUG;
+    if (pyl_reason_armed && level == GGML_LOG_LEVEL_ERROR) pyl_reason_keep(pyl_reason_err, text);
+    if (pyl_reason_armed && level == GGML_LOG_LEVEL_WARN) pyl_reason_keep(pyl_reason_warn, text);
     if (pyl_log_in_debug && !pyl_log_debug) return;
     _pyllamacpp_log_cb(level, text, user_data);
 }
+
+/* ctx.seq_state's default path in one C call: the size llama.cpp asks for, a buffer from malloc,
+ * the copy. Python wraps the buffer in ffi.gc(..., pyl_free) and a numpy view over it. One call
+ * instead of three from Python, and the dump comes from the allocator the native C loop uses. NULL
+ * when malloc fails; out->written < out->size when llama.cpp wrote less. */
+typedef struct { size_t size; size_t written; } pyl_state_out;
+
+static uint8_t *pyl_state_seq_get(struct llama_context *ctx, llama_seq_id seq_id, llama_state_seq_flags flags,
+                                  pyl_state_out *out) {
+    pyl_reason_arm();
+    out->size = llama_state_seq_get_size_ext(ctx, seq_id, flags);
+    out->written = 0;
+    uint8_t *buf = malloc(out->size ? out->size : 1);
+    if (buf) out->written = llama_state_seq_get_data_ext(ctx, buf, out->size, seq_id, flags);
+    pyl_reason_armed = 0;
+    return buf;
+}
+
+/* llama_state_seq_set_data_ext with the failure's reason kept (pyl_reason_text). */
+static size_t pyl_state_seq_set(struct llama_context *ctx, const uint8_t *src, size_t size, llama_seq_id seq_id,
+                                llama_state_seq_flags flags) {
+    pyl_reason_arm();
+    size_t n = llama_state_seq_set_data_ext(ctx, src, size, seq_id, flags);
+    pyl_reason_armed = 0;
+    return n;
+}
+
+static void pyl_free(void *p) { free(p); }

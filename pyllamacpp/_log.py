@@ -101,6 +101,15 @@ class capture:
             raise err
 
 
+def raise_pending() -> None:
+    """Re-raise what a logging handler raised inside the C callback during a call made without
+    :func:`capture` (the sequence-state calls, whose failure reason C keeps)."""
+    if _tls.errors:
+        err = _tls.errors.pop(0)
+        _tls.errors.clear()
+        raise err
+
+
 def install() -> None:
     """Point llama.cpp's and ggml's loggers (``llama_log_set`` sets both) at Python, through
     ``pyl_log_cb`` (build_support/helpers.h): DEBUG lines stay in C unless logger

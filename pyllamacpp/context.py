@@ -69,7 +69,7 @@ class Context(StateMethods):
         self._device_saved: dict[int, bytes] = {}
         self._device_flags_by_seq: dict[int, int] = {}  # seq -> flags of that save (PARTIAL_ONLY must match)
         self._memory_layers_cache: tuple | None = None  # see StateMethods._memory_layers
-        self._own_states = weakref.WeakValueDictionary()  # id -> read-only array seq_state made here
+        self._state_token = object()  # marks the SeqStates this context made (SeqState._made)
         self._kv_row_bytes: tuple[int, int] | None = None  # see _cells_held
         # one plain KV cache (not iSWA, recurrent or hybrid): see _load_fits
         self._plain_kv = not (model.n_swa or lib.llama_model_is_recurrent(model.ptr)

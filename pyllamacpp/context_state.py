@@ -32,6 +32,10 @@ class SeqState:
     data: np.ndarray  # uint8
     seq_id: int
     flags: int = 0
+    # (the making context's token, data) when Context.seq_state made it: that context trusts it
+    # without parsing it again while ``data`` is this very array, still read-only. Unpickled, the
+    # token is another object, so the blob is checked.
+    _made: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.data.size)
@@ -55,12 +59,21 @@ def _replacing(path: Path):
         tmp.unlink(missing_ok=True)
 
 
-def _new_state_buffer(size: int) -> np.ndarray:
-    """The buffer ``seq_state`` copies a dump into. A module-level function so that
-    tools/bench/bench_core.py can place it at chosen page offsets: llama.cpp's copy into it runs
-    about 15% faster or slower depending on where it sits in its page, and a fresh buffer lands
-    wherever the heap puts it."""
-    return np.empty(size, dtype=np.uint8)
+# None: seq_state's own buffer comes from malloc inside one C call (pyl_state_seq_get). A function
+# size -> writable uint8 array replaces that: tools/bench/bench_core.py places the dump at chosen page
+# offsets with it, since llama.cpp's copy runs ~15% faster or slower with where the dump sits
+# relative to the KV tensors it copies from.
+_new_state_buffer = None
+
+
+_ON_DEVICE = lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+_PARTIAL_ONLY = lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
+
+def _c_reason() -> str | None:
+    """The reason llama.cpp logged during the last pyl_state_seq_get / pyl_state_seq_set call on
+    this thread (its first ERROR line, else its first WARN line; helpers.h), or None."""
+    return ffi.string(lib.pyl_reason_text()).decode("utf-8", "replace").strip() or None
 
 
 def _as_uint8(data) -> np.ndarray:
@@ -104,34 +117,50 @@ class StateMethods:
 
     def seq_state(self, seq_id: int, flags: int = 0, *, out: np.ndarray | None = None) -> SeqState:
         """``llama_state_seq_get_size_ext`` + ``llama_state_seq_get_data_ext``: one copy into
-        a numpy buffer you own.
+        a buffer you own (a read-only numpy array over memory from ``malloc``, freed with its last
+        view; both calls and the allocation are one C call, ``pyl_state_seq_get``).
 
         ``out``: a writable uint8 array to reuse (at least the state's size): no fresh allocation,
-        hence no page faults, for loops that dump again and again. The state is then ``out[:size]``."""
+        hence no page faults, for loops that dump again and again. The state is then ``out[:size]``
+        (writable, so ``set_seq_state`` checks it like any blob)."""
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
-        size = lib.llama_state_seq_get_size_ext(ptr, seq_id, int(flags))
+        flags = int(flags)
         own = out is None
-        if own:
-            buf = _new_state_buffer(size)
+        # Python code right after a copy of megabytes runs with cold caches (each line costs
+        # microseconds then): the default path does as little around the C call as it can.
+        if own and _new_state_buffer is None:
+            res = ffi.new("pyl_state_out *")
+            p = lib.pyl_state_seq_get(ptr, seq_id, flags, res)
+            size, n = res.size, res.written
+            if p == ffi.NULL:
+                raise MemoryError(f"cannot allocate {size} bytes for the state of seq {seq_id}")
+            buf = np.frombuffer(ffi.buffer(ffi.gc(p, lib.pyl_free), size), dtype=np.uint8)
+            reason = _c_reason
         else:
-            if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
-                raise ValueError("out must be a writable, contiguous 1-D uint8 array")
-            if out.size < size:
-                raise ValueError(f"out holds {out.size} bytes, the state needs {size}")
-            buf = out[:size]
-        with _log.capture() as cap:
-            n = lib.llama_state_seq_get_data_ext(ptr, ffi.from_buffer(buf), size, seq_id, int(flags))
+            size = lib.llama_state_seq_get_size_ext(ptr, seq_id, flags)
+            if own:
+                buf = _new_state_buffer(size)
+            else:
+                if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
+                    raise ValueError("out must be a writable, contiguous 1-D uint8 array")
+                if out.size < size:
+                    raise ValueError(f"out holds {out.size} bytes, the state needs {size}")
+                buf = out[:size]
+            with _log.capture() as cap:
+                n = lib.llama_state_seq_get_data_ext(ptr, ffi.from_buffer(buf), size, seq_id, flags)
+            reason = cap.reason
+        _log.raise_pending()
         if n != size:
             raise StateError(f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
-                             func="llama_state_seq_get_data_ext", reason=cap.reason())
-        if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
+                             func="llama_state_seq_get_data_ext", reason=reason())
+        if flags & _ON_DEVICE:
             self._device_saved[seq_id] = buf.tobytes()  # headers only: a few KB
-            self._device_flags_by_seq[seq_id] = int(flags)
-        if own:
-            buf.flags.writeable = False  # so set_seq_state can trust it without parsing it again
-            self._own_states[id(buf)] = buf
-        return SeqState(buf, seq_id, int(flags))
+            self._device_flags_by_seq[seq_id] = flags
+        if not own:
+            return SeqState(buf, seq_id, flags)
+        buf.flags.writeable = False  # so set_seq_state can trust it without parsing it again
+        return SeqState(buf, seq_id, flags, (self._state_token, buf))
 
     def set_seq_state(self, seq_id: int, data, flags: int = 0, *, validate: bool = True,
                       keep_on_error: bool = True) -> int:
@@ -143,25 +172,33 @@ class StateMethods:
         (llama.cpp clears it on failure, so an occupied one is copied aside first when the load
         could fail, see :meth:`_load_fits`, and put back; ``keep_on_error=False`` skips that and
         leaves it cleared on failure).
-        A :class:`SeqState` this context made (its data is read-only) is not parsed again, unless
-        ``flags`` differ from its own in ``PARTIAL_ONLY``. ``flags=StateFlags.PARTIAL_ONLY`` loads a
-        partial dump: llama.cpp then reads only the memory's partial part (an iSWA cache's swa
-        part, a hybrid memory's recurrent part) and leaves the rest of the sequence as it was."""
+        A :class:`SeqState` this context's ``seq_state`` made (its data still read-only) is not
+        parsed again, unless ``flags`` differ from its own in ``PARTIAL_ONLY``.
+        ``flags=StateFlags.PARTIAL_ONLY`` loads a partial dump: llama.cpp then reads only the
+        memory's partial part (an iSWA cache's swa part, a hybrid memory's recurrent part) and
+        leaves the rest of the sequence as it was."""
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
-        self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
-        buf = _as_uint8(data)
+        if self._pending_stream_copies:
+            self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
+        flags = int(flags)
+        made = data._made if isinstance(data, SeqState) else None
+        own = (made is not None and made[0] is self._state_token and made[1] is data.data
+               and not data.data.flags.writeable)
+        if own:
+            buf = data.data
+            if (data.flags ^ flags) & _PARTIAL_ONLY:
+                own = False  # made with the other PARTIAL_ONLY setting: checked like any blob
+            if (data.flags ^ flags) & _ON_DEVICE:
+                raise StateError("state does not fit this context: a metadata-only dump (seq_state(seq, ON_DEVICE))"
+                                 " loads with flags=StateFlags.ON_DEVICE only" if data.flags & _ON_DEVICE
+                                 else "a full dump loads without StateFlags.ON_DEVICE",
+                                 func="llama_state_seq_set_data_ext")
+        else:
+            buf = _as_uint8(data)
         if buf.size == 0:
             raise StateError("empty state", func="llama_state_seq_set_data_ext")
-        own = (isinstance(data, SeqState) and self._own_states.get(id(data.data)) is data.data
-               and not data.data.flags.writeable)
-        if own and (data.flags ^ int(flags)) & lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY:
-            own = False  # made with the other PARTIAL_ONLY setting: checked like any blob
-        if own and (data.flags ^ int(flags)) & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
-            raise StateError("state does not fit this context: a metadata-only dump (seq_state(seq, ON_DEVICE))"
-                             " loads with flags=StateFlags.ON_DEVICE only" if data.flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
-                             else "a full dump loads without StateFlags.ON_DEVICE", func="llama_state_seq_set_data_ext")
-        if flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
+        if flags & _ON_DEVICE:
             # The blob names the sequence whose on-device copy to use. llama.cpp asserts (aborts the
             # process) when this context never saved that sequence with ON_DEVICE, and aborts
             # ("memory buffer mismatch", llama_io_read_device) when the blob's cells do not add up
@@ -173,28 +210,31 @@ class StateMethods:
                        f"{sorted(self._device_saved)}")
                 raise StateError("an ON_DEVICE state loads only as the latest seq_state(seq, ON_DEVICE) "
                                  f"of this context returned it; {why}", func="llama_state_seq_set_data_ext")
-            saved = self._device_flags_by_seq.get(src, int(flags))
-            if (saved ^ int(flags)) & lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY and self._partial_differs():
+            saved = self._device_flags_by_seq.get(src, flags)
+            if (saved ^ flags) & _PARTIAL_ONLY and self._partial_differs():
                 # the device reader would take the saved chunks for other parts: an abort
                 # ("memory buffer mismatch", llama_io_read_device)
                 raise StateError(f"this ON_DEVICE state was saved with flags={saved}: load it with the same "
                                  "PARTIAL_ONLY setting", func="llama_state_seq_set_data_ext")
         elif validate and not own:
             self.check_state(buf, kind="sequence", flags=flags)
-        trusted = own or validate or bool(flags & lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE)
+        trusted = own or validate or bool(flags & _ON_DEVICE)
         backup = None
-        if keep_on_error and self._occupied(seq_id) and not (trusted and self._load_fits(seq_id, buf)):
+        # the cheap part of _load_fits first: a trusted blob for a stream of its own needs no query
+        if (keep_on_error and not (trusted and self._own_stream_fits()) and self._occupied(seq_id)
+                and not (trusted and self._load_fits(seq_id, buf))):
             backup = self.seq_state(seq_id)
-        with _log.capture() as cap:
-            n = lib.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(buf), buf.size, seq_id, int(flags))
+        n = lib.pyl_state_seq_set(ptr, ffi.from_buffer(buf), buf.size, seq_id, flags)
         if n == 0:
+            reason = _c_reason()
             self.memory.seq_rm(seq_id)
             if backup is not None:
-                with _log.capture():
-                    lib.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(backup.data), len(backup), seq_id, 0)
+                lib.pyl_state_seq_set(ptr, ffi.from_buffer(backup.data), len(backup), seq_id, 0)
+            _log.raise_pending()  # a logging handler's exception, once the sequence is back
             raise StateError("llama_state_seq_set_data_ext() read 0 bytes; the sequence is "
                              + ("unchanged" if keep_on_error else "now empty"),
-                             func="llama_state_seq_set_data_ext", reason=cap.reason())
+                             func="llama_state_seq_set_data_ext", reason=reason)
+        _log.raise_pending()
         return int(n)
 
     def _occupied(self, seq_id: int) -> bool:
@@ -212,9 +252,7 @@ class StateMethods:
         they get the backup)."""
         if not self._plain_kv:
             return False
-        if not (self.params.kv_unified and self.n_seq_max > 1):
-            # the sequence's stream is its own: a checked blob (or one this context made) has
-            # cell_count <= n_ctx_seq
+        if self._own_stream_fits():
             return True
         if buf.size < 12 or not buf.flags.c_contiguous:
             return False
@@ -234,6 +272,11 @@ class StateMethods:
                     return False
                 room -= c
         return cell_count <= room
+
+    def _own_stream_fits(self) -> bool:
+        """A plain KV cache whose every sequence has a stream of its own: a checked blob (or one
+        this context made) has cell_count <= n_ctx_seq, so it always fits (see _load_fits)."""
+        return self._plain_kv and not (self.params.kv_unified and self.n_seq_max > 1)
 
     def _cells_held(self, s: int) -> int | None:
         """Cells sequence ``s`` holds in a one-stream plain KV cache, from two sizes llama.cpp

@@ -128,6 +128,63 @@ def test_seq_state_round_trip_and_failed_set(model, ctx):
     assert bytes(again) == bytes(ref_state) and again.seq_id == 0
 
 
+def test_seq_state_is_a_view_and_trust_follows_its_array(model, ctx):
+    import dataclasses
+    import gc
+    import pickle
+    ctx.prefill(model.tokenize(PROMPT))
+    st = ctx.seq_state(0)
+    # a read-only view over the buffer pyl_state_seq_get malloc'd; a slice keeps it alive
+    assert not st.data.flags.writeable and not st.data.flags.owndata
+    head = st.data[:64]
+    expect = bytes(head)
+    del st
+    gc.collect()
+    assert bytes(head) == expect and bytes(ctx.seq_state(0).data[:64]) == expect
+    # trusted (not parsed again) only as this context made it: not unpickled, not with another array
+    checked = []
+    ctx.check_state = lambda *a, _orig=ctx.check_state, **k: (checked.append(1), _orig(*a, **k))[1]
+    st = ctx.seq_state(0)
+    ctx.set_seq_state(0, st)
+    assert checked == []
+    ctx.set_seq_state(0, pickle.loads(pickle.dumps(st)))
+    assert checked == [1]
+    other = dataclasses.replace(st, data=st.data.copy())
+    other.data.flags.writeable = False
+    ctx.set_seq_state(0, other)
+    assert checked == [1, 1]
+    st.data.flags.writeable = True  # a buffer its owner may write to now
+    ctx.set_seq_state(0, st)
+    assert checked == [1, 1, 1]
+
+
+def test_failed_state_load_reason_and_raising_log_handler(model, ctx):
+    import logging
+    ctx.prefill(model.tokenize(PROMPT))
+    good = ctx.seq_state(0)
+    bad = good.data.copy()
+    bad[12:16] = 0xFF  # stream 0's cell_count: far more cells than the context has
+    with pytest.raises(pl.StateError, match="unchanged") as e:
+        ctx.set_seq_state(0, bad, validate=False)
+    assert e.value.reason  # llama.cpp's logged cause, kept in C (pyl_reason_text)
+    assert ctx.memory.seq_pos_max(0) == 6
+
+    class Boom(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                raise RuntimeError("handler failed")
+
+    h = Boom()
+    logging.getLogger("pyllamacpp.llama").addHandler(h)
+    try:
+        with pytest.raises(RuntimeError, match="handler failed"):
+            ctx.set_seq_state(0, bad, validate=False)
+    finally:
+        logging.getLogger("pyllamacpp.llama").removeHandler(h)
+    assert ctx.memory.seq_pos_max(0) == 6  # put back before the handler's exception surfaced
+    assert ctx.set_seq_state(0, good) == len(good)
+
+
 def test_state_files(model, ctx, tmp_path):
     toks = model.tokenize(PROMPT)
     ctx.prefill(toks)

@@ -95,7 +95,15 @@ def build_driver(verbose: bool = False) -> tuple[Path, list[str]]:
     if verbose:
         print("$", shlex.join(cmd), file=sys.stderr)
     subprocess.run(cmd, check=True)
+    # the same file as a shared library: its state_step() runs in the Python worker's process
+    link = cmd[-5:]  # -L, -l..., rpath
+    assert cmd[-7] == "-o" and link[0].startswith("-L")
+    subprocess.run([*cmd[:-7], "-shared", "-fPIC", "-o", str(native_lib_path()), *link], check=True)
     return exe, cmd
+
+
+def native_lib_path() -> Path:
+    return BUILD / "native_driver.so"
 
 
 def run_json(cmd: list[str]) -> dict:
@@ -145,6 +153,48 @@ def py_context(model, s: dict, n_seq_max: int | None = None):
     return model.context(n_ctx=s["n_ctx"], n_batch=s["n_batch"], n_ubatch=s["n_ubatch"],
                          n_seq_max=n_seq_max or s["n_seq_max"], kv_unified=bool(s["kv_unified"]),
                          n_threads=s["threads"], n_threads_batch=s["threads"])
+
+
+def state_in_process(ctx, ffi, s: dict) -> dict:
+    """The state round trip of both sides in this one process, on this one context: native_driver.c's
+    ``state_step`` (its timed get + set, into a fresh ``malloc`` buffer, freed after) through ctypes,
+    and ``seq_state`` + ``set_seq_state`` with their defaults, alternating which goes first.
+
+    Why: llama.cpp's copy runs faster or slower with where the dump sits relative to the KV tensors
+    it copies from (its page offset moved get by ~18% here), and where those tensors sit depends on
+    the heap of the process that made the context; in two processes the sides copy from different
+    places. Here both copy from the same tensors. The C side's timing is C's own (CLOCK_MONOTONIC
+    inside the call), so ctypes' call costs nothing to it."""
+    import ctypes
+    so = ctypes.CDLL(str(native_lib_path()))
+    so.state_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double),
+                              ctypes.POINTER(ctypes.c_uint)]
+    so.state_step.restype = ctypes.c_int
+    cptr = ctypes.c_void_p(int(ffi.cast("uintptr_t", ctx.ptr)))
+    t_get, t_set, off = ctypes.c_double(), ctypes.c_double(), ctypes.c_uint()
+    clock = time.perf_counter
+    ng, ns, pg, ps, offs = [], [], [], [], set()
+    for it in range(-s["warmup"], 3 * s["iters"]):
+        for side in ("c", "py") if it % 2 == 0 else ("py", "c"):
+            if side == "c":
+                if so.state_step(cptr, ctypes.byref(t_get), ctypes.byref(t_set), ctypes.byref(off)) != 0:
+                    raise SystemExit("native state_step failed")
+                g, t = t_get.value, t_set.value
+                offs.add(off.value)
+            else:
+                t0 = clock()
+                st = ctx.seq_state(0)
+                t1 = clock()
+                ctx.set_seq_state(0, st)
+                g, t = t1 - t0, clock() - t1
+                del st
+            if it >= 0:
+                (ng if side == "c" else pg).append(g), (ns if side == "c" else ps).append(t)
+    ms = lambda v: statistics.median(v) * 1e3  # noqa: E731
+    trip = lambda a, b: statistics.median([x + y for x, y in zip(a, b)]) * 1e3  # noqa: E731
+    return {"inproc_native_get_ms": ms(ng), "inproc_native_set_ms": ms(ns), "inproc_native_roundtrip_ms": trip(ng, ns),
+            "inproc_get_ms": ms(pg), "inproc_set_ms": ms(ps), "inproc_roundtrip_ms": trip(pg, ps),
+            "inproc_native_page_offsets": sorted(offs)}
 
 
 def worker(workload: str, model_path: str, s: dict) -> dict:
@@ -272,7 +322,7 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
             ctx.set_seq_state(0, st)  # into the emptied sequence
             t4 = clock()
             size = len(st)
-            page_offset = st.data.ctypes.data % 4096  # where np.empty put it (see native_driver.c)
+            page_offset = st.data.ctypes.data % 4096  # where malloc put it (pyl_state_seq_get; see native_driver.c)
             del st
             if it >= 0:
                 tg.append(t1 - t0), ts.append(t2 - t1), te.append(t4 - t3)
@@ -291,10 +341,13 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
         ms = lambda v: statistics.median(v) * 1e3  # noqa: E731
         # The default get / set again with the dump at page offsets 0, 512 ... 3584 of one buffer,
         # as native_driver.c does: llama.cpp's copy runs ~15% faster or slower depending on the
-        # destination's place in its page, and malloc and np.empty put a fresh buffer at different
-        # places. seq_state takes its buffer from context_state._new_state_buffer: pointed here
-        # at the chosen place, the path is otherwise the default one (an own, read-only state).
+        # destination's place in its page, and the two processes' heaps put a fresh buffer at
+        # different places. seq_state takes a function context_state._new_state_buffer, when set,
+        # for its buffer instead of malloc: pointed here at the chosen place. That path makes the
+        # size and copy calls from Python (under a log capture) instead of one C call; the result
+        # is an own, read-only state as by default.
         import pyllamacpp.context_state as cs
+        default_buffer = cs._new_state_buffer
         big = np.empty(size + 8192, dtype=np.uint8)
         pg, ps = [], []
         for k in range(8):
@@ -311,7 +364,9 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
                 if it >= 0:
                     g.append(t1 - t0), st_.append(t2 - t1)
             pg.append(ms(g)), ps.append(ms(st_))
-        return {"workload": workload, "n_tokens": s["n_tokens"], "state_bytes": size,
+        cs._new_state_buffer = default_buffer
+        inproc = state_in_process(ctx, pl.ffi, s) if native_lib_path().exists() else {}
+        return {**inproc, "workload": workload, "n_tokens": s["n_tokens"], "state_bytes": size,
                 "flash_attn": flash_attn_verdict(ctx), "get_ms": ms(tg), "set_ms": ms(ts), "set_empty_ms": ms(te),
                 "fast_get_ms": ms(fg), "fast_set_ms": ms(fs),
                 "fast_roundtrip_ms": statistics.median([a + b for a, b in zip(fg, fs)]) * 1e3,
@@ -382,6 +437,14 @@ def summarize(runs: dict) -> list[dict]:
         nat = [r["tok_s"] for r in runs["decode"]["native"]]
         rows.insert(1, row("decode", "raw_tok_s", "  same loop in raw pl.lib calls (diagnostic)", "tok/s", "rate", "",
                            nat, py))
+    pys = runs.get("state", {}).get("python", [])
+    if pys and "inproc_roundtrip_ms" in pys[0]:  # both sides in one process, on one context
+        for metric, label, target in (
+                ("get_ms", "get, both sides in one process on one context", ""),
+                ("set_ms", "set (occupied), both sides in one process on one context", ""),
+                ("roundtrip_ms", "round trip, both sides in one process on one context", "<= 1.1x")):
+            rows.append(row("state", f"inproc_{metric}", label, "ms", "time", target,
+                            [r[f"inproc_native_{metric}"] for r in pys], [r[f"inproc_{metric}"] for r in pys]))
     if "fill" in runs:  # Batch(model=...) checks tokens against the vocabulary: shown for reference
         for metric in ("checked_best_us", "checked_median_us"):
             py = [r[metric] for r in runs["fill"]["python"]]
@@ -467,8 +530,13 @@ def main(argv=None) -> int:
                      f"python {runs['state']['python'][0]['state_bytes']}")
         offs = {side: sorted({r.get("buf_page_offset") for r in runs["state"][side]}, key=str)
                 for side in ("native", "python")}
-        notes.append(f"state: page offset of each side's fresh dump buffer (malloc / np.empty): native {offs['native']}, "
+        notes.append(f"state: page offset of each side's fresh dump buffer (malloc in each process): native {offs['native']}, "
                      f"python {offs['python']}")
+        if runs["state"]["python"] and "inproc_native_page_offsets" in runs["state"]["python"][0]:
+            notes.append("state, one process: native_driver.c's state_step through ctypes on the Python side's "
+                         "context, alternating with seq_state + set_seq_state, "
+                         f"{3 * all_settings['state']['iters']} steps each per run; its malloc page offsets "
+                         f"{sorted({o for r in runs['state']['python'] for o in r['inproc_native_page_offsets']})}")
     notes.append("Python / native: median over repeats of the ratio of the two back-to-back runs; rates (tok/s): "
                  "higher is better, times: lower is better; 'met' uses it (the fill target: the Python µs)")
     print()

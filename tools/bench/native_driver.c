@@ -294,6 +294,38 @@ static int wl_fill(void) {
 }
 
 // -- 5. state: get / set of one n_tokens-token sequence --------------------------------------
+// The timed core of wl_state's first loop: size, a fresh buffer, the copy (what ctx.seq_state
+// does), then the set into seq 0, which still holds it (llama.cpp removes it first). Returns the
+// buffer (the caller frees it; page_offset: where malloc put it in its page) or NULL on a short
+// get or a failed set. Exported: bench_core.py also
+// loads this file built as a shared library and runs it on the Python side's own context, in its
+// process, so that both sides copy from the same KV tensors (see bench_core.py, "in-process").
+uint8_t * state_get_set(struct llama_context * ctx, size_t * size, double * t_get, double * t_set,
+                        unsigned * page_offset) {
+    double t0 = now_s();
+    *size = llama_state_seq_get_size_ext(ctx, 0, 0);
+    uint8_t * buf = malloc(*size);
+    *page_offset = (unsigned) ((uintptr_t) buf % 4096);
+    size_t w = llama_state_seq_get_data_ext(ctx, buf, *size, 0, 0);
+    double t1 = now_s();
+    if (w != *size || llama_state_seq_set_data_ext(ctx, buf, *size, 0, 0) == 0) {
+        free(buf);
+        return NULL;
+    }
+    *t_get = t1 - t0;
+    *t_set = now_s() - t1;
+    return buf;
+}
+
+// state_get_set, then free: one step for bench_core.py's in-process loop. 0 on success.
+int state_step(struct llama_context * ctx, double * t_get, double * t_set, unsigned * page_offset) {
+    size_t size;
+    uint8_t * buf = state_get_set(ctx, &size, t_get, t_set, page_offset);
+    if (!buf) return -1;
+    free(buf);
+    return 0;
+}
+
 static int wl_state(void) {
     struct llama_context * ctx = make_ctx(1, 0);
     llama_memory_t mem = llama_get_memory(ctx);
@@ -307,24 +339,16 @@ static int wl_state(void) {
     size_t size = 0;
     unsigned page_offset = 0;  // where malloc put the buffer in its page (the copy's speed depends on it)
     for (int it = -S.warmup; it < N; it++) {
-        // get: size, a fresh buffer, the copy (what ctx.seq_state does)
-        double t0 = now_s();
-        size = llama_state_seq_get_size_ext(ctx, 0, 0);
-        uint8_t * buf = malloc(size);
-        page_offset = (unsigned) ((uintptr_t) buf % 4096);
-        size_t w = llama_state_seq_get_data_ext(ctx, buf, size, 0, 0);
-        double t1 = now_s();
-        if (w != size) die("llama_state_seq_get_data_ext wrote a short state");
-        // set into the sequence that still holds it (llama.cpp removes it first)
-        if (llama_state_seq_set_data_ext(ctx, buf, size, 0, 0) == 0) die("set_data_ext failed");
-        double t2 = now_s();
+        double t_get, t_set;
+        uint8_t * buf = state_get_set(ctx, &size, &t_get, &t_set, &page_offset);
+        if (!buf) die("state get / set failed");
         // set into the emptied sequence
         llama_memory_seq_rm(mem, 0, -1, -1);
         double t3 = now_s();
         if (llama_state_seq_set_data_ext(ctx, buf, size, 0, 0) == 0) die("set_data_ext failed");
         double t4 = now_s();
         free(buf);
-        if (it >= 0) { tg[it] = t1 - t0; ts[it] = t2 - t1; te[it] = t4 - t3; }
+        if (it >= 0) { tg[it] = t_get; ts[it] = t_set; te[it] = t4 - t3; }
     }
     // The copy's speed depends on where the destination sits in its page (relative to the KV
     // tensors it is copied from): the same get / set with the dump at page offsets 0, 512 ... 3584
