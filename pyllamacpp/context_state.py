@@ -126,6 +126,8 @@ class StateMethods:
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         flags = int(flags)
+        if flags & _ON_DEVICE:
+            self._check_device_save()
         own = out is None
         # Python code right after a copy of megabytes runs with cold caches (each line costs
         # microseconds then): the default path does as little around the C call as it can.
@@ -236,6 +238,21 @@ class StateMethods:
                              func="llama_state_seq_set_data_ext", reason=reason)
         _log.raise_pending()
         return int(n)
+
+    def _check_device_save(self) -> None:
+        """Refuse an ON_DEVICE save that llama.cpp would restore wrong: its device writer
+        (llama_io_write_device, llama-context.cpp) sizes each saved chunk as ``size /
+        ggml_element_size(tensor)`` values, which for a block-quantized cache type is the number
+        of blocks, so only 1/32 of a q8_0 chunk is kept and a load puts garbage in the cache
+        (measured: next-token logits off by up to 29, argmax changed; tests/test_context.py)."""
+        quantized = [n for n, t in (("type_k", self.params.type_k), ("type_v", self.params.type_v))
+                     if lib.ggml_blck_size(t) > 1]
+        if quantized:
+            from .params import ggml_type_name
+            raise StateError(f"an ON_DEVICE save of a quantized cache ({', '.join(f'{n}={ggml_type_name(getattr(self.params, n))}' for n in quantized)}) "
+                             "would load back wrong: llama.cpp's device writer keeps only size / ggml_element_size "
+                             "values of each chunk (1/32 of a q8_0 one); save without ON_DEVICE",
+                             func="llama_state_seq_get_data_ext")
 
     def _occupied(self, seq_id: int) -> bool:
         # a hybrid memory whose attention part is empty has seq_pos_max -1 (the min of its
@@ -356,7 +373,8 @@ class StateMethods:
                 bad(f"memory parts {[p.kind for p in parsed.parts]}, this context's {memory} memory reads "
                     f"{[f'{k} ({n})' for k, n in reads]}" + (" with PARTIAL_ONLY" if partial else ""))
             expect = [(n, layers[n]) for _, n in reads]
-        n_stream = 1 if self.params.kv_unified else self.n_seq_max
+        # llama_kv_cache_dsv4 builds its caches non-unified whatever kv_unified says (unified_raw)
+        n_stream = 1 if self.params.kv_unified and memory != "dsv4" else self.n_seq_max
         kv_parts = [(p, e) for p, e in zip(parsed.parts, expect) if p.kind == "kv"]
         if lib.llama_model_is_recurrent(m.ptr) and kv_parts:
             bad("a KV cache state for a recurrent model")

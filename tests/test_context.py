@@ -185,6 +185,37 @@ def test_failed_state_load_reason_and_raising_log_handler(model, ctx):
     assert ctx.set_seq_state(0, good) == len(good)
 
 
+def test_on_device_save_of_a_quantized_cache_is_refused(model):
+    toks = model.tokenize("The cat sat on the mat. The dog sat on the log, and then")
+    other = model.tokenize("Completely different text that fills other rows here ok")[:toks.size - 1]
+    ON_DEVICE = int(pl.StateFlags.ON_DEVICE)
+    for type_kv in ("f16", "q8_0"):
+        with model.context(n_ctx=256, type_k=type_kv, type_v=type_kv, flash_attn="on") as c:
+            b = pl.Batch(1, model=model)
+            b.add(int(toks[-1]), toks.size - 1, 0, logits=True)
+            c.prefill(toks[:-1])
+            # llama.cpp itself, raw calls: save on device, overwrite the cache, load, decode
+            size = pl.lib.llama_state_seq_get_size_ext(c.ptr, 0, ON_DEVICE)
+            meta = pl.ffi.new("uint8_t[]", size)
+            assert pl.lib.llama_state_seq_get_data_ext(c.ptr, meta, size, 0, ON_DEVICE) == size
+            c.decode(b)
+            ref = c.logits().copy()
+            c.memory.clear()
+            c.prefill(other)
+            assert pl.lib.llama_state_seq_set_data_ext(c.ptr, meta, size, 0, ON_DEVICE) == size
+            c.decode(b)
+            diff = float(np.abs(c.logits() - ref).max())
+            if type_kv == "f16":
+                assert diff == 0.0
+                assert c.seq_state(0, ON_DEVICE).flags == ON_DEVICE
+            else:
+                # wrong rows restored; when a llama.cpp bump fixes this, lift _check_device_save
+                assert diff > 1.0
+                with pytest.raises(pl.StateError, match=r"quantized cache \(type_k=q8_0, type_v=q8_0\)"):
+                    c.seq_state(0, ON_DEVICE)
+                assert len(c.seq_state(0)) > 0  # without ON_DEVICE: fine
+
+
 def test_state_files(model, ctx, tmp_path):
     toks = model.tokenize(PROMPT)
     ctx.prefill(toks)
