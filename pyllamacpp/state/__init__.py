@@ -14,7 +14,10 @@ The layout (llama-context.cpp, llama-kv-cache.cpp, llama-memory-recurrent.cpp at
   u32 v_trans, u32 n_layer, K records (i32 type, u64 row_size, rows), V records (the same, or
   with v_trans=1: i32 type, u32 element size, u32 n_embd_v_gqa, values value-major).
   iSWA caches write base then swa; hybrid memory the KV cache then the recurrent state;
-  dsa (mla, lid), msa (base, idx), dsa-iswa (mla, lid, swa), hybrid-idx (kv, recurrent, idx).
+  dsa (mla, lid), msa (base, idx), dsa-iswa (mla, lid, swa), hybrid-idx (kv, recurrent, idx);
+  llama_kv_cache_dsv4 (DeepSeek V4): u32 'DSV4', u32 version, u32 mode, its K-only iSWA raw cache
+  (base, swa), then compressed K caches (csa, hca, lid) and compressor states (csa-state,
+  hca-state, lid-state): Dsv4Block parts, see _dsv4.
 - StateFlags.ON_DEVICE dumps hold the same headers without any rows (metadata only).
 - StateFlags.PARTIAL_ONLY dumps hold only the memory's partial part: an iSWA cache's swa part, a
   hybrid memory's recurrent part (``partial=``/``flags=``, a sidecar's ``flags``, or a layer map).
@@ -24,13 +27,13 @@ from ._buffer import StateFormatError
 from ._parse import IO_MAGIC, SEQ_FILE_MAGIC, SEQ_FILE_VERSION, SESSION_MAGIC, SESSION_VERSION
 from ._layers import layer_map
 from ._memory import ON_DEVICE, PARTIAL_ONLY, memory_of, written_parts
-from ._records import (DumpKind, Header, LayerViews, Layout, LayoutRow, MemoryPart, MetadataOnlyError,
-                       Segment, Stream, TensorRecord)
+from ._records import (DumpKind, Dsv4Block, Header, LayerViews, Layout, LayoutRow, MemoryPart,
+                       MetadataOnlyError, Segment, Stream, TensorRecord)
 from ._sidecar import SIDECAR_FIELDS, model_facts, read_sidecar, sidecar_path, write_sidecar
 from ._state import KVState, parse
 from ._types import GGMLType, hadamard
 
-__all__ = ["parse", "KVState", "StateFormatError", "DumpKind", "Header", "MemoryPart", "Stream",
+__all__ = ["parse", "KVState", "StateFormatError", "DumpKind", "Header", "MemoryPart", "Dsv4Block", "Stream",
            "TensorRecord", "LayerViews", "MetadataOnlyError", "layer_map", "Layout", "LayoutRow", "Segment", "GGMLType", "hadamard", "write_sidecar",
            "read_sidecar", "sidecar_path", "model_facts", "SIDECAR_FIELDS", "IO_MAGIC",
            "SEQ_FILE_MAGIC", "SESSION_MAGIC", "SEQ_FILE_VERSION", "SESSION_VERSION", "PARTIAL_ONLY",

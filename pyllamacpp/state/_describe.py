@@ -39,7 +39,8 @@ def _partial_text(state) -> str:
     llama_kv_cache_dsa_iswa::state_write)."""
     mem = state.options["memory"]
     whose = {"iswa": "an iSWA", "hybrid": "a hybrid", "hybrid-iswa": "a hybrid iSWA",
-             "dsa-iswa": "a DSA iSWA", "hybrid-idx": "a hybrid indexer"}
+             "dsa-iswa": "a DSA iSWA", "hybrid-idx": "a hybrid indexer",
+             "dsv4": "a DeepSeek V4 (llama_kv_cache_dsv4)"}
     if mem in whose:
         names = " and ".join(p.name for p in state.parts)
         return f"only the {names} part{'s' if len(state.parts) > 1 else ''} of {whose[mem]} memory"
@@ -47,6 +48,22 @@ def _partial_text(state) -> str:
         return (f"{'one KV cache' if mem == 'kv' else 'recurrent state'}: all of a {mem} memory or the "
                 f"partial part of {'an iSWA' if mem == 'kv' else 'a hybrid'} one (pass model= to tell)")
     return f"a {mem} memory writes all of itself either way"
+
+
+def _dsv4_text(b) -> list[str]:
+    """A llama_kv_cache_dsv4 block (Dsv4Block): its header and layers."""
+    if b.kind == "compressed":
+        span = f"positions 0..{b.n_rows * b.ratio - 1}" if b.n_rows else "no positions"
+        head = (f"  {b.name} (compressed K cache, 1 row per {b.ratio} positions): version {b.version}, "
+                f"{b.n_rows} rows ({span}), {b.n_stream} stream(s), {b.n_layer} layers")
+    else:
+        head = (f"  {b.name} (compressor state, ratio {b.ratio}): {b.state_size} ring rows of "
+                f"{b.n_embd_state} values (kv and score), {b.n_stream} stream(s), {b.n_layer} layers")
+    out = [head]
+    if b.records:
+        r = b.records[0]
+        out.append(f"      {r.type.name} rows of {r.n_embd} values ({r.row_size} B), layers (il): {list(b.layers)}")
+    return out
 
 
 def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
@@ -71,8 +88,12 @@ def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
     out.append("header: " + (", ".join(fields) if fields else "-") + f" ({h.nbytes} bytes)")
     out.append(f"memory: {state.options['memory']}{' (partial)' if state.partial else ''}, n_head_kv={state.n_head_kv}"
                + (", cells carry llama_kv_cell_ext" if state.options.get("cell_ext") else "")
-               + (", layers numbered by the model's il" if state.layers else ", layers numbered by record index"))
+               + (", layers numbered by the model's il" if state.layers else ", layers numbered by record index"
+                  + (" (the dsv4 blocks by the il they write)" if state.options["memory"] == "dsv4" else "")))
     for p in state.parts:
+        if p.kind in ("compressed", "compressor"):
+            out.extend(_dsv4_text(p))
+            continue
         what = "KV cache" if p.kind == "kv" else "recurrent memory"
         out.append(f"  {p.name} ({what})" + (f": {p.n_stream} stream(s)" if p.n_stream is not None else ""))
         empty = [s.index for s in p.streams if not s.cell_count]

@@ -6,8 +6,9 @@ the attention layers and its recurrent part the others. The dump does not say wh
 is computed from the model's GGUF metadata, as llama.cpp's hparams and ``create_memory`` decide.
 
 ``layer_map(fields)`` returns ``{part name: [il, ...]}`` (part names as ``parse`` names them:
-kv, base, swa, recurrent, mla, lid, idx) or None when this module does not know the architecture's
-rule: a wrong map would be worse than none. ``memory_for(fields)`` names the memory of an arch
+kv, base, swa, recurrent, mla, lid, idx; deepseek4's csa, hca, lid, csa-state, hca-state,
+lid-state) or None when this module does not know the architecture's rule: a wrong map would be
+worse than none. ``memory_for(fields)`` names the memory of an arch
 whose memory is known but whose layer rule is not read here (parse then names the parts right,
 with record indices for layers).
 """
@@ -38,10 +39,10 @@ PLAIN_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
 # minimax-m3 -> llama_kv_cache_msa; deepseek32, glm-dsa -> llama_kv_cache_dsa; hy_v4 -> _dsa when
 # attention.indexer.top_k > 0 (else a plain cache); dots3note -> llama_kv_cache_dsa_iswa;
 # glm5-next -> llama_memory_hybrid_idx; qwen4exp -> llama_memory_hybrid_idx (its default-branch
-# needs_mem_idx; models/qwen4exp.cpp sets no swa_type, so never the hybrid-iswa branch).
-# deepseek4's llama_kv_cache_dsv4 is not read (parse raises StateFormatError at its magic).
+# needs_mem_idx; models/qwen4exp.cpp sets no swa_type, so never the hybrid-iswa branch);
+# deepseek4 -> llama_kv_cache_dsv4 (its dump names itself: magic 'DSV4').
 MEMORY_ARCHS = {"minimax-m3": "msa", "deepseek32": "dsa", "glm-dsa": "dsa", "dots3note": "dsa-iswa",
-                "glm5-next": "hybrid-idx", "qwen4exp": "hybrid-idx"}
+                "glm5-next": "hybrid-idx", "qwen4exp": "hybrid-idx", "deepseek4": "dsv4"}
 
 
 def _per_layer(value, n_layer: int) -> list[int] | None:
@@ -125,4 +126,20 @@ def layer_map(fields: dict) -> dict[str, list[int]] | None:
         if not isinstance(lead, int):
             return None
         return {"base": layers, "idx": [il for il in layers if il >= lead]}
+    if arch == "deepseek4":
+        return _deepseek4(key("attention.compress_ratios"), layers)
     return None
+
+
+def _deepseek4(ratios, layers: list[int]) -> dict[str, list[int]] | None:
+    """llama_kv_cache_dsv4 of a main context without MTP layers (llama-kv-cache-dsv4.cpp
+    constructor, models/deepseek4.cpp): every layer is SWA (set_swa_pattern(0)), so kv_raw's base
+    cache holds none and its swa cache all; kv_csa, kv_lid, csa_state and lid_state hold the layers
+    whose ``attention.compress_ratios`` entry is 4 (filter_csa), kv_hca and hca_state those with
+    128. (The K caches and states also write their il; parse checks the map against them.)"""
+    if not isinstance(ratios, (list, tuple)) or len(ratios) < len(layers):
+        return None  # load_arch_hparams refuses a shorter array
+    csa = [il for il in layers if int(ratios[il]) == 4]
+    hca = [il for il in layers if int(ratios[il]) == 128]
+    return {"base": [], "swa": layers, "csa": csa, "hca": hca, "lid": csa,
+            "csa-state": csa, "hca-state": hca, "lid-state": csa}

@@ -6,12 +6,14 @@ rows were written at all (StateFlags.ON_DEVICE), or whether only the memory's pa
 (StateFlags.PARTIAL_ONLY), so ``parse_memory`` tries the layouts llama.cpp can write and keeps the
 first that accounts for every byte. Some layouts look alike (dsa and msa are two KV caches, as
 iswa): without ``memory=`` (or a layer map, a model, a sidecar that says which) the first listed
-is kept, and only the names of the parts differ.
+is kept, and only the names of the parts differ. llama_kv_cache_dsv4's state says what it is (its
+magic, version and mode): it is read by _dsv4, never by trying layouts.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from . import _dsv4
 from ._buffer import Buffer, StateFormatError
 from ._parse import parse_kv
 from ._recurrent import parse_recurrent, parse_recurrent_splits
@@ -34,12 +36,16 @@ MEMORY_LAYOUTS = {
     "msa": ("kv", "kv"),                           # llama_kv_cache_msa: kv_base, then kv_idx
     "dsa-iswa": ("kv", "kv", "kv"),                # llama_kv_cache_dsa_iswa: kv_dsa (mla, lid), kv_swa
     "hybrid-idx": ("kv", "recurrent", "kv-k"),     # llama_memory_hybrid_idx: hybrid, then mem_idx
+    # llama_kv_cache_dsv4 (after its 12-byte header, see _dsv4): kv_raw, a K-only iSWA cache
+    # (dsv4_make_k_only), then the compressed K caches and the compressor states. Read by
+    # _dsv4 only (never tried as a layout: its magic says what it is).
+    "dsv4": ("kv-k", "kv-k") + ("compressed",) * 3 + ("compressor",) * 3,
 }
 PART_NAMES = {
     "kv": ("kv",), "iswa": ("base", "swa"), "hybrid": ("kv", "recurrent"),
     "hybrid-iswa": ("base", "swa", "recurrent"), "recurrent": ("recurrent",),
     "dsa": ("mla", "lid"), "msa": ("base", "idx"), "dsa-iswa": ("mla", "lid", "swa"),
-    "hybrid-idx": ("kv", "recurrent", "idx"),
+    "hybrid-idx": ("kv", "recurrent", "idx"), "dsv4": _dsv4.PART_NAMES,
 }
 # What each memory writes with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (llama.h: "work only with
 # partial states, such as SWA KV cache or recurrent cache"), as (kind, name) per part:
@@ -49,15 +55,16 @@ PART_NAMES = {
 # only) and writes its recurrent memory. llama_kv_cache_dsa and _msa pass the flag to their two
 # plain caches (all of both); llama_kv_cache_dsa_iswa::state_write skips kv_dsa;
 # llama_memory_hybrid_idx::state_write skips mem_attn (llama_memory_hybrid's) and mem_idx.
+# llama_kv_cache_dsv4::state_write passes the flag to kv_raw (swa only) and skips the
+# compressed K caches, but writes its three compressor states.
 PARTIAL_PARTS = {
     "kv": (("kv", "kv"),), "iswa": (("kv", "swa"),), "hybrid": (("recurrent", "recurrent"),),
     "hybrid-iswa": (("kv", "swa"), ("recurrent", "recurrent")), "recurrent": (("recurrent", "recurrent"),),
     "dsa": (("kv", "mla"), ("kv", "lid")), "msa": (("kv", "base"), ("kv", "idx")),
     "dsa-iswa": (("kv", "swa"),), "hybrid-idx": (("recurrent", "recurrent"),),
+    "dsv4": (("kv-k", "swa"),) + tuple(("compressor", n) for n in _dsv4.PARTIAL_NAMES[1:]),
 }
-# llama_kv_cache_dsv4::state_write begins with DSV4_STATE_MAGIC (llama-kv-cache-dsv4.cpp), then
-# its own compressed caches and states: not a layout this parser reads.
-DSV4_STATE_MAGIC = 0x34565344
+DSV4_STATE_MAGIC = _dsv4.DSV4_STATE_MAGIC
 # llama.h's LLAMA_STATE_SEQ_FLAGS_* (this package must not need the compiled extension)
 PARTIAL_ONLY = 1   # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (== SWA_ONLY)
 ON_DEVICE = 2      # LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
@@ -72,7 +79,8 @@ def _layout(memory: str, partial: bool) -> tuple[tuple[str, str], ...]:
 
 def written_parts(memory: str, partial: bool) -> tuple[tuple[str, str], ...]:
     """``(kind, name)`` of each part ``memory`` writes, in order, with or without PARTIAL_ONLY;
-    kind as MemoryPart.kind says it ("kv" or "recurrent")."""
+    kind as MemoryPart.kind says it ("kv", "recurrent", or a dsv4 block's "compressed" /
+    "compressor")."""
     return tuple(("kv" if k == "kv-k" else k, n) for k, n in _layout(memory, partial))
 
 
@@ -108,13 +116,13 @@ def _candidates(memory: str | None, partial: bool | None) -> list[tuple[str, boo
         return [(memory, False)] + ([(memory, True)] if kinds[0] != kinds[1] else [])
     if partial:
         return [("kv", True), ("hybrid-iswa", True), ("recurrent", True)]
-    return [(name, False) for name in MEMORY_LAYOUTS]
+    return [(name, False) for name in MEMORY_LAYOUTS if name != "dsv4"]
 
 
 def parse_memory(buf: Buffer, off: int, *, memory: str | None = None, cell_ext: bool | None = None,
                  has_v: bool | None = None, n_head: int | None = None,
-                 metadata_only: bool | None = None,
-                 partial: bool | None = None) -> tuple[tuple[MemoryPart, ...], dict]:
+                 metadata_only: bool | None = None, partial: bool | None = None,
+                 seq_id: int | None = None) -> tuple[tuple[MemoryPart, ...], dict]:
     """The memory part from ``off`` to the end: the first layout that reads every byte.
 
     Full dumps are tried before metadata-only ones (``StateFlags.ON_DEVICE``: every record's
@@ -125,12 +133,18 @@ def parse_memory(buf: Buffer, off: int, *, memory: str | None = None, cell_ext: 
     the reading cannot tell). When no layout fits, raises the error of the attempt that read the
     most records (the earliest attempt on a tie): a misreading attempt fails before its first
     record, so its error is not the one that explains the dump, even when it fails at a later byte.
+    ``seq_id``: the sequence the dump was written for, -1 for the whole memory, None unknown (a
+    seq file); only a llama_kv_cache_dsv4 state depends on it (its blocks' stream counts).
     """
     if memory is not None and memory not in MEMORY_LAYOUTS:
         raise ValueError(f"memory={memory!r}: expected one of {sorted(MEMORY_LAYOUTS)}")
-    if off + 4 <= buf.size and buf.u32(off, "memory") == DSV4_STATE_MAGIC:
-        raise StateFormatError("a llama_kv_cache_dsv4 state (magic 'DSV4', DeepSeek V4): its compressed "
-                               "caches are not read by this parser", offset=off, what="memory layout")
+    is_dsv4 = off + 4 <= buf.size and buf.u32(off, "memory") == DSV4_STATE_MAGIC
+    if memory == "dsv4" or (memory is None and is_dsv4):
+        return _parse_dsv4(buf, off, cell_ext=cell_ext, has_v=has_v, n_head=n_head,
+                           metadata_only=metadata_only, partial=partial, seq_id=seq_id)
+    if is_dsv4:
+        raise StateFormatError(f"a llama_kv_cache_dsv4 state (magic 'DSV4', DeepSeek V4), not memory {memory!r}",
+                               offset=off, what="memory layout")
     layouts = _candidates(memory, partial)
     exts = [cell_ext] if cell_ext is not None else [False, True]
     has_vs = [has_v] if has_v is not None else [True, False]
@@ -214,6 +228,32 @@ def parse_memory(buf: Buffer, off: int, *, memory: str | None = None, cell_ext: 
                 return named, opts
     assert best[0] is not None
     raise best[0][1]
+
+
+def _parse_dsv4(buf: Buffer, off: int, *, cell_ext, has_v, n_head, metadata_only, partial,
+                seq_id) -> tuple[tuple[MemoryPart, ...], dict]:
+    """llama_kv_cache_dsv4's state (see _dsv4): the readings of its raw cache (cells with or
+    without llama_kv_cell_ext) with rows, then without (ON_DEVICE); the error of the one that
+    read the most records when none reads every byte."""
+    if has_v:
+        raise StateFormatError("has_v=True, but llama_kv_cache_dsv4's raw cache is K-only (dsv4_make_k_only: "
+                               "hparams.is_mla(), no V tensor, no V record)", offset=off, what="dsv4 raw cache")
+    mode = _dsv4.read_header(buf, off, partial)
+    best = None
+    for meta in ([bool(metadata_only)] if metadata_only is not None else [False, True]):
+        for ext in ([cell_ext] if cell_ext is not None else [False, True]):
+            tally = [0]
+            try:
+                parts = _dsv4.parse_dsv4(buf, off, seq_id=seq_id, mode=mode, ext=ext, n_head=n_head,
+                                         data=not meta, tally=tally)
+            except StateFormatError as e:
+                if best is None or tally[0] > best[0]:
+                    best = (tally[0], e)
+                continue
+            has_records = any(s.records for p in parts for s in p.streams)
+            return parts, {"memory": "dsv4", "partial": mode == _dsv4.MODE_PARTIAL, "cell_ext": ext,
+                           "has_v": False, "metadata_only": meta and has_records}
+    raise best[1]
 
 
 class _Lazy:

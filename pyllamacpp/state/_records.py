@@ -57,6 +57,9 @@ class TensorRecord:
     n_head: int | None         # heads to shape views with (n_head_kv); None keeps rows flat
     data: np.ndarray | None = field(repr=False, compare=False)  # the payload, uint8 view; None: not in the dump
     il: int | None = None      # the model's layer index, when the layer map is known (see _layers)
+    # bytes of the header when they do not end at data_offset: a llama_kv_cache_dsv4 block's
+    # record of stream s > 0 shares its layer's one header, and its rows follow stream s - 1's
+    header_nbytes: int | None = None
 
     @property
     def name(self) -> str:
@@ -74,7 +77,7 @@ class TensorRecord:
 
     @property
     def header_size(self) -> int:
-        return self.data_offset - self.header_offset
+        return self.header_nbytes if self.header_nbytes is not None else self.data_offset - self.header_offset
 
     @property
     def nbytes(self) -> int:
@@ -132,7 +135,8 @@ class TensorRecord:
         if self.kind == "V":
             return 64
         if not self.n_head:
-            raise ValueError("the K rotation size depends on the head size: parse with n_head_kv=")
+            raise ValueError("the K rotation size depends on the head size: parse with n_head_kv=, "
+                             "or pass dequantize(unrotate=n)")
         n = 64
         while self.head_dim % (2 * n) == 0:
             n *= 2
@@ -211,7 +215,9 @@ class Stream:
     records, V records. Recurrent memory: the same, with R and S records, and written even when
     empty. ``cells`` is a structured array (a copy: cells have variable length): pos, n_seq_id,
     seq_id (padded with -1), x/y/tok when the cells carry llama_kv_cell_ext, and offset/nbytes of
-    each cell in the dump.
+    each cell in the dump. A llama_kv_cache_dsv4 block (Dsv4Block) has no cells: its stream s
+    holds stream s's rows of every layer (they interleave per layer in the dump, so ``offset``
+    and ``end`` are the block's).
     """
     part: str
     index: int
@@ -256,6 +262,11 @@ class Stream:
     @property
     def s(self) -> "LayerViews":
         return LayerViews(self._kind("S"))
+
+    def views(self, kind: str) -> "LayerViews":
+        """The values of the records of ``kind`` by layer: K, V, R, P, S, or a llama_kv_cache_dsv4
+        compressor state's KV and SCORE."""
+        return LayerViews(self._kind(kind.upper()))
 
 
 class LayerViews(Sequence):
@@ -304,13 +315,39 @@ class LayerViews(Sequence):
 @dataclass(frozen=True)
 class MemoryPart:
     """One memory module's state: a KV cache (``u32 n_stream`` then streams) or recurrent memory
-    (one stream, no n_stream field). ``name``: kv, or base/swa (iSWA), plus recurrent (hybrid)."""
+    (one stream, no n_stream field). ``name``: kv, or base/swa (iSWA), plus recurrent (hybrid).
+    llama_kv_cache_dsv4's blocks after its raw cache are Dsv4Block parts."""
     name: str
-    kind: str                  # "kv" or "recurrent"
+    kind: str                  # "kv", "recurrent", or a Dsv4Block's "compressed" / "compressor"
     offset: int
     n_stream: int | None
     streams: tuple[Stream, ...]
     end: int
+
+
+@dataclass(frozen=True)
+class Dsv4Block(MemoryPart):
+    """One block llama_kv_cache_dsv4::state_write writes after its raw iSWA cache
+    (llama-kv-cache-dsv4.cpp). kind "compressed": a compressed K cache (csa, hca, lid;
+    dsv4_state_write_k_cache): ``u32 version, u32 n_rows, u32 ns, u32 n_layer``; kind
+    "compressor": a compressor state (csa-state, hca-state, lid-state;
+    llama_dsv4_comp_state::state_write): ``u32 version, u32 ratio, u32 state_size,
+    u32 n_embd_state, u32 ns, u32 n_layer``. Then per layer ``u32 il`` and one tensor record
+    (K; a compressor state two: KV, SCORE), each ``i32 type, u64 ne0, u64 rows, u64 row_size``
+    followed by ns chunks of rows x row_size bytes (none in a metadata-only dump).
+
+    Rows are not cells: row r of a compressed cache holds positions [r*ratio, (r+1)*ratio) of the
+    sequence; a compressor state's row i is the ring slot of the positions p with p % state_size
+    == i. ``n_stream`` is ns; streams[s].records are stream s's records, which carry the il
+    written in the dump; ``records`` lists them all in byte order."""
+    version: int = 0
+    ratio: int = 0             # 4 (csa, lid) or 128 (hca): positions per compressed row
+    n_rows: int = 0            # rows per layer and stream: (pos_max + 1) / ratio clipped, or state_size
+    n_layer: int = 0
+    layers: tuple[int, ...] = ()        # il of each layer, as written
+    state_size: int | None = None       # compressor states only
+    n_embd_state: int | None = None     # compressor states only
+    records: tuple[TensorRecord, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)
@@ -352,12 +389,13 @@ class Layout:
             out.append("metadata only (ON_DEVICE): every record is a header; its rows stayed in "
                        "llama.cpp's device memory, so the payload is 0 bytes")
         if not self.layers_known:
-            out.append("il: layer numbers are record indices within each part (no layer map: pass "
-                       "model= or keep a sidecar with 'layers')")
+            out.append("il: layer numbers are record indices within each part that does not write "
+                       "them (no layer map: pass model= or keep a sidecar with 'layers')")
         return out
 
     def table(self, max_rows: int | None = None) -> str:
-        head = f"{'part':<9} {'strm':>4} {'kv':<2} {'#':>3} {'il':>4} {'type':<6} {'row':>6} {'hdr@':>10} {'data@':>10} {'bytes':>10}"
+        kw = max([2] + [len(r.kind) for r in self.rows])  # KV, SCORE: a llama_kv_cache_dsv4 compressor state
+        head = f"{'part':<9} {'strm':>4} {'kv':<{kw}} {'#':>3} {'il':>4} {'type':<6} {'row':>6} {'hdr@':>10} {'data@':>10} {'bytes':>10}"
         rows = list(self.rows)
         skipped = 0
         if max_rows is not None and len(rows) > max_rows:
@@ -369,7 +407,7 @@ class Layout:
                 lines.append(f"  ... {skipped} more records ...")
                 continue
             il = "-" if r.il is None else r.il
-            lines.append(f"{r.part:<9} {r.stream:>4} {r.kind:<2} {r.layer:>3} {il:>4} {r.type:<6} {r.row_size:>6} "
+            lines.append(f"{r.part:<9} {r.stream:>4} {r.kind:<{kw}} {r.layer:>3} {il:>4} {r.type:<6} {r.row_size:>6} "
                          f"{r.header_offset:>10} {r.data_offset:>10} {r.nbytes:>10}")
         lines.append(f"metadata {self.metadata_bytes:,} B + payload {self.payload_bytes:,} B = "
                      f"{self.total_bytes:,} B")

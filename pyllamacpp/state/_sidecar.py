@@ -110,7 +110,8 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
         head_kv = head_kv.pop() if len(head_kv) == 1 else None
     keys = ["general.architecture"] + [f"{arch}.{k}" for k in (
         "block_count", "nextn_predict_layers", "attention.head_count_kv", "attention.sliding_window",
-        "attention.sliding_window_pattern", "leading_dense_block_count", "attention.indexer.top_k")]
+        "attention.sliding_window_pattern", "leading_dense_block_count", "attention.indexer.top_k",
+        "attention.compress_ratios")]
     fields = {k: _field(r, k) for k in keys}
     layers = layer_map(fields)
     memory = None if layers else memory_for(fields)

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _dsv4
 from ._buffer import Buffer, StateFormatError
 from ._memory import ON_DEVICE, PARTIAL_ONLY, memory_of, parse_memory, written_parts
 from ._parse import parse_header
-from ._records import (DumpKind, Header, LayerViews, Layout, LayoutRow, MemoryPart, Segment, Stream,
-                       TensorRecord)
+from ._records import (DumpKind, Dsv4Block, Header, LayerViews, Layout, LayoutRow, MemoryPart, Segment,
+                       Stream, TensorRecord)
 from ._sidecar import model_facts, read_sidecar
 
 _SOURCES = {
@@ -65,7 +66,7 @@ def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | No
     writability (bytes are read-only, a bytearray or writable array gives writable views,
     zero-copy); True copies read-only input once (a path is mapped copy-on-write: the file is
     never changed); False forces read-only views. ``memory`` ("kv", "iswa", "hybrid",
-    "hybrid-iswa", "recurrent", "dsa", "msa", "dsa-iswa", "hybrid-idx"), ``cell_ext``, ``has_v`` and ``metadata_only`` (a
+    "hybrid-iswa", "recurrent", "dsa", "msa", "dsa-iswa", "hybrid-idx", "dsv4"), ``cell_ext``, ``has_v`` and ``metadata_only`` (a
     StateFlags.ON_DEVICE dump: headers without rows) pin what is otherwise detected (see
     _memory.parse_memory). ``partial=True``: written with StateFlags.PARTIAL_ONLY, so only the
     memory's partial part is there (an iSWA cache's swa part, a hybrid memory's recurrent part;
@@ -104,7 +105,11 @@ def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | No
             raise StateFormatError(f"a {header.kind} is written without PARTIAL_ONLY: it cannot be partial",
                                    offset=0, what="dump kind")
         partial = False
-    kw = dict(cell_ext=cell_ext, has_v=has_v, n_head=n_head_kv, metadata_only=metadata_only, partial=partial)
+    # the sequence it was written for: llama_state_seq_get_data writes it; whole states are of
+    # every sequence (-1); a seq file does not say
+    seq_id = header.seq_id if header.kind is DumpKind.SEQUENCE else None if header.kind is DumpKind.SEQ_FILE else -1
+    kw = dict(cell_ext=cell_ext, has_v=has_v, n_head=n_head_kv, metadata_only=metadata_only, partial=partial,
+              seq_id=seq_id)
     # the memory: memory=, else the layer map's, else the model's or sidecar's "memory" (an arch
     # whose memory _layers knows but not its layer rule)
     by_map = memory is None and (memory_of(layers) or facts.get("memory") or (sidecar or {}).get("memory"))
@@ -136,6 +141,8 @@ def _number_layers(part: MemoryPart, ils) -> MemoryPart:
     llama_memory_recurrent's state_write_data both walk il upwards). A P record shares its R's."""
     if ils is None:
         return part
+    if isinstance(part, Dsv4Block):  # it writes its layers' il: the map must say the same
+        return _dsv4.check_layers(part, ils)
     ils = [int(x) for x in ils]
     streams = []
     for s in part.streams:
@@ -219,6 +226,8 @@ class KVState:
             if not 0 <= stream < len(p.streams):
                 raise IndexError(f"stream {stream} out of range: part {p.name} has {len(p.streams)}")
             return p.streams[stream]
+        if isinstance(p, Dsv4Block) and len(p.streams) > 1:  # no cells say which stream is the one
+            raise ValueError(f"part {p.name} has {len(p.streams)} streams (a whole-memory dump): pass stream=")
         full = [s for s in p.streams if s.cell_count]
         if len(full) > 1:
             raise ValueError(f"part {p.name} has cells in streams {[s.index for s in full]}: pass stream=")
@@ -260,7 +269,11 @@ class KVState:
         return LayerViews(r for r in self.stream(part, stream).records if r.kind == kind).record(layer)
 
     def records(self):
+        """Every record, in byte order."""
         for p in self.parts:
+            if isinstance(p, Dsv4Block):  # its streams interleave per layer
+                yield from p.records
+                continue
             for s in p.streams:
                 yield from s.records
 
@@ -283,7 +296,12 @@ class KVState:
     def segments(self) -> list[Segment]:
         """Every byte of the dump, in order, as header / field / cells / record header / payload."""
         segs = [Segment(0, self.header.nbytes, f"header ({self.kind})", False)]
+        if self.options.get("memory") == "dsv4":
+            segs.append(Segment(self.header.nbytes, 12, "dsv4: magic, version, mode", False))
         for p in self.parts:
+            if isinstance(p, Dsv4Block):
+                segs += _dsv4.block_segments(p)
+                continue
             if p.n_stream is not None:
                 segs.append(Segment(p.offset, 4, f"{p.name}: n_stream", False))
             for s in p.streams:

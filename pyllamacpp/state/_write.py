@@ -39,6 +39,14 @@ def select_cells(state, mask, *, part=None, stream=None):
         # other cells would not match them (llama_io_read_device aborts: "memory buffer mismatch").
         raise ValueError("a metadata-only dump (StateFlags.ON_DEVICE) has no rows to select: "
                          "select cells in a full dump (flags without ON_DEVICE) instead")
+    if state.options.get("memory") == "dsv4":
+        raise ValueError(
+            "select_cells on a llama_kv_cache_dsv4 dump (DeepSeek V4): its compressed K caches hold one "
+            "row per 4 or 128 positions and its compressor states a ring of the last 8 or 128 positions, "
+            "summaries that fewer raw cells would contradict and that cannot be recomputed here; llama.cpp "
+            "itself removes no cells but a whole sequence or the positions past its end "
+            "(llama_kv_cache_dsv4::seq_rm refuses any range with p1 >= 0, and a cut inside the sequence "
+            "beyond its n_rs_seq rollback)")
     if callable(mask):
         sel = {(p.name, s.index): _indices(mask(s.cells), s.cell_count, f"{p.name} stream {s.index}")
                for p in state.parts for s in p.streams if s.cell_count}
