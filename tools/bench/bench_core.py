@@ -155,6 +155,40 @@ def py_context(model, s: dict, n_seq_max: int | None = None):
                          n_threads=s["threads"], n_threads_batch=s["threads"])
 
 
+def decode_in_process(ctx, tokens, sampler, clock: DecodeClock, s: dict, pairs: int = 2) -> dict:
+    """The decode workload of both sides in this one process, on this one context and sampler:
+    native_driver.c's ``decode_in_process`` (its run_decode, timed in C) through ctypes, and
+    ``pl.generate`` timed as the worker times it, ``pairs`` times each, alternating which goes
+    first. Both then decode with the same weights, KV cache and threads, so what differs between
+    them is pyllamacpp's code alone (in two processes, where the model and cache land differs too)."""
+    import ctypes
+
+    import pyllamacpp as pl
+    so = ctypes.CDLL(str(native_lib_path()))
+    so.decode_in_process.restype = ctypes.c_double
+    so.decode_in_process.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int,
+                                     ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint32)]
+    addr = lambda p: ctypes.c_void_p(int(pl.ffi.cast("uintptr_t", p)))  # noqa: E731
+    prompt = (ctypes.c_int32 * tokens.size)(*tokens.tolist())
+    n_dec, sums = ctypes.c_int(), ctypes.c_uint32()
+    nat, py, checks = [], [], set()
+    for k in range(2 * pairs):
+        ctx.memory.clear()
+        sampler.reset()
+        if (k % 2 == 0) == (k % 4 < 2):  # C, py, py, C, C, py ...
+            t = so.decode_in_process(addr(ctx.ptr), addr(sampler.ptr), prompt, tokens.size, s["n_predict"],
+                                     ctypes.byref(n_dec), ctypes.byref(sums))
+            nat.append(n_dec.value / t)
+            checks.add(sums.value)
+        else:
+            out = list(pl.generate(ctx, tokens, s["n_predict"], sampler))
+            t = time.perf_counter() - clock.calls[-1][0]
+            py.append((len(out) - (1 if out and ctx.model.is_eog(out[-1]) else 0)) / t)
+            checks.add(checksum(out))
+    return {"inproc_native_tok_s": statistics.median(nat), "inproc_tok_s": statistics.median(py),
+            "inproc_same_tokens": len(checks) == 1}
+
+
 def state_in_process(ctx, ffi, s: dict) -> dict:
     """The state round trip of both sides in this one process, on this one context: native_driver.c's
     ``state_step`` (its timed get + set, into a fresh ``malloc`` buffer, freed after) through ctypes,
@@ -213,8 +247,9 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
         out = list(pl.generate(ctx, tokens, s["n_predict"], sampler))  # what a user writes
         t = time.perf_counter() - clock.calls[-1][0]
         n_dec = len(out) - (1 if out and model.is_eog(out[-1]) else 0)  # each token but an end one is decoded
+        inproc = decode_in_process(ctx, tokens, sampler, clock, s) if native_lib_path().exists() else {}
         return {"workload": workload, "flash_attn": flash_attn_verdict(ctx), "n_prompt": int(tokens.size),
-                "n_decoded": n_dec, "t_s": t, "tok_s": n_dec / t, "checksum": checksum(out)}
+                "n_decoded": n_dec, "t_s": t, "tok_s": n_dec / t, "checksum": checksum(out), **inproc}
     if workload == "decode_raw":
         # Diagnostic, not a user API: native_driver.c's loop written with pl.lib calls only, so the
         # cost of a Python process + cffi shows apart from the cost of pyllamacpp's layers.
@@ -437,6 +472,11 @@ def summarize(runs: dict) -> list[dict]:
         nat = [r["tok_s"] for r in runs["decode"]["native"]]
         rows.insert(1, row("decode", "raw_tok_s", "  same loop in raw pl.lib calls (diagnostic)", "tok/s", "rate", "",
                            nat, py))
+    pyd = runs.get("decode", {}).get("python", [])
+    if pyd and "inproc_tok_s" in pyd[0]:  # both sides in one process, on one context
+        rows.insert(2 if runs["decode"].get("python_raw") else 1,
+                    row("decode", "inproc_tok_s", "  same, both sides in one process on one context", "tok/s", "rate",
+                        ">= 0.99x", [r["inproc_native_tok_s"] for r in pyd], [r["inproc_tok_s"] for r in pyd]))
     pys = runs.get("state", {}).get("python", [])
     if pys and "inproc_roundtrip_ms" in pys[0]:  # both sides in one process, on one context
         for metric, label, target in (
@@ -525,6 +565,11 @@ def main(argv=None) -> int:
             notes.append(f"{w}: generated tokens {'identical on both sides' if len(same) == 1 else 'DIFFER'} "
                          f"({len(same)} distinct checksum(s)); decoded tokens per run: "
                          f"native {runs[w]['native'][0]['n_decoded']}, python {runs[w]['python'][0]['n_decoded']}")
+    if runs.get("decode", {}).get("python") and "inproc_tok_s" in runs["decode"]["python"][0]:
+        same = all(r["inproc_same_tokens"] for r in runs["decode"]["python"])
+        notes.append("decode, one process: native_driver.c's run_decode through ctypes on the Python side's context "
+                     "and sampler, alternating with pl.generate, 2 runs each per worker; tokens "
+                     + ("identical" if same else "DIFFER"))
     if "state" in runs:
         notes.append(f"state bytes: native {runs['state']['native'][0]['state_bytes']}, "
                      f"python {runs['state']['python'][0]['state_bytes']}")

@@ -155,6 +155,21 @@ static double run_decode(struct llama_context * ctx, struct llama_sampler * smpl
     return t;
 }
 
+// run_decode on a caller's context and sampler, exported like state_step below: bench_core.py runs
+// it in the Python worker's process, on the context pl.generate decodes with, alternating the two.
+// Returns the decode phase's seconds; *n_decoded and *sum (checksum of the sampled tokens) as
+// wl_decode reports them.
+double decode_in_process(struct llama_context * ctx, struct llama_sampler * smpl, const llama_token * prompt,
+                         int n_prompt, int n_predict, int * n_decoded, uint32_t * sum) {
+    g_vocab = llama_model_get_vocab(llama_get_model(ctx));
+    llama_token * out = malloc(sizeof(llama_token) * (size_t) (n_predict > 0 ? n_predict : 1));
+    int n_out = 0;
+    double t = run_decode(ctx, smpl, prompt, n_prompt, n_predict, out, &n_out, n_decoded);
+    *sum = checksum(out, n_out);
+    free(out);
+    return t;
+}
+
 static int wl_decode(void) {
     struct llama_context * ctx = make_ctx(1, 0);
     struct llama_sampler * smpl = greedy();
