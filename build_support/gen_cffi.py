@@ -51,11 +51,12 @@ typedef struct { int abort_requested; int watch_sigint; ...; } pyl_abort_state;
 bool pyl_abort_flag_cb(void *);
 int pyl_sigint_watch(void);
 int pyl_sigint_unwatch(void);
-typedef struct { int32_t rc; int32_t sigint; int32_t next; } pyl_step_out;
+typedef struct { int32_t rc; int32_t sigint; int32_t next; int32_t eog; } pyl_step_out;
 void pyl_log_cb(enum ggml_log_level, const char *, void *);
 int pyl_log_debug;
 void pyl_decode_sample(struct llama_context *, struct llama_batch *, struct llama_sampler *,
-                       pyl_abort_state *, int, llama_token, llama_pos, llama_seq_id, pyl_step_out *);
+                       pyl_abort_state *, int, llama_token, llama_pos, llama_seq_id,
+                       const struct llama_vocab *, pyl_step_out *);
 typedef struct { size_t size; size_t written; } pyl_state_out;
 uint8_t *pyl_state_seq_get(struct llama_context *, llama_seq_id, llama_state_seq_flags, pyl_state_out *);
 void pyl_free(void *);

@@ -53,46 +53,8 @@ static int pyl_sigint_unwatch(void) {
     return seen;
 }
 
-/* One step of pyllamacpp.generate(), in one call: put `token` at `pos` of `seq_id` into slot 0 of
- * `batch` (logits on), llama_decode it under the abort/SIGINT watch Context.decode uses, then, when
- * `smpl` is not NULL and the decode succeeded, sample the next token from its logits. The C calls
- * are those of examples/simple's loop; done from Python they were a dozen interpreted calls per
- * token, whose cost (in caches that llama_decode had just flushed) showed as 1-2% of tokens/s. */
-typedef struct {
-    int32_t rc;      /* llama_decode's return code */
-    int32_t sigint;  /* SIGINT arrived while watched */
-    int32_t next;    /* the sampled token; -1 when not sampled */
-} pyl_step_out;
-
-static void pyl_decode_sample(struct llama_context *ctx, struct llama_batch *batch,
-                              struct llama_sampler *smpl, pyl_abort_state *st, int watch,
-                              llama_token token, llama_pos pos, llama_seq_id seq_id, pyl_step_out *out) {
-    batch->n_tokens = 1;
-    batch->token[0] = token;
-    batch->pos[0] = pos;
-    batch->n_seq_id[0] = 1;
-    batch->seq_id[0][0] = seq_id;
-    batch->logits[0] = 1;
-    if (watch) st->watch_sigint = pyl_sigint_watch();
-    out->rc = llama_decode(ctx, *batch);
-    if (out->rc == 2) st->abort_requested = 0; /* consumed; an abort() that came too late stays for the next */
-    out->sigint = 0;
-    if (watch) {
-        out->sigint = pyl_sigint_unwatch();
-        st->watch_sigint = 0;
-    }
-    out->next = (out->rc == 0 && smpl != NULL) ? llama_sampler_sample(smpl, ctx, -1) : -1;
-}
-
-/* The log callback llama.cpp gets. DEBUG lines (about 1,100 when a context is created, one per
- * sequence state load) stay in C unless Python wants them (pyl_log_debug, set from the logger's
- * level by pyllamacpp._log): each line that reaches Python takes the GIL and a trip through the
- * interpreter. A GGML_LOG_LEVEL_CONT line goes where the line it continues went. */
-static void _pyllamacpp_log_cb(enum ggml_log_level, const char *, void *); /* cffi defines it below */
-static volatile int pyl_log_debug = 0;
-static _Thread_local int pyl_log_in_debug = 0;
-
-/* The reason llama.cpp logs for a failure, kept in C for the sequence-state calls below, so that no
+/* The reason llama.cpp logs for a failure, kept in C for the calls that take a step or a
+ * sequence state (pyl_decode_sample, pyl_state_seq_get/_set), so that no
  * Python capture (pyllamacpp._log.capture) has to wrap them: while armed on this thread, the first
  * ERROR line and the first WARN line are kept, and pyl_reason_text() gives the ERROR one, else the
  * WARN one, as Capture.reason() picks them. */
@@ -113,6 +75,51 @@ static void pyl_reason_arm(void) {
 }
 
 static const char *pyl_reason_text(void) { return pyl_reason_err[0] ? pyl_reason_err : pyl_reason_warn; }
+
+/* One step of pyllamacpp.generate(), in one call: put `token` at `pos` of `seq_id` into slot 0 of
+ * `batch` (logits on), llama_decode it under the abort/SIGINT watch Context.decode uses, then, when
+ * `smpl` is not NULL and the decode succeeded, sample the next token from its logits. The C calls
+ * are those of examples/simple's loop; done from Python they were a dozen interpreted calls per
+ * token, whose cost (in caches that llama_decode had just flushed) showed as 1-2% of tokens/s.
+ * The decode's logged failure reason is kept (pyl_reason_text); out->eog saves Python a call. */
+typedef struct {
+    int32_t rc;      /* llama_decode's return code */
+    int32_t sigint;  /* SIGINT arrived while watched */
+    int32_t next;    /* the sampled token; -1 when not sampled */
+    int32_t eog;     /* next is an end-of-generation token (llama_vocab_is_eog) */
+} pyl_step_out;
+
+static void pyl_decode_sample(struct llama_context *ctx, struct llama_batch *batch,
+                              struct llama_sampler *smpl, pyl_abort_state *st, int watch,
+                              llama_token token, llama_pos pos, llama_seq_id seq_id,
+                              const struct llama_vocab *vocab, pyl_step_out *out) {
+    pyl_reason_arm();
+    batch->n_tokens = 1;
+    batch->token[0] = token;
+    batch->pos[0] = pos;
+    batch->n_seq_id[0] = 1;
+    batch->seq_id[0][0] = seq_id;
+    batch->logits[0] = 1;
+    if (watch) st->watch_sigint = pyl_sigint_watch();
+    out->rc = llama_decode(ctx, *batch);
+    if (out->rc == 2) st->abort_requested = 0; /* consumed; an abort() that came too late stays for the next */
+    out->sigint = 0;
+    if (watch) {
+        out->sigint = pyl_sigint_unwatch();
+        st->watch_sigint = 0;
+    }
+    pyl_reason_armed = 0;
+    out->next = (out->rc == 0 && smpl != NULL) ? llama_sampler_sample(smpl, ctx, -1) : -1;
+    out->eog = out->next >= 0 && llama_vocab_is_eog(vocab, out->next);
+}
+
+/* The log callback llama.cpp gets. DEBUG lines (about 1,100 when a context is created, one per
+ * sequence state load) stay in C unless Python wants them (pyl_log_debug, set from the logger's
+ * level by pyllamacpp._log): each line that reaches Python takes the GIL and a trip through the
+ * interpreter. A GGML_LOG_LEVEL_CONT line goes where the line it continues went. */
+static void _pyllamacpp_log_cb(enum ggml_log_level, const char *, void *); /* cffi defines it below */
+static volatile int pyl_log_debug = 0;
+static _Thread_local int pyl_log_in_debug = 0;
 
 static void pyl_log_cb(enum ggml_log_level level, const char *text, void *user_data) {
     if (level != GGML_LOG_LEVEL_CONT) pyl_log_in_debug = level == GGML_LOG_LEVEL_DEBUG;

@@ -101,6 +101,13 @@ class capture:
             raise err
 
 
+def c_reason() -> str | None:
+    """The reason llama.cpp logged during the last pyl_decode_sample / pyl_state_seq_get /
+    pyl_state_seq_set call on this thread (its first ERROR line, else its first WARN line, kept
+    in C by build_support/helpers.h), or None. Those calls run without :func:`capture`."""
+    return ffi.string(lib.pyl_reason_text()).decode("utf-8", "replace").strip() or None
+
+
 def raise_pending() -> None:
     """Re-raise what a logging handler raised inside the C callback during a call made without
     :func:`capture` (the sequence-state calls, whose failure reason C keeps)."""

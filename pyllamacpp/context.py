@@ -182,7 +182,7 @@ class Context(StateMethods):
         if rc == 0:
             self._decoded(n_outputs, sigint)
             return
-        self._decode_failed(rc, sigint, cap, batch, "llama_decode" if fn is lib.llama_decode else "llama_encode")
+        self._decode_failed(rc, sigint, cap.reason(), batch, "llama_decode" if fn is lib.llama_decode else "llama_encode")
 
     def _decoded(self, n_outputs: int, sigint: int) -> None:
         if self._pending_stream_copies:
@@ -193,12 +193,12 @@ class Context(StateMethods):
         if sigint:  # Ctrl-C came too late to stop this decode: deliver it now
             signal.raise_signal(signal.SIGINT)
 
-    def _decode_failed(self, rc: int, sigint: int, cap, batch: Batch, func: str) -> None:
+    def _decode_failed(self, rc: int, sigint: int, reason: str | None, batch: Batch, func: str) -> None:
         self._n_outputs = 0
         try:
             if rc == 2 and sigint:
                 raise DecodeAborted(f"{func}() aborted by Ctrl-C (SIGINT)", func=func, code=2)
-            check_decode(rc, func, reason=cap.reason())
+            check_decode(rc, func, reason=reason)
         except DecodeAborted as e:
             # Which positions made it into memory: ubatches that finished before the abort stay.
             e.seq_pos_max = {int(sq): self.memory.seq_pos_max(int(sq)) for sq in np.unique(
@@ -206,34 +206,43 @@ class Context(StateMethods):
             raise
 
     def _generation_step(self, sampler, seq_id: int):
-        """For :func:`pyllamacpp.generate`: ``step(token, pos, sample_next)`` decodes ``token`` at
-        ``pos`` of ``seq_id`` and returns the next token sampled from its logits (or -1), in one
-        C call (``pyl_decode_sample`` in build_support/helpers.h), with what :meth:`decode` does
-        around it: the thread lock, the abort flag and SIGINT watch, error mapping. The token is
-        one the sampler produced, and seq_id is checked here once, so the batch checks of
-        :meth:`decode` have nothing left to find."""
+        """For :func:`pyllamacpp.generate`: ``(step, out)``. ``step(token, pos, sample_next)``
+        decodes ``token`` at ``pos`` of ``seq_id`` and returns the next token sampled from its
+        logits (or -1; ``out.eog`` says whether it ends generation), in one C call
+        (``pyl_decode_sample`` in build_support/helpers.h), with what :meth:`decode` does around it:
+        the thread lock, the abort flag and SIGINT watch, error mapping (llama.cpp's reason kept in
+        C, not by a log capture). The token is one the sampler produced, and seq_id is checked here
+        once, so the batch checks of :meth:`decode` have nothing left to find.
+
+        Python right after a decode runs with caches the decode flushed, so each line here costs
+        microseconds per token: the step does as little as it can. DEBUG log lines follow the
+        logger's level as it is when the step is made (``_log.sync_log_level``)."""
         seq_id = self.memory._seq(self, seq_id)
         batch = Batch(1, 1)
         pbatch, out, state, lock = batch._p, ffi.new("pyl_step_out *"), self._abort_state, self._lock
-        fn, capture, null, get_ident = lib.pyl_decode_sample, _log.capture, ffi.NULL, threading.get_ident
+        fn, null, get_ident, vocab = lib.pyl_decode_sample, ffi.NULL, threading.get_ident, self.model._vocab_ptr()
+        raise_pending = _log.raise_pending
+        _log.sync_log_level()
 
         def step(token: int, pos: int, sample_next: bool) -> int:
             ptr = self.ptr  # raises once the context is closed
-            smpl = sampler.ptr if sample_next else null
-            watch = self.handle_sigint and get_ident() == _MAIN_THREAD
             if not lock.acquire(False):
                 raise RuntimeError("this context is being used by another thread; use one context per thread")
             try:
-                with capture() as cap:
-                    fn(ptr, pbatch, smpl, state, watch, token, pos, seq_id, out)
+                fn(ptr, pbatch, sampler.ptr if sample_next else null, state,
+                   self.handle_sigint and get_ident() == _MAIN_THREAD, token, pos, seq_id, vocab, out)
             finally:
                 lock.release()
             if out.rc:
-                self._decode_failed(out.rc, out.sigint, cap, batch, "llama_decode")
-            self._decoded(1, out.sigint)
+                self._decode_failed(out.rc, out.sigint, _log.c_reason(), batch, "llama_decode")
+            if out.sigint or self._pending_stream_copies or not self._out_reserved:
+                self._decoded(1, out.sigint)
+            else:
+                self._n_outputs = 1
+            raise_pending()
             return out.next
 
-        return step
+        return step, out
 
     def _check_batch(self, batch: Batch) -> None:
         """What llama.cpp would not survive, refused before C: the batch's views can be written

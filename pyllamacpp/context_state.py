@@ -70,12 +70,6 @@ _ON_DEVICE = lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
 _PARTIAL_ONLY = lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 
-def _c_reason() -> str | None:
-    """The reason llama.cpp logged during the last pyl_state_seq_get / pyl_state_seq_set call on
-    this thread (its first ERROR line, else its first WARN line; helpers.h), or None."""
-    return ffi.string(lib.pyl_reason_text()).decode("utf-8", "replace").strip() or None
-
-
 def _as_uint8(data) -> np.ndarray:
     if isinstance(data, SeqState):
         data = data.data
@@ -138,7 +132,7 @@ class StateMethods:
             if p == ffi.NULL:
                 raise MemoryError(f"cannot allocate {size} bytes for the state of seq {seq_id}")
             buf = np.frombuffer(ffi.buffer(ffi.gc(p, lib.pyl_free), size), dtype=np.uint8)
-            reason = _c_reason
+            reason = _log.c_reason
         else:
             size = lib.llama_state_seq_get_size_ext(ptr, seq_id, flags)
             if own:
@@ -228,7 +222,7 @@ class StateMethods:
             backup = self.seq_state(seq_id)
         n = lib.pyl_state_seq_set(ptr, ffi.from_buffer(buf), buf.size, seq_id, flags)
         if n == 0:
-            reason = _c_reason()
+            reason = _log.c_reason()
             self.memory.seq_rm(seq_id)
             if backup is not None:
                 lib.pyl_state_seq_set(ptr, ffi.from_buffer(backup.data), len(backup), seq_id, 0)

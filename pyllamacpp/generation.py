@@ -22,13 +22,15 @@ def generate(ctx, tokens, n_predict: int, sampler: Sampler | None = None, seq_id
     pos = ctx.prefill(tokens, seq_id)
     if n_predict <= 0:
         return
-    step = ctx._generation_step(sampler, seq_id)
+    step, out = ctx._generation_step(sampler, seq_id)
     tok = sampler.sample(ctx, -1)
+    eog = is_eog(tok)
     for i in range(1, n_predict + 1):
         yield tok
-        if is_eog(tok):
+        if eog:
             return
         tok = step(tok, pos, i < n_predict)  # the last token is decoded too, as it always was
+        eog = out.eog
         pos += 1
 
 

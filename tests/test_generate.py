@@ -87,9 +87,10 @@ def test_generate_fills_the_cache_then_raises_and_the_context_goes_on(model):
     with model.context(n_ctx=256, n_threads=2) as ctx:
         assert ctx.n_ctx == 256
         got = []
-        with pytest.raises(pl.KVCacheFullError):
+        with pytest.raises(pl.KVCacheFullError) as e:
             for t in pl.generate(ctx, toks, 260):
                 got.append(t)
+        assert e.value.reason  # what llama.cpp logged for it, kept in C by the step
         # cells 0..255 hold the prompt and the generated tokens decoded so far; the next found none
         assert ctx.memory.seq_pos_max(0) == 255
         assert len(got) == 256 - toks.size + 1 and got == want[:len(got)]
