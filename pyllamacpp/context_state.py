@@ -84,7 +84,7 @@ def _model_memory(m) -> tuple[str | None, dict | None]:
     tokens): only an array key the rule needs is read there (llama.cpp's metadata leaves arrays
     out), as ``Model._meta_list`` does for per-layer head counts."""
     from .state import layer_map, memory_of
-    from .state._layers import ISWA_ARCHS
+    from .state._layers import ISWA_ARCHS, KEYED_RULES
     from .state._sidecar import gguf_field
     arch = m.arch
 
@@ -95,14 +95,22 @@ def _model_memory(m) -> tuple[str | None, dict | None]:
     pattern = num("attention.sliding_window_pattern")
     if pattern is None and arch in ISWA_ARCHS and m.path is not None:
         pattern = gguf_field(m.path, f"{arch}.attention.sliding_window_pattern")  # a bool array, or absent
-    layers = layer_map({
+    fields = {
         "general.architecture": arch, f"{arch}.block_count": num("block_count"),
         f"{arch}.nextn_predict_layers": num("nextn_predict_layers"),
         f"{arch}.attention.head_count_kv": m.kv_head_counts(),
         f"{arch}.attention.sliding_window": num("attention.sliding_window"),
         f"{arch}.attention.sliding_window_pattern": pattern,
         # minimax-m3's indexer layers start after it (_layers.layer_map)
-        f"{arch}.leading_dense_block_count": num("leading_dense_block_count")})
+        f"{arch}.leading_dense_block_count": num("leading_dense_block_count")}
+    # the keys whose absence llama.cpp fills with a default (_layers.KEYED_RULES) must all be
+    # read, None when absent: scalars from the metadata, arrays from the GGUF
+    for k in KEYED_RULES.get(arch, ()):
+        full = f"{arch}.{k}"
+        if full not in fields or fields[full] is None:
+            v = num(k)
+            fields[full] = v if v is not None or m.path is None else gguf_field(m.path, full)
+    layers = layer_map(fields)
     return memory_of(layers), layers
 
 

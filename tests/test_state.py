@@ -744,13 +744,14 @@ def test_transposed_quantized_v_is_refused(runs):
 
 
 # -- recurrent PLE rows (crafted from a real mamba dump) -------------------------------------------
-def _with_ple(st, ple_layers, p_values=24, p_size=None, metadata_only=False) -> bytes:
+def _with_ple(st, ple_layers, p_values=24, p_size=None, metadata_only=False, part=None) -> bytes:
     """The dump with a PLE record (u64 row size, rows; llama_memory_recurrent::state_write_data)
-    after the R record of each layer in ``ple_layers``: what a layer with p_l[il] writes."""
+    after the R record of each layer (record index) in ``ple_layers`` of the recurrent ``part``:
+    what a layer with p_l[il] writes."""
     out, pos = bytearray(), 0
     raw = st.to_bytes()
-    n = st.stream().cell_count
-    for r in st.stream().records:
+    n = st.stream(part).cell_count
+    for r in st.stream(part).records:
         end = r.data_offset + r.nbytes
         out += raw[pos:end]
         pos = end
@@ -1256,6 +1257,65 @@ def test_composed_hybrid_idx(composed_parts):
     assert small.stream("kv").cell_count == 10
 
 
+def test_composed_hybrid_idx_with_ple(composed_parts, tmp_path):
+    # qwen4exp's memory at this pin: llama_memory_hybrid_idx, its recurrent part with PLE conv rows
+    # (llama_memory_recurrent::state_write_data: u64 p_size_row and the rows right after the R
+    # record of a layer with p_l[il], no type field), then the K-only indexer cache. The recurrent
+    # part's end is not written: it is where the idx part then reads every byte.
+    c = composed_parts
+    lfm2 = state.parse(c["lfm2"])   # kv il 1, 3; recurrent il 0, 2 (R rows 512 bytes, S rows 0)
+    rec = lfm2.stream("recurrent")
+    idx_only = state.parse(c["hdr"] + c["Ak"])
+    # qwen4exp's rule gives this dump's layers: full_attention_interval 2 over 4 layers
+    q = _metadata_gguf(tmp_path / "qwen4exp.gguf", "qwen4exp", block_count=4, full_attention_interval=2)
+    layers = {"kv": [1, 3], "recurrent": [0, 2], "idx": [1, 3]}
+    assert state.model_facts(q)["layers"] == layers
+    for ple_layers in ([0], [1], [0, 1]):
+        hybrid = _with_ple(lfm2, ple_layers, part="recurrent")
+        added = len(ple_layers) * (8 + 96)  # one cell: u64 row size, 24 f32 values
+        assert len(hybrid) == len(c["lfm2"]) + added
+        blob = hybrid + c["Ak"]
+        for st in (state.parse(blob), state.parse(blob, memory="hybrid-idx"), state.parse(blob, model=q)):
+            _check_composed(st, blob, ["kv", "recurrent", "idx"], memory="hybrid-idx", has_v=True)
+            # the parts tile the dump: kv as in the hybrid dump, the recurrent part longer by its
+            # P records, the indexer right after it
+            assert st.header.nbytes + sum(p.end - p.offset for p in st.parts) == len(blob)
+            assert st.part("kv").end == st.part("recurrent").offset == lfm2.part("recurrent").offset
+            assert st.part("recurrent").end == st.part("idx").offset == len(c["lfm2"]) + added
+            r = st.stream("recurrent")
+            assert [(x.kind, x.layer) for x in r.records] == \
+                [x for i in range(2) for x in [("R", i)] + ([("P", i)] if i in ple_layers else [])] + [("S", 0), ("S", 1)]
+            for prev, x in zip(r.records, r.records[1:]):
+                if x.kind == "P":  # right after its layer's R rows, an 8-byte header, f32 rows
+                    assert prev.kind == "R" and prev.layer == x.layer and x.il == prev.il
+                    assert x.header_offset == prev.data_offset + prev.nbytes and x.data_offset == x.header_offset + 8
+                    assert (x.type.name, x.row_size, x.n_embd, x.n_cells) == ("f32", 96, 24, 1)
+                    np.testing.assert_array_equal(x.values, np.arange(24, dtype=np.float32)[None])
+            # R and S rows are the hybrid dump's, the indexer's K rows the K-only part's
+            for kind in "RS":
+                got = [x for x in r.records if x.kind == kind]
+                want = [x for x in rec.records if x.kind == kind]
+                assert [x.rows.tobytes() for x in got] == [x.rows.tobytes() for x in want]
+            assert [x.rows.tobytes() for x in st.stream("idx").k_records] == \
+                [x.rows.tobytes() for x in idx_only.stream().k_records]
+        assert st.layers == layers and st.stream("recurrent").p.layers == tuple([0, 2][i] for i in ple_layers)
+        assert st.record("K", 3, part="idx").il == 3
+        # the indexer's cells can be selected; the recurrent part, PLE rows included, stays as it was
+        small = st.select_cells([0, 5], part="idx")
+        assert small.stream("recurrent").p.layers == st.stream("recurrent").p.layers
+        assert small.to_bytes()[:st.part("idx").offset] == blob[:st.part("idx").offset]
+        # truncated: no reading accounts for every byte
+        for cut in (1, len(c["Ak"]), len(c["Ak"]) + 50):
+            with pytest.raises(StateFormatError):
+                state.parse(blob[:-cut], memory="hybrid-idx")
+    # PARTIAL_ONLY: the recurrent part alone, PLE rows and all
+    part = c["hdr"] + hybrid[lfm2.part("recurrent").offset:]
+    st = state.parse(part, model=q)
+    assert [p.name for p in st.parts] == ["recurrent"] and st.partial is True and st.to_bytes() == part
+    assert [x.kind for x in st.stream().records] == ["R", "P", "R", "P", "S", "S"]
+    assert st.layers == {"recurrent": [0, 2]} and st.stream().p.layers == (0, 2)
+
+
 def test_composed_layouts_fuzz(composed_parts):
     c = composed_parts
     rng = np.random.default_rng(7)
@@ -1297,7 +1357,151 @@ def test_composed_memory_rules():
     assert memory_for(facts("hy_v4", **{"attention.indexer.top_k": 64})) == "dsa"
     assert memory_for(facts("hy_v4")) is None and memory_for(facts("deepseek4")) == "dsv4"
     assert memory_for(facts("glm-dsa", nextn_predict_layers=1)) is None
-    assert state.layer_map(facts("glm5-next")) is None  # memory only: its layer rule is not read here
+    # qwen4exp's MTP context builds the same llama_memory_hybrid_idx (create_memory's default branch)
+    assert memory_for(facts("qwen4exp", nextn_predict_layers=1)) == "hybrid-idx"
+    # a key these rules default when absent, but that the caller did not read: no map (below)
+    assert state.layer_map(facts("glm5-next")) is None
+
+
+# -- layer maps of the archs whose rule reads keys llama.cpp defaults (_layers.KEYED_RULES): every
+# key is passed, None where the GGUF lacks it, as model_facts reads a GGUF
+def _arch_facts(arch, n, **kv):
+    from pyllamacpp.state._layers import KEYED_RULES
+    keys = ("nextn_predict_layers",) + KEYED_RULES[arch]
+    return {"general.architecture": arch, f"{arch}.block_count": n, **{f"{arch}.{k}": None for k in keys},
+            **{f"{arch}.{k}": v for k, v in kv.items()}}
+
+
+def _arch_map(arch, n, **kv):
+    return state.layer_map(_arch_facts(arch, n, **kv))
+
+
+def test_glm_dsa_layer_map():
+    # llama_kv_cache_dsa: kv_mla every layer, kv_lid is_indexer_full(il) (create_memory, LLM_ARCH_GLM_DSA)
+    m = _arch_map("glm-dsa", 4, context_length=202752)  # GLM 5 / 5.1 (< 1M context): every layer full
+    assert m == {"mla": [0, 1, 2, 3], "lid": [0, 1, 2, 3]} and state.memory_of(m) == "dsa"
+    # GLM 5.2 (1M context) without indexer.types: GLM_5_2_DEFAULT_INDEXER_TYPES, 0 past its 78 entries
+    m = _arch_map("glm-dsa", 80, context_length=1048576)
+    assert m["mla"] == list(range(80)) and m["lid"] == [0, 1] + list(range(2, 78, 4))
+    assert _arch_map("glm-dsa", 4, **{"context_length": 1048576, "attention.indexer.types": [1, 0, 1, 0]}) == \
+        {"mla": [0, 1, 2, 3], "lid": [0, 2]}                   # the key wins over the default
+    assert _arch_map("glm-dsa", 3, **{"context_length": 4096, "attention.indexer.types": 0})["lid"] == []
+    assert _arch_map("glm-dsa", 4, **{"context_length": 4096, "attention.indexer.types": [1, 0, 1]}) is None
+    assert _arch_map("glm-dsa", 4) is None                      # no context_length: no model loads
+    # nextn layers: a main context's cache leaves them out, an MTP context's holds only them
+    assert _arch_map("glm-dsa", 5, context_length=4096, nextn_predict_layers=1) is None
+    # a caller that did not read indexer.types (context_state reads no array): no map
+    assert state.layer_map({"general.architecture": "glm-dsa", "glm-dsa.block_count": 4,
+                            "glm-dsa.context_length": 1048576}) is None
+
+
+def test_hy_v4_layer_map():
+    # indexer_top_k 0 (absent): a plain llama_kv_cache over every layer, MTP ones too (filter nullptr)
+    assert _arch_map("hy_v4", 4) == {"kv": [0, 1, 2, 3]} and state.memory_of(_arch_map("hy_v4", 4)) == "kv"
+    assert _arch_map("hy_v4", 5, nextn_predict_layers=1) == {"kv": [0, 1, 2, 3, 4]}
+    m = _arch_map("hy_v4", 4, **{"attention.indexer.top_k": 64, "attention.indexer.types": [1, 0, 0, 1]})
+    assert m == {"mla": [0, 1, 2, 3], "lid": [0, 3]} and state.memory_of(m) == "dsa"
+    assert _arch_map("hy_v4", 3, **{"attention.indexer.top_k": 64, "attention.indexer.types": 1})["lid"] == [0, 1, 2]
+    # load_arch_hparams throws unless layer 0 owns an indexer (absent types: none does)
+    assert _arch_map("hy_v4", 4, **{"attention.indexer.top_k": 64, "attention.indexer.types": [0, 1, 1, 1]}) is None
+    assert _arch_map("hy_v4", 4, **{"attention.indexer.top_k": 64}) is None
+    # with nextn layers filter_lid asks is_indexer_full(il >= n_layer()): GGML_ABORT, no memory
+    assert _arch_map("hy_v4", 5, **{"attention.indexer.top_k": 64, "attention.indexer.types": 1,
+                                    "nextn_predict_layers": 1}) is None
+
+
+def test_dots3note_layer_map():
+    # llama_kv_cache_dsa_iswa: mla the non-SWA layers, lid is_indexer_full(il), swa the SWA layers
+    m = _arch_map("dots3note", 6, **{"attention.sliding_window_pattern": [False, True, True, False, True, True],
+                                     "attention.indexer.types": [1, 0, 0, 1, 0, 0]})
+    assert m == {"mla": [0, 3], "lid": [0, 3], "swa": [1, 2, 4, 5]} and state.memory_of(m) == "dsa-iswa"
+    # get_arr takes shorter arrays (later layers stay 0: not SWA, no indexer), and filter_lid is not
+    # chained with !is_swa: an indexer flag on a SWA layer puts it in lid as well as in swa
+    m = _arch_map("dots3note", 6, **{"attention.sliding_window_pattern": [True, True, False],
+                                     "attention.indexer.types": [0, 1]})
+    assert m == {"mla": [2, 3, 4, 5], "lid": [1], "swa": [0, 1]}
+    # both are required arrays: a scalar or an absent key loads no model
+    assert _arch_map("dots3note", 2, **{"attention.sliding_window_pattern": 2, "attention.indexer.types": [1, 0]}) is None
+    assert _arch_map("dots3note", 2, **{"attention.sliding_window_pattern": [False, True]}) is None
+    assert _arch_map("dots3note", 3, **{"attention.sliding_window_pattern": [False, True],
+                                        "attention.indexer.types": [1, 0], "nextn_predict_layers": 1}) is None
+
+
+def test_glm5_next_layer_map():
+    # llama_memory_hybrid_idx: KDA layers (head_count_kv 0) recurrent, the others in kv; idx those
+    # of them with is_indexer_full (every layer when indexer.types is absent)
+    m = _arch_map("glm5-next", 6, **{"attention.head_count_kv": [0, 0, 4, 0, 0, 4]})
+    assert m == {"kv": [2, 5], "recurrent": [0, 1, 3, 4], "idx": [2, 5]} and state.memory_of(m) == "hybrid-idx"
+    m = _arch_map("glm5-next", 4, **{"attention.head_count_kv": [4, 0, 0, 4], "attention.indexer.types": [0, 1, 1, 1]})
+    assert m == {"kv": [0, 3], "recurrent": [1, 2], "idx": [3]}  # starts with attention; layer 0 shares
+    assert _arch_map("glm5-next", 2, **{"attention.head_count_kv": 4}) == {"kv": [0, 1], "recurrent": [], "idx": [0, 1]}
+    assert _arch_map("glm5-next", 4, **{"attention.head_count_kv": [4, 0, 0, 4],
+                                        "attention.indexer.types": [1, 1, 1]}) is None
+    assert _arch_map("glm5-next", 4) is None  # no head counts: which layers are KDA is unknown
+    assert _arch_map("glm5-next", 5, **{"attention.head_count_kv": [4, 0, 0, 4, 4], "nextn_predict_layers": 1}) is None
+
+
+def test_qwen4exp_layer_map():
+    # llama_memory_hybrid_idx: linear attention except every full_attention_interval-th layer
+    # (default 4); idx holds the attention layers
+    m = _arch_map("qwen4exp", 8)
+    assert m == {"kv": [3, 7], "recurrent": [0, 1, 2, 4, 5, 6], "idx": [3, 7]} and state.memory_of(m) == "hybrid-idx"
+    assert _arch_map("qwen4exp", 4, full_attention_interval=2) == {"kv": [1, 3], "recurrent": [0, 2], "idx": [1, 3]}
+    # an MTP layer is in no part (filters il < n_layer()), and either context type builds the same memory
+    assert _arch_map("qwen4exp", 9, nextn_predict_layers=1) == m
+    # attention.recurrent_layers wins over the interval; here the pattern starts with attention,
+    # and the MTP layer's 0 does not make it an attention layer of the trunk
+    assert _arch_map("qwen4exp", 5, full_attention_interval=2, nextn_predict_layers=1,
+                     **{"attention.recurrent_layers": [0, 1, 1, 0, 0]}) == \
+        {"kv": [0, 3], "recurrent": [1, 2], "idx": [0, 3]}
+    assert _arch_map("qwen4exp", 4, **{"attention.recurrent_layers": [0, 1, 1]}) is None  # not n_layer_all entries
+    assert _arch_map("qwen4exp", 4, full_attention_interval=0) is None  # load_arch_hparams refuses 0
+    # not read by the caller: the default interval may not be the GGUF's
+    assert state.layer_map({"general.architecture": "qwen4exp", "qwen4exp.block_count": 8}) is None
+
+
+def _metadata_gguf(path, arch, **kv):
+    """A GGUF holding only metadata (no tensors: llama.cpp would not load it, gguf reads it)."""
+    import gguf
+    w = gguf.GGUFWriter(path, arch)
+    for key, value in kv.items():
+        if isinstance(value, list):
+            w.add_array(f"{arch}.{key}", value)
+        else:
+            w.add_uint32(f"{arch}.{key}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_keyed_layer_maps_from_a_gguf(tmp_path):
+    # model_facts reads every key these rules need (arrays too), absent ones as None
+    q = _metadata_gguf(tmp_path / "q.gguf", "qwen4exp", block_count=4, full_attention_interval=2)
+    assert state.model_facts(q)["layers"] == {"kv": [1, 3], "recurrent": [0, 2], "idx": [1, 3]}
+    d = _metadata_gguf(tmp_path / "d.gguf", "dots3note", block_count=4,
+                       **{"attention.sliding_window_pattern": [False, True, True, False],
+                          "attention.indexer.types": [True, False, False, True]})
+    assert state.model_facts(d)["layers"] == {"mla": [0, 3], "lid": [0, 3], "swa": [1, 2]}
+    g = _metadata_gguf(tmp_path / "g.gguf", "glm-dsa", block_count=4, context_length=1048576)
+    assert state.model_facts(g)["layers"] == {"mla": [0, 1, 2, 3], "lid": [0, 1, 2]}
+    # nextn layers: no map, and the memory only where it does not depend on the context type
+    g = _metadata_gguf(tmp_path / "g1.gguf", "glm-dsa", block_count=5, context_length=4096, nextn_predict_layers=1)
+    facts = state.model_facts(g)
+    assert facts["layers"] is None and "memory" not in facts
+
+    # what a Context asks for its own model (context_state._model_memory): scalars through
+    # llama.cpp's metadata (llama_model_meta_val_str), arrays from the GGUF; here an object with
+    # the Model attributes it reads, as no such model can be loaded
+    from types import SimpleNamespace
+    from pyllamacpp.context_state import _model_memory
+    scalars = {"qwen4exp.block_count": "4", "qwen4exp.full_attention_interval": "2"}
+    fake = SimpleNamespace(arch="qwen4exp", path=str(q), meta=scalars.get, kv_head_counts=lambda: [2, 2, 2, 2])
+    assert _model_memory(fake) == ("hybrid-idx", {"kv": [1, 3], "recurrent": [0, 2], "idx": [1, 3]})
+    fake = SimpleNamespace(arch="dots3note", path=str(d), meta={"dots3note.block_count": "4"}.get,
+                           kv_head_counts=lambda: [2, 2, 2, 2])
+    assert _model_memory(fake) == ("dsa-iswa", {"mla": [0, 3], "lid": [0, 3], "swa": [1, 2]})
 
 
 # -- llama_kv_cache_dsv4 (DeepSeek V4): no such model can be made here, so its dumps are composed

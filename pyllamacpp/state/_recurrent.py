@@ -90,7 +90,7 @@ def _splits(buf, off, name, header, tally, data):
         r, s = records[:half], records[half:2 * half]
         if all(_same_header(x, r[0]) for x in r) and all(_same_header(x, s[0]) for x in s):
             yield _part(buf, off, name, header, _name_rs(r + s))
-    for ple in _ple_records(buf, q, name, cell_count, n_layer, data, last=False):
+    for ple in _ple_records(buf, q, name, cell_count, n_layer, data, to_end=False):
         yield _part(buf, off, name, header, ple)
 
 
@@ -128,9 +128,9 @@ def _same_header(a: TensorRecord, b: TensorRecord) -> bool:
     return (a.type.id, a.row_size) == (b.type.id, b.row_size)
 
 
-def _ple_records(buf, q0, name, n_cells, n_layer, data, *, last: bool = True):
+def _ple_records(buf, q0, name, n_cells, n_layer, data, *, to_end: bool = True):
     """The readings with PLE rows: R records, each optionally followed by a P record, then as
-    many S records, ending at the last byte (``last``; else anywhere, for a part that another
+    many S records, ending at the last byte (``to_end``; else anywhere, for a part that another
     follows); yields each, none when there is no such reading with a P.
 
     What llama_memory_recurrent::state_read_data accepts narrows it: every R record has the
@@ -160,7 +160,7 @@ def _ple_records(buf, q0, name, n_cells, n_layer, data, *, last: bool = True):
                 return None
             out.append(r)
             p = end(r)
-        return out if p == buf.size or not last else None
+        return out if p == buf.size or not to_end else None
 
     r0 = rec("R", q0, 0)
     if r0 is None:

@@ -111,7 +111,8 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
     keys = ["general.architecture"] + [f"{arch}.{k}" for k in (
         "block_count", "nextn_predict_layers", "attention.head_count_kv", "attention.sliding_window",
         "attention.sliding_window_pattern", "leading_dense_block_count", "attention.indexer.top_k",
-        "attention.compress_ratios")]
+        "attention.compress_ratios", "attention.indexer.types", "context_length", "full_attention_interval",
+        "attention.recurrent_layers")]  # every key a _layers rule reads (KEYED_RULES: absent ones as None)
     fields = {k: _field(r, k) for k in keys}
     layers = layer_map(fields)
     memory = None if layers else memory_for(fields)
