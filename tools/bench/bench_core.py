@@ -9,6 +9,12 @@ the model, create a context with the same parameters (flash attention left at ll
 "auto"), warm up the same way and time the same span. Prints medians and Python / native ratios
 next to the targets of the issue. It measures; it asserts nothing about time.
 
+The driver is also built as a shared library: for decode and state the Python worker runs its loop
+(``decode_in_process``, ``state_step``) through ctypes on the worker's own context, alternating with
+the Python side ("one process" rows). There both sides use the same weights, KV cache and tensors,
+so the ratio is pyllamacpp's cost alone; across processes, where each heap put them moves results
+by a few percent (see the raw ``pl.lib`` decode loop, which has none of pyllamacpp's code).
+
 Workloads:
   decode    prompt, then N greedy tokens one llama_decode each: ``pl.generate`` (tokens/s from the
             end of the prompt's decode to the end of generation). A third, diagnostic side runs the
