@@ -37,7 +37,8 @@ _OPTIONS = {
     "gemma3": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-6, "n_swa": 4096, "swa_pattern": None},
     "mamba": {"norm_rms_eps": 1e-5, "ssm_d_conv": 4, "ssm_d_state": 16, "ssm_dt_rank": None,
               "ssm_d_inner": None},
-    "lfm2": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-5, "conv_l_cache": 3, "attn_layers": None},
+    "lfm2": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-5, "conv_l_cache": 3, "attn_layers": None,
+             "n_swa": 0},
 }
 
 _STD = 0.02
@@ -67,8 +68,11 @@ def make_model(path: str | os.PathLike, arch: str = "llama", *, n_layer: int, n_
       short-convolution layers): ``attn_layers``, one bool per layer (True = attention; default:
       every other layer from layer 1), written as a per-layer ``attention.head_count_kv`` where 0
       marks a convolution layer (models/lfm2.cpp: ``is_recr_impl[il] = n_head_kv(il) == 0``);
-      ``conv_l_cache`` (``shortconv.l_cache``, 3), ``rope_freq_base``, ``norm_rms_eps``. Heads have
-      ``n_embd / n_head`` values (lfm2 has no key_length); leave ``head_dim`` unset.
+      ``conv_l_cache`` (``shortconv.l_cache``, 3), ``rope_freq_base``, ``norm_rms_eps``,
+      ``n_swa`` (``attention.sliding_window``; > 0 makes every attention layer a sliding-window
+      one, so llama.cpp builds a hybrid iSWA memory: an empty base cache, the swa cache, the
+      recurrent state; 0, the default, writes no key). Heads have ``n_embd / n_head`` values
+      (lfm2 has no key_length); leave ``head_dim`` unset.
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -242,6 +246,8 @@ def _lfm2(kv: dict, tensors: list, opt: dict, *, n_layer: int, n_embd: int, n_he
     kv[f"{arch}.attention.head_count_kv"] = ([n_head_kv if a else 0 for a in attn], T.ARRAY, T.UINT32)
     kv[f"{arch}.rope.freq_base"] = (float(opt["rope_freq_base"]), T.FLOAT32)
     kv[f"{arch}.shortconv.l_cache"] = (l_cache, T.UINT32)
+    if int(opt["n_swa"]) > 0:  # every attention layer slides: llama_memory_hybrid_iswa (models/lfm2.cpp)
+        kv[f"{arch}.attention.sliding_window"] = (int(opt["n_swa"]), T.UINT32)
     # the final norm is named token_embd_norm (LLM_TENSOR_OUTPUT_NORM_LFM2 in llama-arch.cpp)
     tensors[1] = ("token_embd_norm.weight", (n_embd,), "norm")
     for i, is_attn in enumerate(attn):

@@ -864,6 +864,70 @@ def test_hybrid_dump(tmp_path):
     assert errors > 300
 
 
+def test_hybrid_iswa_dump(tmp_path):
+    # lfm2 with a sliding window: every attention layer slides (models/lfm2.cpp), so llama.cpp
+    # builds llama_memory_hybrid_iswa: an iSWA cache (base: no layers, swa: 1 and 3), then the
+    # recurrent state of the conv layers (0 and 2)
+    import pyllamacpp as pl
+    kw = dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_swa=4)
+    d = _synthetic(tmp_path, "lfm2", **kw)
+    one = d["one"].tobytes()
+    st = state.parse(one, model=d["path"])
+    assert st.options["memory"] == "hybrid-iswa" and [p.name for p in st.parts] == ["base", "swa", "recurrent"]
+    assert st.layers == {"base": [], "swa": [1, 3], "recurrent": [0, 2]}
+    base, swa, rec = st.stream("base"), st.stream("swa"), st.stream("recurrent")
+    assert base.n_layer == 0 and not base.records and swa.n_layer == 2 and rec.n_layer == 4
+    assert 0 < swa.cell_count < 10 and rec.cell_count == 1  # the window keeps only recent cells
+    assert swa.cells["pos"].max() == 9 and [r.il for r in swa.k_records] == [1, 3]
+    assert st.k[3].shape == (swa.cell_count, 2, 16) and np.shares_memory(st.k[3], st.buffer)
+    assert st.to_bytes() == one and st.layout().total_bytes == len(one)
+    check_layout(st)
+    # the same bytes read as plain hybrid fail somewhere: without a hint the parts are found
+    assert state.parse(one).options["memory"] == "hybrid-iswa"
+    two = state.parse(d["two"], model=d["path"])
+    assert two.record("K", 1, part="swa").rows[0].tobytes() == st.record("K", 1, part="swa").rows[0].tobytes()
+    whole = state.parse(d["whole"], model=d["path"])
+    assert whole.kind is DumpKind.CONTEXT and whole.options["memory"] == "hybrid-iswa"
+    meta = state.parse(d["dev"], model=d["path"])
+    assert meta.metadata_only and meta.options["memory"] == "hybrid-iswa"
+    _same_headers(meta, st)
+    with pl.Model(d["path"]) as model, model.context(n_ctx=64, n_threads=1, n_threads_batch=1) as ctx:
+        def step(blob, flags=0):
+            if not flags:
+                ctx.memory.clear()
+            assert ctx.set_seq_state(0, np.frombuffer(blob, np.uint8), flags) > 0
+            b = pl.Batch(4, model=model)
+            b.add_sequence([5], 0, 10)
+            ctx.decode(b)
+            logits = ctx.logits().copy()
+            ctx.memory.seq_rm(0, 10, -1)
+            return logits
+        base_logits = step(one)
+        np.testing.assert_array_equal(step(one), base_logits)
+        for edit in (lambda s: s.k[3].__setitem__((slice(None), 1), 0),
+                     lambda s: s.stream("recurrent").r[0].__setitem__(slice(None), 0)):
+            w = state.parse(one, model=d["path"], writable=True)
+            edit(w)
+            assert np.abs(step(w.to_bytes()) - base_logits).max() > 1e-5
+        # PARTIAL_ONLY: the swa part and the recurrent state (llama_memory_hybrid_iswa::state_write)
+        P = int(pl.StateFlags.PARTIAL_ONLY)
+        ctx.memory.clear()
+        ctx.set_seq_state(0, one)
+        part = ctx.seq_state(0, P)
+        p = state.parse(part.data, flags=P, model=d["path"])
+        assert p.partial and [x.name for x in p.parts] == ["swa", "recurrent"]
+        np.testing.assert_array_equal(p.k[3], st.k[3])
+        np.testing.assert_array_equal(p.stream("recurrent").r[2], rec.r[2])
+        assert p.to_bytes() == part.data.tobytes() and len(part) < len(one)
+        # loaded over the full sequence with the flag: the same next logits
+        ctx.memory.clear()
+        ctx.set_seq_state(0, one)
+        np.testing.assert_array_equal(step(part.data.tobytes(), P), base_logits)
+        # and refused without it, with a reason (checked before llama.cpp sees it)
+        with pytest.raises(pl.StateError, match="PARTIAL_ONLY"):
+            ctx.set_seq_state(0, part.data.tobytes())
+
+
 # -- layer numbers ------------------------------------------------------------------------------------
 def test_iswa_layers_are_the_models(tmp_path):
     d = _synthetic(tmp_path, "gemma2", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_swa=4)
