@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._lib import ffi
+from .errors import ClosedError
 
 
 class Handle:
@@ -26,6 +27,36 @@ class Handle:
         ptr, self.ptr = self.ptr, None
         if ptr is not None:
             ffi.release(ptr)
+
+
+class Owner:
+    """``ptr``, ``closed``, ``close()`` and the with-statement of an object that owns one
+    :class:`Handle` in ``_h`` (Model, Context, Sampler). ``_what`` names it in the error, ``_free``
+    is the C function that frees it."""
+    _what = "object"
+    _free = ""
+
+    @property
+    def ptr(self):
+        """The C pointer (raises :class:`~pyllamacpp.errors.ClosedError` after ``close()``)."""
+        h = self._h
+        if h is None:
+            raise ClosedError(f"the {self._what} is closed", func=self._free)
+        return h.ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def close(self) -> None:
+        """Drop the handle (idempotent); the C object is freed once no view of its memory is left."""
+        self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class _Mem:

@@ -10,11 +10,11 @@ import weakref
 import numpy as np
 
 from . import _log
-from ._handle import Handle, view
+from ._handle import Handle, Owner, view
 from ._lib import ffi, lib
 from .batch import Batch
 from .context_state import SeqState, StateFlags, StateMethods  # noqa: F401 (SeqState, StateFlags: re-exported)
-from .errors import ClosedError, ContextError, DecodeAborted, InvalidBatchError, LlamaError, check_decode, check_ptr
+from .errors import ContextError, DecodeAborted, InvalidBatchError, LlamaError, check_decode, check_ptr
 from .memory import Memory
 from .model import Model, parse_buffer_sizes
 from .params import ContextParams, context_params
@@ -29,7 +29,7 @@ PerfContextData.__doc__ = "Every field of ``llama_perf_context_data`` (times in 
 PerfContextData.__module__ = __name__
 
 
-class Context(StateMethods):
+class Context(StateMethods, Owner):
     """``llama_init_from_model(model, params)``; a context manager; ``close()`` frees it.
 
     Keeps its model alive. Any use after ``close()`` raises :class:`ClosedError`.
@@ -77,28 +77,12 @@ class Context(StateMethods):
         model._contexts.add(self)
 
     # -- lifetime ------------------------------------------------------------------------------
-    @property
-    def ptr(self):
-        """The ``struct llama_context *`` (raises :class:`ClosedError` after ``close()``)."""
-        h = self._h
-        if h is None:
-            raise ClosedError("the context is closed", func="llama_free")
-        return h.ptr
-
-    @property
-    def closed(self) -> bool:
-        return self._h is None
+    _what, _free = "context", "llama_free"  # Owner: ptr, closed, with-statement
 
     def close(self) -> None:
         """``llama_free`` (idempotent). Output views still alive keep the memory valid until they go."""
         self._h = None
         self._batch = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self):
         if self.closed:

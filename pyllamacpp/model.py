@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from . import _log
-from ._handle import Handle
+from ._handle import Handle, Owner
 from ._lib import ffi, lib
-from .errors import ClosedError, ModelLoadError, check_ptr
+from .errors import ModelLoadError, check_ptr
 from .params import ggml_type, model_params
 
 _BUFFER_LINE = re.compile(r"([\w\[\]:.\-]+)\s+(model|KV|compute|output|RS|compute_meta)\s+buffer size\s*=\s*([\d.]+)\s*MiB")
@@ -45,7 +45,7 @@ def _string(fn, *args, size: int = 256) -> str:
     return ffi.string(buf, n).decode("utf-8", "replace")
 
 
-class Model:
+class Model(Owner):
     """``llama_model_load_from_file``: a model and its vocabulary.
 
     ``path=None`` loads the default model (``pyllamacpp.default_model_path()``). Every field of
@@ -85,17 +85,7 @@ class Model:
         self._kv_head_counts: list[int] | None = None  # kv_head_counts(), read once
 
     # -- lifetime ------------------------------------------------------------------------------
-    @property
-    def ptr(self):
-        """The ``struct llama_model *`` (raises :class:`ClosedError` after ``close()``)."""
-        h = self._h
-        if h is None:
-            raise ClosedError("the model is closed", func="llama_model_free")
-        return h.ptr
-
-    @property
-    def closed(self) -> bool:
-        return self._h is None
+    _what, _free = "model", "llama_model_free"  # Owner: ptr, closed, with-statement
 
     def close(self) -> None:
         """Close this model's contexts, then free the model (``llama_model_free``); idempotent.
@@ -104,12 +94,6 @@ class Model:
         for ctx in list(self._contexts):
             ctx.close()
         self._h = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.description}, {self.n_layer} layers"

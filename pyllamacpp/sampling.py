@@ -9,12 +9,12 @@ A chain must end with a step that picks a token (``greedy`` or ``dist``).
 """
 from __future__ import annotations
 
-from ._handle import Handle
+from ._handle import Handle, Owner
 from ._lib import ffi, lib
-from .errors import ClosedError, LlamaError
+from .errors import LlamaError
 
 
-class Sampler:
+class Sampler(Owner):
     def __init__(self, model=None, *, no_perf: bool = True):
         self.model = model  # needed by steps that know the vocabulary (penalties, grammar)
         params = lib.llama_sampler_chain_default_params()
@@ -29,14 +29,7 @@ class Sampler:
     def greedy(cls) -> "Sampler":
         return cls()._add(lib.llama_sampler_init_greedy(), "greedy")
 
-    @property
-    def ptr(self):
-        if self._h is None:
-            raise ClosedError("the sampler is closed", func="llama_sampler_free")
-        return self._h.ptr
-
-    def close(self) -> None:
-        self._h = None
+    _what, _free = "sampler", "llama_sampler_free"  # Owner: ptr, closed, close, with-statement
 
     def _add(self, smpl, name: str) -> "Sampler":
         if smpl == ffi.NULL:
