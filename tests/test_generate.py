@@ -111,8 +111,12 @@ def test_generate_after_close_raises_and_abort_stops_it(model):
         g = pl.generate(ctx, toks, 50, sampler)
         next(g)
         sampler.close()
-        with pytest.raises(pl.ClosedError):
+        with pytest.raises(pl.ClosedError, match="the sampler is closed"):
             next(g)
+        assert sampler.closed
+        with pl.Sampler.greedy() as s:
+            assert not s.closed and list(pl.generate(ctx, toks, 2, s))
+        assert s.closed
         # abort() between steps is not lost: the next decode stops, and its exception says how far
         ctx.memory.clear()
         g = pl.generate(ctx, toks, 50)
