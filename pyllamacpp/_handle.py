@@ -20,13 +20,13 @@ class Handle:
         self.ptr = ffi.gc(ptr, free)
         self.deps = deps  # freed after this one: they outlive every reference to it
 
-    def __del__(self):
+    def __del__(self, _release=ffi.release):  # bound here: at exit the module's ffi may be None
         # Free our pointer before the dependencies go. Without this, CPython clears __slots__ in
         # sorted name order ("deps" before "ptr"): a model was freed before its context's
         # llama_free, a heap-use-after-free that AddressSanitizer found.
         ptr, self.ptr = self.ptr, None
         if ptr is not None:
-            ffi.release(ptr)
+            _release(ptr)
 
 
 class Owner:

@@ -120,16 +120,17 @@ def raise_pending() -> None:
 def install() -> None:
     """Point llama.cpp's and ggml's loggers (``llama_log_set`` sets both) at Python, through
     ``pyl_log_cb`` (build_support/helpers.h): DEBUG lines stay in C unless logger
-    ``pyllamacpp.llama`` is enabled for DEBUG, as checked on entering each :class:`capture`
-    (every pyllamacpp call that logs) or by :func:`sync_log_level`."""
+    ``pyllamacpp.llama`` is enabled for DEBUG, as checked on entering each :class:`capture`, when
+    ``generate`` starts, or by :func:`sync_log_level`. The hot calls that run without a capture
+    (``generate``'s steps, ``seq_state``, ``set_seq_state``) follow the level as it was last checked."""
     sync_log_level()
     lib.llama_log_set(ffi.addressof(lib, "pyl_log_cb"), ffi.NULL)
 
 
 def sync_log_level() -> None:
     """Let llama.cpp's DEBUG lines through to Python when logger ``pyllamacpp.llama`` is enabled
-    for DEBUG (for raw ``lib`` calls made after changing the level; pyllamacpp's own calls
-    check it themselves)."""
+    for DEBUG: call it after changing the level, before raw ``lib`` calls or ``seq_state`` /
+    ``set_seq_state`` (pyllamacpp's captured calls and ``generate`` check it themselves)."""
     lib.pyl_log_debug = logger.isEnabledFor(logging.DEBUG)
 
 

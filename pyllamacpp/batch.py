@@ -37,11 +37,12 @@ class _BatchMem:
     def __init__(self, p, cap):
         self.p, self.cap, self.orig, self.seq = p, cap, None, None
 
-    def __del__(self):
+    # bound here: at interpreter exit a module's globals (np, ffi, lib) may already be None
+    def __del__(self, _memmove=ffi.memmove, _free=lib.llama_batch_free):
         if self.orig is not None:
-            ptrs = np.frombuffer(ffi.buffer(self.p.seq_id, self.cap * ffi.sizeof("void *")), np.uintp)
-            ptrs[:] = self.orig  # llama_batch_free frees llama.cpp's own per-slot seq_id arrays
-        lib.llama_batch_free(self.p[0])
+            # llama_batch_free frees llama.cpp's own per-slot seq_id arrays: put their pointers back
+            _memmove(self.p.seq_id, self.orig, len(self.orig))
+        _free(self.p[0])
 
 
 class Batch:
@@ -73,7 +74,7 @@ class Batch:
         # One contiguous seq_id block; the slot pointers are rewritten to point into it.
         self._seq = mem.seq = np.zeros((cap, self.n_seq_max), np.int32)
         ptrs = view(p.seq_id, (cap,), np.uintp, mem)
-        mem.orig = ptrs.copy()
+        mem.orig = ptrs.tobytes()
         ptrs[:] = self._seq.ctypes.data + np.arange(cap, dtype=np.uintp) * (self.n_seq_max * 4)
         p.n_tokens = 0
 

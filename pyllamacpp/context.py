@@ -218,7 +218,11 @@ class Context(StateMethods, Owner):
             finally:
                 lock.release()
             if out.rc:
-                self._decode_failed(out.rc, out.sigint, _log.c_reason(), batch, "llama_decode")
+                reason = _log.c_reason()
+                try:
+                    raise_pending()  # a logging handler's exception: the decode's error carries it as context
+                finally:
+                    self._decode_failed(out.rc, out.sigint, reason, batch, "llama_decode")
             if out.sigint or self._pending_stream_copies or not self._out_reserved:
                 self._decoded(1, out.sigint)
             else:

@@ -34,8 +34,8 @@ class SeqState:
     flags: int = 0
     # (the making context's token, data) when Context.seq_state made it: that context trusts it
     # without parsing it again while ``data`` is this very array, still read-only. Unpickled, the
-    # token is another object, so the blob is checked.
-    _made: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+    # token is another object, so the blob is checked; dataclasses.replace() does not carry it.
+    _made: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.data.size)
@@ -84,7 +84,7 @@ def _model_memory(m) -> tuple[str | None, dict | None]:
     tokens): only an array key the rule needs is read there (llama.cpp's metadata leaves arrays
     out), as ``Model._meta_list`` does for per-layer head counts."""
     from .state import layer_map, memory_of
-    from .state._layers import ISWA_ARCHS, KEYED_RULES
+    from .state._layers import ARRAY_KEYS, ISWA_ARCHS, KEYED_RULES
     from .state._sidecar import gguf_field
     arch = m.arch
 
@@ -104,8 +104,9 @@ def _model_memory(m) -> tuple[str | None, dict | None]:
         # minimax-m3's indexer layers start after it (_layers.layer_map)
         f"{arch}.leading_dense_block_count": num("leading_dense_block_count")}
     # the keys whose absence llama.cpp fills with a default (_layers.KEYED_RULES) must all be
-    # read, None when absent: scalars from the metadata, arrays from the GGUF
-    for k in KEYED_RULES.get(arch, ()):
+    # read, None when absent, and the arrays other rules read: scalars from the metadata, arrays
+    # from the GGUF
+    for k in KEYED_RULES.get(arch, ()) + ARRAY_KEYS.get(arch, ()):
         full = f"{arch}.{k}"
         if full not in fields or fields[full] is None:
             v = num(k)
@@ -139,7 +140,9 @@ class StateMethods:
             size, n = res.size, res.written
             if p == ffi.NULL:
                 raise MemoryError(f"cannot allocate {size} bytes for the state of seq {seq_id}")
-            buf = np.frombuffer(ffi.buffer(ffi.gc(p, lib.pyl_free), size), dtype=np.uint8)
+            # read-only down to the buffer: no view of it can be made writable, so what
+            # set_seq_state trusts is what llama.cpp wrote
+            buf = np.frombuffer(memoryview(ffi.buffer(ffi.gc(p, lib.pyl_free), size)).toreadonly(), dtype=np.uint8)
             reason = _log.c_reason
         else:
             size = lib.llama_state_seq_get_size_ext(ptr, seq_id, flags)
@@ -155,6 +158,9 @@ class StateMethods:
                 n = lib.llama_state_seq_get_data_ext(ptr, ffi.from_buffer(buf), size, seq_id, flags)
             reason = cap.reason
         _log.raise_pending()
+        if not size:  # a dump holds at least its magic and seq_id: 0 is llama.cpp's failure
+            raise StateError("llama_state_seq_get_size_ext() returned 0", func="llama_state_seq_get_size_ext",
+                             reason=reason())
         if n != size:
             raise StateError(f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
                              func="llama_state_seq_get_data_ext", reason=reason())
@@ -164,7 +170,9 @@ class StateMethods:
         if not own:
             return SeqState(buf, seq_id, flags)
         buf.flags.writeable = False  # so set_seq_state can trust it without parsing it again
-        return SeqState(buf, seq_id, flags, (self._state_token, buf))
+        st = SeqState(buf, seq_id, flags)
+        st._made = (self._state_token, buf)
+        return st
 
     def set_seq_state(self, seq_id: int, data, flags: int = 0, *, validate: bool = True,
                       keep_on_error: bool = True) -> int:
@@ -224,10 +232,11 @@ class StateMethods:
             self.check_state(buf, kind="sequence", flags=flags)
         trusted = own or validate or bool(flags & _ON_DEVICE)
         backup = None
-        # the cheap part of _load_fits first: a trusted blob for a stream of its own needs no query
-        if (keep_on_error and not (trusted and self._own_stream_fits()) and self._occupied(seq_id)
-                and not (trusted and self._load_fits(seq_id, buf))):
-            backup = self.seq_state(seq_id)
+        occupied = None  # not asked: a trusted blob for a stream of its own cannot fail to load
+        if keep_on_error and not (trusted and self._own_stream_fits()):
+            occupied = self._occupied(seq_id)
+            if occupied and not (trusted and self._load_fits(seq_id, buf)):
+                backup = self.seq_state(seq_id)
         n = lib.pyl_state_seq_set(ptr, ffi.from_buffer(buf), buf.size, seq_id, flags)
         if n == 0:
             reason = _log.c_reason()
@@ -236,7 +245,9 @@ class StateMethods:
                 lib.pyl_state_seq_set(ptr, ffi.from_buffer(backup.data), len(backup), seq_id, 0)
             _log.raise_pending()  # a logging handler's exception, once the sequence is back
             raise StateError("llama_state_seq_set_data_ext() read 0 bytes; the sequence is "
-                             + ("unchanged" if keep_on_error else "now empty"),
+                             + ("unchanged" if backup is not None or occupied is False else
+                                "now empty" if not keep_on_error else
+                                "now empty (no copy was kept: by llama.cpp's rules this load could not fail)"),
                              func="llama_state_seq_set_data_ext", reason=reason)
         _log.raise_pending()
         return int(n)
@@ -325,12 +336,14 @@ class StateMethods:
         return self._memory_layers_cache
 
     def _partial_differs(self) -> bool:
-        """Whether PARTIAL_ONLY changes what this context's memory writes and reads (iSWA and
-        hybrid memories; plain KV caches and recurrent memories ignore the flag)."""
+        """Whether PARTIAL_ONLY changes what this context's memory writes and reads (iSWA, hybrid,
+        dsa-iswa, hybrid-idx, dsv4 memories; plain KV caches, recurrent memories, dsa and msa
+        ignore the flag)."""
         memory, _ = self._memory_layers()
         if memory is None:
             return not self._plain_kv
-        return memory in ("iswa", "hybrid", "hybrid-iswa")
+        from .state import written_parts  # what each memory writes with and without the flag
+        return written_parts(memory, True) != written_parts(memory, False)
 
     def check_state(self, data, *, kind: str = "sequence", flags: int = 0) -> None:
         """Parse a state blob with :mod:`pyllamacpp.state` and check it against this context before
@@ -375,8 +388,10 @@ class StateMethods:
                 bad(f"memory parts {[p.kind for p in parsed.parts]}, this context's {memory} memory reads "
                     f"{[f'{k} ({n})' for k, n in reads]}" + (" with PARTIAL_ONLY" if partial else ""))
             expect = [(n, layers[n]) for _, n in reads]
-        # llama_kv_cache_dsv4 builds its caches non-unified whatever kv_unified says (unified_raw)
-        n_stream = 1 if self.params.kv_unified and memory != "dsv4" else self.n_seq_max
+        # llama_kv_cache_dsv4 (every deepseek4 context) builds its caches non-unified whatever
+        # kv_unified says (unified_raw in its constructor)
+        dsv4 = memory == "dsv4" or m.arch == "deepseek4"
+        n_stream = 1 if self.params.kv_unified and not dsv4 else self.n_seq_max
         kv_parts = [(p, e) for p, e in zip(parsed.parts, expect) if p.kind == "kv"]
         if lib.llama_model_is_recurrent(m.ptr) and kv_parts:
             bad("a KV cache state for a recurrent model")
@@ -396,6 +411,10 @@ class StateMethods:
             # no map: a plain part's records are the attention layers in order
             ils = exp[1] if exp is not None else ([il for il, n in enumerate(heads) if n > 0] if plain else None)
             label = exp[0] if exp is not None else part.name
+            # row widths are key/value_length x head_count_kv[il] only in caches built from the
+            # model's own hparams with GQA heads: not in an indexer cache (lid, idx: one head of
+            # indexer_head_size values) nor in an MLA one (dsa's mla, dsa-iswa's, dsv4's caches)
+            widths = label in ("kv", "base", "swa") and memory not in ("dsa", "dsa-iswa") and not dsv4
             if part.n_stream != n_stream:
                 bad(f"{part.n_stream} KV stream(s), this context has {n_stream} "
                     f"(kv_unified={bool(self.params.kv_unified)}, n_seq_max={self.n_seq_max})")
@@ -413,7 +432,7 @@ class StateMethods:
                     want_t = self.params.type_k if r.kind == "K" else self.params.type_v
                     if r.type.id != want_t:
                         bad(f"{r.kind}[{r.layer}] is {r.type.name}, this context's cache is {ggml_type_name(want_t)}")
-                    if ils is not None and r.layer < len(ils):
+                    if widths and ils is not None and r.layer < len(ils):
                         il = ils[r.layer]
                         size = (k_swa if r.kind == "K" else v_swa) if il in swa_layers else \
                             (k_len if r.kind == "K" else v_len)

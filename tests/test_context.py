@@ -153,9 +153,14 @@ def test_seq_state_is_a_view_and_trust_follows_its_array(model, ctx):
     other.data.flags.writeable = False
     ctx.set_seq_state(0, other)
     assert checked == [1, 1]
-    st.data.flags.writeable = True  # a buffer its owner may write to now
+    assert dataclasses.replace(st)._made is None  # replace() does not carry the trust
+    # read-only down to the buffer: neither the view nor its base can be written through
+    with pytest.raises(ValueError):
+        st.data.flags.writeable = True
+    with pytest.raises(ValueError):
+        np.frombuffer(st.data.base, np.uint8)[0] = 1
     ctx.set_seq_state(0, st)
-    assert checked == [1, 1, 1]
+    assert checked == [1, 1]
 
 
 def test_failed_state_load_reason_and_raising_log_handler(model, ctx):

@@ -98,6 +98,33 @@ def test_generate_fills_the_cache_then_raises_and_the_context_goes_on(model):
         assert list(pl.generate(ctx, toks, 5)) == want[:5]  # the context decodes afterwards
 
 
+def test_a_raising_log_handler_during_a_failed_step_surfaces_there(tmp_path):
+    import logging
+    from pyllamacpp.testing import make_model
+    path = make_model(tmp_path / "m.gguf", "llama", n_layer=2, n_embd=64, n_head=4, n_vocab=128)
+
+    class Boom(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                raise RuntimeError("handler failed")
+
+    with pl.Model(path) as m, m.context(n_ctx=256, n_batch=64, n_threads=2) as ctx:
+        h, log = Boom(), logging.getLogger("pyllamacpp.llama")
+        log.addHandler(h)
+        try:
+            with pytest.raises(pl.KVCacheFullError) as e:  # the step's own error, the handler's as context
+                for _ in pl.generate(ctx, np.arange(1, 20, dtype=np.int32), 300):
+                    pass
+            assert isinstance(e.value.__context__, RuntimeError)
+        finally:
+            log.removeHandler(h)
+        ctx.memory.clear()
+        b = pl.Batch(8, model=m)
+        b.add_sequence(np.arange(1, 5), 0, 0, logits="last")
+        ctx.decode(b)  # nothing left over to raise here
+        assert ctx.memory.seq_pos_max(0) == 3
+
+
 def test_generate_after_close_raises_and_abort_stops_it(model):
     toks = model.tokenize(PROMPT)
     ctx = model.context(n_ctx=256, n_threads=2)

@@ -1568,6 +1568,78 @@ def test_keyed_layer_maps_from_a_gguf(tmp_path):
     assert _model_memory(fake) == ("dsa-iswa", {"mla": [0, 3], "lid": [0, 3], "swa": [1, 2]})
 
 
+def _fake_context(model, memory_layers, params, *, n_seq_max=1, plain_kv=False):
+    """What check_state / _partial_differs read of a Context, for archs no model of which can be
+    loaded here; ``model`` has what they read of a Model."""
+    from types import SimpleNamespace
+    return SimpleNamespace(_memory_layers=lambda: memory_layers, model=model, params=params, n_seq_max=n_seq_max,
+                           n_ctx_seq=256, flash_attn=True, _plain_kv=plain_kv)
+
+
+def test_context_checks_of_composed_memories(tmp_path, composed_parts):
+    """check_state and _partial_differs for the memories of archs make_model cannot make."""
+    import pyllamacpp as pl
+    from types import SimpleNamespace
+    from pyllamacpp.context_state import StateMethods, _model_memory
+    from pyllamacpp.testing import make_model
+    # PARTIAL_ONLY changes what dsa-iswa, hybrid-idx and dsv4 write (and so which device chunks an
+    # ON_DEVICE load takes); dsa and msa write all of themselves either way
+    for arch, meta, heads, want in (
+            ("qwen4exp", {"qwen4exp.block_count": "4", "qwen4exp.full_attention_interval": "2"}, [2] * 4, True),
+            ("glm5-next", {"glm5-next.block_count": "4"}, [2, 0, 2, 0], True),
+            ("glm-dsa", {"glm-dsa.block_count": "2", "glm-dsa.context_length": "4096"}, [2, 2], False)):
+        fake = SimpleNamespace(arch=arch, path=None, meta=meta.get, kv_head_counts=lambda h=heads: h)
+        mem = _model_memory(fake)
+        assert StateMethods._partial_differs(_fake_context(fake, mem, None)) is want, arch
+    # a glm-dsa context checks a dsa dump whose indexer rows (lid: one head of 16 values) are
+    # not key_length x head_count_kv wide, as its MLA rows need not be either
+    dumps = {}
+    for n_kv in (2, 1):
+        path = make_model(tmp_path / f"l{n_kv}.gguf", "llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=n_kv,
+                          n_vocab=128)
+        with pl.Model(path) as m, m.context(n_ctx=256, flash_attn="on", n_threads=1, n_threads_batch=1) as c:
+            c.prefill(np.arange(1, 8))
+            dumps[n_kv], params = c.seq_state(0).data.tobytes(), c.params
+
+    def k_part(blob):
+        part = state.parse(blob).part("kv")
+        return blob[part.offset:next(r for r in part.streams[0].records if r.kind == "V").header_offset]
+
+    dsa = dumps[2][:8] + k_part(dumps[2]) + k_part(dumps[1])
+    meta = {"glm-dsa.block_count": "2", "glm-dsa.context_length": "4096", "glm-dsa.attention.indexer.types": "1",
+            "glm-dsa.attention.key_length": "16", "glm-dsa.attention.value_length": "16"}
+    with pl.Model(tmp_path / "l2.gguf") as m2:
+        glm = SimpleNamespace(arch="glm-dsa", path=None, meta=meta.get, kv_head_counts=lambda: [2, 2], ptr=m2.ptr,
+                              kv_head_sizes=lambda: (16, 16), n_layer=2)
+        mem = _model_memory(glm)
+        assert mem == ("dsa", {"mla": [0, 1], "lid": [0, 1]})
+        StateMethods.check_state(_fake_context(glm, mem, params), dsa)  # no width complaint
+        # the same check still refuses what does not fit: a K type other than the context's
+        bad = bytearray(dsa)
+        bad[state.parse(dsa, memory="dsa").record("K", 0, part="lid").header_offset] = 0  # F32
+        with pytest.raises(pl.StateError, match=r"K\[0\] is f32"):
+            StateMethods.check_state(_fake_context(glm, mem, params), bytes(bad))
+    # a deepseek4 context expects n_seq_max streams even with kv_unified=True: llama_kv_cache_dsv4
+    # builds its caches non-unified (unified_raw)
+    c = composed_parts
+    two = lambda part: _u32(2) + part[4:] + _u32(0)  # noqa: E731  (a second, empty stream)
+    blocks, _ = _dsv4_blocks(2)
+    seq = c["hdr"] + _u32(DSV4_MAGIC, 1, 0) + two(c["Ck"]) + two(c["Bk"]) + blocks
+    ds = SimpleNamespace(arch="deepseek4", path=None, meta={"deepseek4.block_count": "2"}.get,
+                         kv_head_counts=lambda: [2, 2], ptr=None, kv_head_sizes=lambda: (32, 32), n_layer=2)
+    unified = SimpleNamespace(**{**vars(params), "kv_unified": True}) if hasattr(params, "__dict__") else params
+    with pl.Model(tmp_path / "l2.gguf") as m2:
+        ds.ptr = m2.ptr
+        ctx2 = _fake_context(ds, (None, None), unified, n_seq_max=2)
+        try:
+            StateMethods.check_state(ctx2, seq)
+        except pl.StateError as e:  # whatever else it finds, not the stream count
+            assert "stream(s)" not in str(e), e
+        ctx1 = _fake_context(ds, (None, None), unified, n_seq_max=1)
+        with pytest.raises(pl.StateError, match=r"2 KV stream\(s\), this context has 1"):
+            StateMethods.check_state(ctx1, seq)
+
+
 # -- llama_kv_cache_dsv4 (DeepSeek V4): no such model can be made here, so its dumps are composed
 # as llama_kv_cache_dsv4::state_write concatenates them: u32 'DSV4', version 1, mode; kv_raw (a
 # K-only iSWA cache: real K-only gemma2 parts); then, unless PARTIAL_ONLY, the compressed K caches

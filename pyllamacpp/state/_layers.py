@@ -57,6 +57,9 @@ LLAMA_MAX_LAYERS = 512
 # context_length >= 1048576 (GLM 5.2); shorter contexts (GLM 5, 5.1) have an indexer everywhere
 GLM_5_2_INDEXER_TYPES = (1, 1) + (1, 0, 0, 0) * 19
 GLM_5_2_MIN_CONTEXT = 1048576
+# per-layer arrays another rule reads (besides head_count_kv and the SWA pattern): a caller that
+# reads llama.cpp's metadata (llama_model_meta_val_str leaves arrays out) reads them from the GGUF
+ARRAY_KEYS = {"deepseek4": ("attention.compress_ratios",)}
 # archs whose rule reads these keys (after block_count, nextn_predict_layers): each must be in
 # ``fields``, None when the GGUF lacks it (see the module docstring)
 KEYED_RULES = {
