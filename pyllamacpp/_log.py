@@ -109,11 +109,16 @@ def c_reason() -> str | None:
 
 
 def raise_pending() -> None:
-    """Re-raise what a logging handler raised inside the C callback during a call made without
-    :func:`capture` (the sequence-state calls, whose failure reason C keeps)."""
-    if _tls.errors:
-        err = _tls.errors.pop(0)
-        _tls.errors.clear()
+    """After a call made without :func:`capture` (generate's steps, the sequence-state calls, whose
+    failure reason C keeps): emit a last log line that had no "\n", as ``capture`` does, and
+    re-raise what a logging handler raised inside the C callback."""
+    t = _tls
+    if t.partial:
+        line, t.partial = t.partial, ""
+        _emit(t.level, line)
+    if t.errors:
+        err = t.errors.pop(0)
+        t.errors.clear()
         raise err
 
 
