@@ -84,7 +84,7 @@ def _model_memory(m) -> tuple[str | None, dict | None]:
     tokens): only an array key the rule needs is read there (llama.cpp's metadata leaves arrays
     out), as ``Model._meta_list`` does for per-layer head counts."""
     from .state import layer_map, memory_of
-    from .state._layers import ARRAY_KEYS, ISWA_ARCHS, KEYED_RULES
+    from .state._layers import arch_keys, rule_keys
     from .state._sidecar import gguf_field
     arch = m.arch
 
@@ -92,25 +92,15 @@ def _model_memory(m) -> tuple[str | None, dict | None]:
         v = m.meta(f"{arch}.{key}")
         return int(v) if v is not None and v.strip().lstrip("-").isdigit() else None
 
-    pattern = num("attention.sliding_window_pattern")
-    if pattern is None and arch in ISWA_ARCHS and m.path is not None:
-        pattern = gguf_field(m.path, f"{arch}.attention.sliding_window_pattern")  # a bool array, or absent
-    fields = {
-        "general.architecture": arch, f"{arch}.block_count": num("block_count"),
-        f"{arch}.nextn_predict_layers": num("nextn_predict_layers"),
-        f"{arch}.attention.head_count_kv": m.kv_head_counts(),
-        f"{arch}.attention.sliding_window": num("attention.sliding_window"),
-        f"{arch}.attention.sliding_window_pattern": pattern,
-        # minimax-m3's indexer layers start after it (_layers.layer_map)
-        f"{arch}.leading_dense_block_count": num("leading_dense_block_count")}
-    # the keys whose absence llama.cpp fills with a default (_layers.KEYED_RULES) must all be
-    # read, None when absent, and the arrays other rules read: scalars from the metadata, arrays
-    # from the GGUF
-    for k in KEYED_RULES.get(arch, ()) + ARRAY_KEYS.get(arch, ()):
-        full = f"{arch}.{k}"
-        if full not in fields or fields[full] is None:
-            v = num(k)
-            fields[full] = v if v is not None or m.path is None else gguf_field(m.path, full)
+    # every key the rule reads, None when absent: scalars from the metadata; the arch's own keys
+    # (arrays among them) from the GGUF when the metadata lacks them
+    own = arch_keys(arch)
+    fields = {"general.architecture": arch}
+    for k in rule_keys(arch):
+        v = m.kv_head_counts() if k == "attention.head_count_kv" else num(k)
+        if v is None and k in own and m.path is not None:
+            v = gguf_field(m.path, f"{arch}.{k}")
+        fields[f"{arch}.{k}"] = v
     layers = layer_map(fields)
     return memory_of(layers), layers
 

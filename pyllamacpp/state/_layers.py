@@ -60,6 +60,9 @@ GLM_5_2_MIN_CONTEXT = 1048576
 # per-layer arrays another rule reads (besides head_count_kv and the SWA pattern): a caller that
 # reads llama.cpp's metadata (llama_model_meta_val_str leaves arrays out) reads them from the GGUF
 ARRAY_KEYS = {"deepseek4": ("attention.compress_ratios",)}
+# the keys (after "{arch}.") rules of several archs read
+COMMON_KEYS = ("block_count", "nextn_predict_layers", "attention.head_count_kv", "attention.sliding_window",
+               "leading_dense_block_count")
 # archs whose rule reads these keys (after block_count, nextn_predict_layers): each must be in
 # ``fields``, None when the GGUF lacks it (see the module docstring)
 KEYED_RULES = {
@@ -101,6 +104,20 @@ def _flags(value, n: int, *, exact: bool) -> list[bool] | None:
     if exact and isinstance(value, int):
         return [bool(value)] * n
     return None
+
+
+def arch_keys(arch) -> tuple[str, ...]:
+    """The keys (after "{arch}.") only ``arch``'s rule reads: its KEYED_RULES keys, its ARRAY_KEYS,
+    an iSWA arch's sliding_window_pattern. A caller reading llama.cpp's metadata, which leaves
+    arrays out, reads these from the GGUF when the metadata lacks them."""
+    pattern = ("attention.sliding_window_pattern",) if arch in ISWA_ARCHS else ()
+    return KEYED_RULES.get(arch, ()) + ARRAY_KEYS.get(arch, ()) + pattern
+
+
+def rule_keys(arch) -> tuple[str, ...]:
+    """Every key (after "{arch}.") that layer_map and memory_for read for ``arch``: what a
+    caller puts in ``fields``, None when the GGUF lacks it."""
+    return COMMON_KEYS + tuple(k for k in arch_keys(arch) if k not in COMMON_KEYS)
 
 
 def memory_for(fields: dict) -> str | None:

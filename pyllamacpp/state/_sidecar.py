@@ -8,7 +8,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from ._layers import layer_map, memory_for
+from ._layers import layer_map, memory_for, rule_keys
 
 SIDECAR_FIELDS = {
     "model": "model file name",
@@ -108,11 +108,7 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
         # when the attention layers agree
         head_kv = set(head_kv) - {0}
         head_kv = head_kv.pop() if len(head_kv) == 1 else None
-    keys = ["general.architecture"] + [f"{arch}.{k}" for k in (
-        "block_count", "nextn_predict_layers", "attention.head_count_kv", "attention.sliding_window",
-        "attention.sliding_window_pattern", "leading_dense_block_count", "attention.indexer.top_k",
-        "attention.compress_ratios", "attention.indexer.types", "context_length", "full_attention_interval",
-        "attention.recurrent_layers")]  # every key a _layers rule reads (KEYED_RULES: absent ones as None)
+    keys = ["general.architecture"] + [f"{arch}.{k}" for k in rule_keys(arch)]  # absent ones as None
     fields = {k: _field(r, k) for k in keys}
     layers = layer_map(fields)
     memory = None if layers else memory_for(fields)

@@ -161,6 +161,22 @@ def py_context(model, s: dict, n_seq_max: int | None = None):
                          n_threads=s["threads"], n_threads_batch=s["threads"])
 
 
+def native_lib():
+    """native_driver.c built as a shared library (build_driver), its two exported loops declared,
+    and a converter of cffi pointers (pl.ffi) to ctypes ones."""
+    import ctypes
+
+    import pyllamacpp as pl
+    c = ctypes
+    so = c.CDLL(str(native_lib_path()))
+    so.decode_in_process.restype = c.c_double
+    so.decode_in_process.argtypes = [c.c_void_p, c.c_void_p, c.POINTER(c.c_int32), c.c_int, c.c_int,
+                                     c.POINTER(c.c_int), c.POINTER(c.c_uint32)]
+    so.state_step.restype = c.c_int
+    so.state_step.argtypes = [c.c_void_p, c.POINTER(c.c_double), c.POINTER(c.c_double), c.POINTER(c.c_uint)]
+    return so, lambda p: c.c_void_p(int(pl.ffi.cast("uintptr_t", p)))
+
+
 def decode_in_process(ctx, tokens, sampler, clock: DecodeClock, s: dict, pairs: int = 2) -> dict:
     """The decode workload of both sides in this one process, on this one context and sampler:
     native_driver.c's ``decode_in_process`` (its run_decode, timed in C) through ctypes, and
@@ -170,11 +186,7 @@ def decode_in_process(ctx, tokens, sampler, clock: DecodeClock, s: dict, pairs: 
     import ctypes
 
     import pyllamacpp as pl
-    so = ctypes.CDLL(str(native_lib_path()))
-    so.decode_in_process.restype = ctypes.c_double
-    so.decode_in_process.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int,
-                                     ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint32)]
-    addr = lambda p: ctypes.c_void_p(int(pl.ffi.cast("uintptr_t", p)))  # noqa: E731
+    so, addr = native_lib()
     prompt = (ctypes.c_int32 * tokens.size)(*tokens.tolist())
     n_dec, sums = ctypes.c_int(), ctypes.c_uint32()
     nat, py, checks = [], [], set()
@@ -195,7 +207,7 @@ def decode_in_process(ctx, tokens, sampler, clock: DecodeClock, s: dict, pairs: 
             "inproc_same_tokens": len(checks) == 1}
 
 
-def state_in_process(ctx, ffi, s: dict) -> dict:
+def state_in_process(ctx, s: dict) -> dict:
     """The state round trip of both sides in this one process, on this one context: native_driver.c's
     ``state_step`` (its timed get + set, into a fresh ``malloc`` buffer, freed after) through ctypes,
     and ``seq_state`` + ``set_seq_state`` with their defaults, alternating which goes first.
@@ -206,11 +218,8 @@ def state_in_process(ctx, ffi, s: dict) -> dict:
     places. Here both copy from the same tensors. The C side's timing is C's own (CLOCK_MONOTONIC
     inside the call), so ctypes' call costs nothing to it."""
     import ctypes
-    so = ctypes.CDLL(str(native_lib_path()))
-    so.state_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double),
-                              ctypes.POINTER(ctypes.c_uint)]
-    so.state_step.restype = ctypes.c_int
-    cptr = ctypes.c_void_p(int(ffi.cast("uintptr_t", ctx.ptr)))
+    so, addr = native_lib()
+    cptr = addr(ctx.ptr)
     t_get, t_set, off = ctypes.c_double(), ctypes.c_double(), ctypes.c_uint()
     clock = time.perf_counter
     ng, ns, pg, ps, offs = [], [], [], [], set()
@@ -406,7 +415,7 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
                     g.append(t1 - t0), st_.append(t2 - t1)
             pg.append(ms(g)), ps.append(ms(st_))
         cs._new_state_buffer = default_buffer
-        inproc = state_in_process(ctx, pl.ffi, s) if native_lib_path().exists() else {}
+        inproc = state_in_process(ctx, s) if native_lib_path().exists() else {}
         return {**inproc, "workload": workload, "n_tokens": s["n_tokens"], "state_bytes": size,
                 "flash_attn": flash_attn_verdict(ctx), "get_ms": ms(tg), "set_ms": ms(ts), "set_empty_ms": ms(te),
                 "fast_get_ms": ms(fg), "fast_set_ms": ms(fs),
