@@ -91,7 +91,12 @@ def _experiment(name: str):
     return run
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pyllamacpp`` command's parser, every subcommand included (the docs render it).
+
+    Returns:
+        The parser ``main()`` parses with.
+    """
     ap = argparse.ArgumentParser(prog="pyllamacpp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-v", "--verbose", action="count", default=0,
@@ -186,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     from .experiments import splits, trace
     splits.add_parser(sub)
     trace.add_parser(sub)
+    return ap
 
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.verbose:
         import logging
