@@ -1,37 +1,153 @@
-"""Generation loops over a Context: one sequence, or many decoded together (examples/batched)."""
+"""Generation loops over a Context: one sequence, or many decoded together (examples/batched).
+
+How generation ends, and what the KV cache holds afterwards (the same for :func:`generate` and
+:func:`generate_parallel`):
+
+- ``finish_reason`` is ``"eog"`` (an end-of-generation token was sampled; it is the last token
+  returned), ``"n_predict"`` (``n_predict`` tokens were sampled) or ``"ctx_full"`` (the next
+  decode found no KV cell: ``llama_decode`` returned 1; the tokens sampled so far are kept and
+  no exception is raised). Other decode errors (abort, Ctrl-C, a closed context) raise.
+- The last sampled token is not decoded, as in llama.cpp's examples (simple, batched): decoding
+  it would cost one more ``llama_decode`` for logits nobody reads. So a sequence ends with its
+  prompt and every sampled token but the last in memory: ``seq_pos_max == start + n_prompt +
+  len(tokens) - 2``. To continue a sequence, feed that last token back first
+  (``generate(ctx, [last, *more], n)``); an end-of-generation token is fed back like any other.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Literal
 
 import numpy as np
 
 from .batch import Batch
+from .errors import KVCacheFullError
 from .sampling import Sampler
 
+FinishReason = Literal["eog", "n_predict", "ctx_full"]
 
-def generate(ctx, tokens, n_predict: int, sampler: Sampler | None = None, seq_id: int = 0) -> Iterator[int]:
-    """Prefill ``tokens`` into ``seq_id`` (after what it holds), then yield up to ``n_predict``
-    sampled tokens, one ``llama_decode`` each; stops after an end-of-generation token.
 
-    Each yielded token is decoded when the next one is asked for (so breaking out of the loop
-    leaves the last yielded token out of memory); the decode and the next sample are one C call
-    (``Context._generation_step``)."""
-    sampler = sampler or Sampler.greedy()
+class _Outcome:
+    """What a generation did, written by its generator (kept apart so that the generator holds no
+    reference to the object the caller holds: dropping that one closes the generator at once)."""
+    __slots__ = ("tokens", "finish_reason", "error")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.error: KVCacheFullError | None = None
+
+
+class Generation:
+    """What :func:`generate` returns: an iterator of sampled token ids that keeps what it did.
+
+    Attributes:
+        tokens: the tokens yielded so far.
+        finish_reason: ``"eog"``, ``"n_predict"`` or ``"ctx_full"`` once the iterator is
+            exhausted; None while it runs, or when it was closed early or raised.
+        error: the :class:`KVCacheFullError` that ended it with ``"ctx_full"`` (llama.cpp's
+            reason in ``error.reason``), else None.
+        n_prompt: tokens prefilled before the first sample.
+        ctx, seq_id: where it decodes.
+    """
+
+    def __init__(self, ctx, tokens, n_predict: int, sampler: Sampler | None, seq_id: int):
+        self.ctx, self.seq_id = ctx, seq_id
+        toks = np.asarray(tokens, dtype=np.int32)
+        self.n_prompt = int(toks.size)
+        self._out = _Outcome()
+        self._it = _run(ctx, toks, int(n_predict), sampler or Sampler.greedy(), seq_id, self._out)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._out.tokens
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._out.finish_reason
+
+    @property
+    def error(self) -> KVCacheFullError | None:
+        return self._out.error
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> int:
+        return next(self._it)
+
+    def close(self) -> None:
+        """Stop here (as breaking out of a loop does); the last yielded token stays undecoded."""
+        self._it.close()
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Generation {len(self.tokens)} tokens, finish_reason={self.finish_reason!r}>"
+
+
+def _run(ctx, tokens: np.ndarray, n_predict: int, sampler: Sampler, seq_id: int, res: _Outcome) -> Iterator[int]:
     is_eog = ctx.model.is_eog
     pos = ctx.prefill(tokens, seq_id)
-    if n_predict <= 0:
+    if n_predict == 0:
+        res.finish_reason = "n_predict"
         return
+    limit = n_predict if n_predict > 0 else -1  # -1: no limit (llama.cpp's -n -1)
     step, out = ctx._generation_step(sampler, seq_id)
     tok = sampler.sample(ctx, -1)
     eog = is_eog(tok)
-    for i in range(1, n_predict + 1):
+    append = res.tokens.append
+    i = 1
+    while True:
+        append(tok)
         yield tok
         if eog:
+            res.finish_reason = "eog"
             return
-        tok = step(tok, pos, i < n_predict)  # the last token is decoded too, as it always was
+        if i == limit:  # the last token is not decoded (see the module's docstring)
+            res.finish_reason = "n_predict"
+            return
+        try:
+            tok = step(tok, pos, True)
+        except KVCacheFullError as e:  # nothing of this step reached memory; the context goes on
+            res.finish_reason, res.error = "ctx_full", e
+            return
         eog = out.eog
         pos += 1
+        i += 1
+
+
+def generate(ctx, tokens, n_predict: int, sampler: Sampler | None = None, seq_id: int = 0) -> Generation:
+    """Prefill ``tokens`` into ``seq_id`` (after what it holds), then yield up to ``n_predict``
+    sampled tokens, one ``llama_decode`` each (``n_predict=-1``: no limit).
+
+    Generation ends at an end-of-generation token (yielded), after ``n_predict`` tokens, or when
+    the context is full; the returned :class:`Generation` says which (``finish_reason``). The
+    last yielded token is never decoded: the sequence holds the prompt and every token but the
+    last (see the module's docstring). Each token is decoded when the next one is asked for; the
+    decode and the next sample are one C call (``Context._generation_step``).
+
+    Args:
+        ctx: the :class:`Context`.
+        tokens: the prompt's token ids (at least one).
+        n_predict: most tokens to sample; 0 prefills only; -1 has no limit.
+        sampler: the :class:`Sampler` (greedy when None), used as is (not reset).
+        seq_id: the sequence to extend.
+
+    Returns:
+        A :class:`Generation`, an iterator of token ids.
+
+    Raises:
+        ValueError: no tokens, or a bad ``seq_id`` (at the first ``next``).
+        KVCacheFullError: the prompt itself does not fit.
+        DecodeAborted: ``ctx.abort()`` or Ctrl-C stopped a decode.
+        ClosedError: the context or sampler was closed.
+    """
+    return Generation(ctx, tokens, n_predict, sampler, seq_id)
 
 
 @dataclass
@@ -39,7 +155,12 @@ class ParallelResult:
     seq_id: int
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    finished_by: str = ""  # "eog" or "n_predict"
+    finish_reason: str = ""  # "eog", "n_predict" or "ctx_full", as Generation.finish_reason
+
+    @property
+    def finished_by(self) -> str:
+        """The former name of ``finish_reason``."""
+        return self.finish_reason
 
 
 def generate_parallel(ctx, prompt, n_parallel: int, n_predict: int, sampler: Sampler | None = None,
@@ -50,7 +171,9 @@ def generate_parallel(ctx, prompt, n_parallel: int, n_predict: int, sampler: Sam
     the prompt). This needs a unified KV cache; with ``kv_unified=False`` llama.cpp rejects such
     "coupled" sequences, so the prompt is decoded into sequence 0 and copied with ``seq_cp``
     (``shared_prompt`` forces either path). Then each step puts one token per live sequence into
-    one batch; a sequence ends on its own at an end-of-generation token or after ``n_predict``.
+    one batch; a sequence ends on its own at an end-of-generation token or after ``n_predict``,
+    and all live sequences end with ``"ctx_full"`` when a step's decode finds no KV cell. As with
+    :func:`generate`, a sequence's last sampled token is not decoded.
     One sampler serves all sequences, as in the example; greedy by default.
     """
     model = ctx.model
@@ -85,17 +208,22 @@ def generate_parallel(ctx, prompt, n_parallel: int, n_predict: int, sampler: Sam
             tok = sampler.sample(ctx, out_index[s])
             results[s].tokens.append(tok)
             if model.is_eog(tok):
-                results[s].finished_by = "eog"
+                results[s].finish_reason = "eog"
                 continue
             if len(results[s].tokens) >= n_predict:
-                results[s].finished_by = "n_predict"
+                results[s].finish_reason = "n_predict"  # its last token is not decoded
                 continue
             out_index[s] = batch.add(tok, pos, s, logits=True)
             still.append(s)
         live = still
         if not live:
             break
-        ctx.decode(batch)
+        try:
+            ctx.decode(batch)
+        except KVCacheFullError:
+            for s in live:
+                results[s].finish_reason = "ctx_full"
+            break
         pos += 1
     for r in results.values():
         r.text = model.detokenize([t for t in r.tokens if not model.is_eog(t)])

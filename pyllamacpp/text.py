@@ -1,0 +1,300 @@
+"""Text in, text out: ``complete`` and ``chat`` over :func:`pyllamacpp.generate`, and the streaming
+detokenizer under them.
+
+A token is bytes, not always whole characters: this model writes "😀" as three tokens
+(``f0 9f`` / ``98`` / ``80``). :class:`Detokenizer` holds back an incomplete UTF-8 sequence until
+the token that completes it arrives, so no piece a stream yields ends inside a character; what is
+left at the end (a character cut by ``n_predict``) becomes U+FFFD, as ``llama_detokenize`` output
+decoded with ``errors="replace"`` does.
+
+Contexts: without ``ctx=``, a call makes a context just large enough for the prompt and
+``n_predict`` tokens (at most ``n_ctx_train``; with ``n_predict=-1`` the default ``n_ctx``) and
+closes it when the text is done, when a stream is closed, or when an abandoned stream is
+collected. With ``ctx=``, the call first clears sequence ``seq_id`` (0 by default,
+``llama_memory_seq_rm(mem, seq_id, -1, -1)``), leaves the other sequences alone, and does not close
+the context; afterwards the sequence holds the prompt and every sampled token but the last (the
+convention of :mod:`pyllamacpp.generation`). To continue a sequence instead, use
+:func:`pyllamacpp.generate`.
+"""
+from __future__ import annotations
+
+import codecs
+from typing import TYPE_CHECKING, Iterator, Literal, overload
+
+import numpy as np
+
+from .generation import FinishReason, Generation, generate
+from .sampling import Sampler
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .model import Model
+
+
+class Detokenizer:
+    """Token ids to text, one token at a time, never splitting a UTF-8 character.
+
+    Each token's bytes come from ``llama_token_to_piece`` (:meth:`Model.token_to_bytes`); an
+    incremental UTF-8 decoder keeps the bytes of a character not yet complete. Special (control)
+    tokens give no text unless ``special=True``, as in llama.cpp's server by default.
+    """
+
+    def __init__(self, model: Model, special: bool = False):
+        self.model, self.special = model, special
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> str:
+        """The text ``token`` completes ("" while a character is still incomplete).
+
+        Raises:
+            ValueError: the token is outside the vocabulary.
+        """
+        return self._decoder.decode(self.model.token_to_bytes(token, self.special))
+
+    def flush(self) -> str:
+        """What is held back, as U+FFFD for an incomplete character (then ready for new text)."""
+        return self._decoder.decode(b"", True)
+
+
+class Completion(str):
+    """The text of :func:`complete` / :func:`chat`, a ``str`` that also says how it ended.
+
+    Attributes:
+        finish_reason: ``"eog"``, ``"n_predict"`` or ``"ctx_full"`` (see :mod:`pyllamacpp.generation`).
+        tokens: every sampled token (an end-of-generation token included; it adds no text).
+        n_prompt: the prompt's tokens.
+    """
+
+    finish_reason: FinishReason
+    tokens: list[int]
+    n_prompt: int
+
+    def __new__(cls, text: str, finish_reason: FinishReason, tokens: list[int], n_prompt: int) -> Completion:
+        self = super().__new__(cls, text)
+        self.finish_reason, self.tokens, self.n_prompt = finish_reason, tokens, n_prompt
+        return self
+
+
+class _StreamState:
+    """What a TextStream's generator uses and writes (the stream object itself stays out of its
+    reach, so dropping the stream closes the generator and frees the context at once)."""
+    __slots__ = ("model", "ctx", "own_ctx", "sampler", "own_sampler", "seq_id", "pieces", "generation",
+                 "finish_reason")
+
+    def release(self) -> None:
+        if self.own_ctx:
+            self.ctx.close()
+        if self.own_sampler:
+            self.sampler.close()
+
+
+class TextStream:
+    """The iterator ``complete(..., stream=True)`` / ``chat(..., stream=True)`` return: pieces of
+    text as tokens are generated (whole characters only; a token that ends inside a character
+    yields nothing until the next one completes it).
+
+    ``close()`` (or leaving a ``with`` block, or dropping the stream) stops generation and closes
+    the context when the call made it. Its attributes fill in as it runs.
+
+    Attributes:
+        ctx: the :class:`Context` it decodes in (its own, or the ``ctx=`` given).
+        seq_id: the sequence it uses.
+        n_prompt: the prompt's tokens.
+        tokens: the tokens sampled so far.
+        text: the text yielded so far.
+        finish_reason: ``"eog"``, ``"n_predict"`` or ``"ctx_full"`` once exhausted, else None.
+        generation: the underlying :class:`Generation` once started (its ``error`` says why
+            the context was full).
+    """
+
+    def __init__(self, model: Model, tokens: np.ndarray, n_predict: int, sampler: Sampler | None,
+                 ctx: Context | None, seq_id: int):
+        if tokens.size == 0:
+            raise ValueError("the prompt gave no tokens")
+        if not isinstance(seq_id, int) or seq_id < 0:
+            raise ValueError(f"seq_id must be an int >= 0, not {seq_id!r}")
+        st = self._st = _StreamState()
+        st.model, st.seq_id, st.own_ctx = model, seq_id, ctx is None
+        if ctx is None:
+            n_ctx = None if n_predict < 0 else int(tokens.size) + n_predict
+            if n_ctx is not None and model.n_ctx_train > 0:
+                n_ctx = min(n_ctx, model.n_ctx_train)
+            ctx = model.context(n_ctx=n_ctx)
+        elif ctx.model is not model:
+            raise ValueError("ctx= is a context of another model")
+        st.ctx = ctx
+        if tokens.size > ctx.n_ctx_seq:
+            if st.own_ctx:
+                ctx.close()
+            raise ValueError(f"the prompt is {tokens.size} tokens, more than the context holds "
+                             f"(n_ctx_seq={ctx.n_ctx_seq})")
+        st.own_sampler, st.sampler = sampler is None, sampler or Sampler.greedy()
+        st.pieces, st.generation, st.finish_reason = [], None, None
+        self.n_prompt = int(tokens.size)
+        self._it = _stream(st, tokens, n_predict)
+
+    ctx = property(lambda self: self._st.ctx)
+    seq_id = property(lambda self: self._st.seq_id)
+    generation = property(lambda self: self._st.generation)
+    finish_reason = property(lambda self: self._st.finish_reason)
+
+    @property
+    def tokens(self) -> list[int]:
+        g = self._st.generation
+        return g.tokens if g is not None else []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._st.pieces)
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._it)
+
+    def close(self) -> None:
+        """Stop generating; close the context and sampler this call made (idempotent)."""
+        self._it.close()
+        self._st.release()
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<TextStream {len(self.tokens)} tokens, finish_reason={self.finish_reason!r}>"
+
+
+def _stream(st: _StreamState, tokens: np.ndarray, n_predict: int) -> Iterator[str]:
+    try:
+        ctx = st.ctx
+        if not st.own_ctx:
+            ctx.memory.seq_rm(st.seq_id)  # a fresh sequence, whatever it held
+        gen = st.generation = generate(ctx, tokens, n_predict, st.sampler, st.seq_id)
+        detok = Detokenizer(st.model)
+        feed, keep, is_eog = detok.feed, st.pieces.append, st.model.is_eog
+        for tok in gen:
+            if is_eog(tok):
+                continue  # the last token: it ends generation and writes nothing
+            piece = feed(tok)
+            if piece:
+                keep(piece)
+                yield piece
+        tail = detok.flush()
+        if tail:
+            keep(tail)
+            yield tail
+        st.finish_reason = gen.finish_reason
+    finally:
+        if st.generation is not None:
+            st.generation.close()
+        st.release()
+
+
+def _finish(stream: TextStream) -> Completion:
+    with stream:
+        for _ in stream:
+            pass
+    assert stream.finish_reason is not None
+    return Completion(stream.text, stream.finish_reason, list(stream.tokens), stream.n_prompt)
+
+
+@overload
+def complete(model: Model, prompt: str, n_predict: int = ..., *, sampler: Sampler | None = ...,
+             ctx: Context | None = ..., stream: Literal[False] = ..., add_special: bool = ...,
+             parse_special: bool = ..., seq_id: int = ...) -> Completion: ...
+@overload  # noqa: E302
+def complete(model: Model, prompt: str, n_predict: int = ..., *, sampler: Sampler | None = ...,
+             ctx: Context | None = ..., stream: Literal[True], add_special: bool = ...,
+             parse_special: bool = ..., seq_id: int = ...) -> TextStream: ...
+def complete(model: Model, prompt: str, n_predict: int = 128, *, sampler: Sampler | None = None,  # noqa: E302
+             ctx: Context | None = None, stream: bool = False, add_special: bool = True,
+             parse_special: bool = False, seq_id: int = 0) -> Completion | TextStream:
+    """Generate text after ``prompt``: ``llama_tokenize``, then :func:`pyllamacpp.generate`, then
+    :class:`Detokenizer` (``llama_token_to_piece`` per token).
+
+    Args:
+        model: the :class:`Model`.
+        prompt: the text to continue.
+        n_predict: most tokens to sample (-1: until an end-of-generation token or a full context).
+        sampler: a :class:`Sampler`, used as is (not reset, not closed); greedy when None.
+        ctx: a :class:`Context` to decode in; sequence ``seq_id`` is cleared first and the context
+            stays open. None: a context of ``n_prompt + n_predict`` cells is made and closed after.
+        stream: return a :class:`TextStream` of pieces instead of the whole text.
+        add_special: ``llama_tokenize``'s ``add_special`` (BOS where the model wants one).
+        parse_special: ``llama_tokenize``'s ``parse_special`` (``<|im_start|>`` as one token).
+        seq_id: the sequence to use in ``ctx``.
+
+    Returns:
+        A :class:`Completion` (a ``str`` with ``finish_reason``, ``tokens``, ``n_prompt``), or with
+        ``stream=True`` a :class:`TextStream`.
+
+    Raises:
+        ValueError: an empty prompt, a prompt longer than the context, a ``ctx`` of another model.
+        DecodeAborted: ``ctx.abort()`` or Ctrl-C stopped a decode.
+        ClosedError: the model, context or sampler was closed.
+    """
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a str, not {type(prompt).__name__} (use generate() for token ids)")
+    tokens = model.tokenize(prompt, add_special, parse_special)
+    s = TextStream(model, tokens, int(n_predict), sampler, ctx, seq_id)
+    return s if stream else _finish(s)
+
+
+def chat_tokens(model: Model, messages: list[dict[str, str]], template: str | None = None) -> np.ndarray:
+    """The prompt :func:`chat` decodes: ``llama_chat_apply_template`` with the assistant's turn
+    opened, tokenized with special tokens parsed (``<|im_start|>`` is one control token, not
+    text), and BOS added where the model wants one but not twice when the template wrote it."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages: a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content' strings, not {m!r}")
+    text = model.apply_chat_template(list(messages), add_assistant=True, template=template)
+    toks = model.tokenize(text, add_special=True, parse_special=True)
+    bos = model.bos
+    if toks.size >= 2 and bos >= 0 and toks[0] == bos and toks[1] == bos:
+        toks = toks[1:]  # the template wrote BOS itself
+    return toks
+
+
+@overload
+def chat(model: Model, messages: list[dict[str, str]], n_predict: int = ..., *,
+         sampler: Sampler | None = ..., ctx: Context | None = ..., stream: Literal[False] = ...,
+         template: str | None = ..., seq_id: int = ...) -> Completion: ...
+@overload  # noqa: E302
+def chat(model: Model, messages: list[dict[str, str]], n_predict: int = ..., *,
+         sampler: Sampler | None = ..., ctx: Context | None = ..., stream: Literal[True],
+         template: str | None = ..., seq_id: int = ...) -> TextStream: ...
+def chat(model: Model, messages: list[dict[str, str]], n_predict: int = 256, *,  # noqa: E302
+         sampler: Sampler | None = None, ctx: Context | None = None, stream: bool = False,
+         template: str | None = None, seq_id: int = 0) -> Completion | TextStream:
+    """The assistant's answer to ``messages``, through the GGUF's chat template
+    (``llama_chat_apply_template``; see :func:`chat_tokens`), then as :func:`complete`.
+
+    The whole conversation is decoded each call (sequence ``seq_id`` of ``ctx`` is cleared first).
+
+    Args:
+        model: the :class:`Model`.
+        messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+        n_predict: most tokens to sample (-1: no limit).
+        sampler: a :class:`Sampler` used as is; greedy when None.
+        ctx: a :class:`Context` to decode in (see :func:`complete`).
+        stream: return a :class:`TextStream` instead of the whole answer.
+        template: a template (or a built-in template's name, e.g. ``"chatml"``) instead of the model's.
+        seq_id: the sequence to use in ``ctx``.
+
+    Returns:
+        A :class:`Completion`, or with ``stream=True`` a :class:`TextStream`.
+
+    Raises:
+        ValueError: malformed messages, no usable template, a prompt longer than the context.
+        DecodeAborted: ``ctx.abort()`` or Ctrl-C stopped a decode.
+        ClosedError: the model, context or sampler was closed.
+    """
+    tokens = chat_tokens(model, messages, template)
+    s = TextStream(model, tokens, int(n_predict), sampler, ctx, seq_id)
+    return s if stream else _finish(s)
