@@ -308,6 +308,26 @@ class Model(Owner):
             size = n
         raise ValueError("llama_chat_apply_template() kept growing")
 
+    # -- text (pyllamacpp.text) -----------------------------------------------------------------
+    def complete(self, prompt: str, n_predict: int = 128, *, sampler=None, ctx=None, stream: bool = False,
+                 add_special: bool = True, parse_special: bool = False, seq_id: int = 0):
+        """Text after ``prompt``, or with ``stream=True`` an iterator of UTF-8-safe pieces; stops
+        at an end-of-generation token, after ``n_predict`` tokens or when the context is full
+        (``.finish_reason``). Greedy unless ``sampler``; ``ctx=None`` makes and closes a context,
+        a given ``ctx`` has ``seq_id`` cleared first. See :func:`pyllamacpp.text.complete`."""
+        from .text import complete
+        return complete(self, prompt, n_predict, sampler=sampler, ctx=ctx, stream=stream,
+                        add_special=add_special, parse_special=parse_special, seq_id=seq_id)
+
+    def chat(self, messages: list[dict[str, str]], n_predict: int = 256, *, sampler=None, ctx=None,
+             stream: bool = False, template: str | None = None, seq_id: int = 0):
+        """The assistant's answer to ``messages`` through the GGUF's chat template, special tokens
+        parsed; same return forms and context rules as :meth:`complete`. See
+        :func:`pyllamacpp.text.chat`."""
+        from .text import chat
+        return chat(self, messages, n_predict, sampler=sampler, ctx=ctx, stream=stream, template=template,
+                    seq_id=seq_id)
+
     # -- contexts ------------------------------------------------------------------------------
     def context(self, params=None, **kwargs):
         """A :class:`pyllamacpp.Context` over this model (``llama_init_from_model``)."""
