@@ -5,12 +5,10 @@ integer ``#define`` of ``llama.h`` (and the ggml headers it includes), checked b
 The compiled parts load on first use, so pure-Python parts (``pyllamacpp.state``, ``models``)
 import without them.
 """
-from __future__ import annotations
-
-import importlib
+import importlib as _importlib
 
 from ._version import __version__
-from .errors import (ClosedError, ContextError, DecodeAborted, DecodeError, InvalidBatchError,
+from .errors import (ClosedError, ContextError, DecodeAborted, DecodeError, DecodeInterrupted, InvalidBatchError,
                      KVCacheFullError, LlamaError, ModelLoadError, StateError)
 from .models import default_model_path
 
@@ -23,22 +21,29 @@ _LAZY = {
     "devices": ".rpc", "sync_log_level": "._log",
     "Sampler": ".sampling", "generate": ".generation", "generate_parallel": ".generation",
 }
+# public subpackages and modules, also imported on first access (``pyllamacpp.state.parse``)
+_SUBMODULES = ("state", "testing", "models", "experiments", "rpc", "cli")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
+    if name in _SUBMODULES:
+        return _importlib.import_module("." + name, __name__)
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'pyllamacpp' has no attribute {name!r}")
-    importlib.import_module("._log", __name__)  # route llama.cpp's log before anything runs
-    value = getattr(importlib.import_module(mod, __name__), name)
+    _importlib.import_module("._log", __name__)  # route llama.cpp's log before anything runs
+    value = getattr(_importlib.import_module(mod, __name__), name)
     globals()[name] = value
     return value
 
 
-def __dir__():
-    return sorted([*globals(), *_LAZY])
+def __dir__() -> list[str]:
+    # the public API and dunders: not the helpers, nor the implementation modules that importing
+    # a lazy name sets as attributes (batch, context, _log ...)
+    dunders = (n for n in globals() if n.startswith("__") and n.endswith("__"))
+    return sorted({*__all__, *_SUBMODULES, *dunders})
 
 
 __all__ = ["__version__", "default_model_path", "LlamaError", "ModelLoadError", "ContextError",
-           "DecodeError", "InvalidBatchError", "KVCacheFullError", "DecodeAborted", "StateError",
+           "DecodeError", "InvalidBatchError", "KVCacheFullError", "DecodeAborted", "DecodeInterrupted", "StateError",
            "ClosedError", *_LAZY]

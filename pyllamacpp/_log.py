@@ -16,10 +16,18 @@ logger = logging.getLogger("pyllamacpp.llama")
 # A library does not print through logging's last-resort handler: configure logging to see it.
 logging.getLogger("pyllamacpp").addHandler(logging.NullHandler())
 
+# llama.cpp's DEBUG lines (~2000 per context: graph, tensor and buffer details), one step below
+# logging.DEBUG: ``logging.getLogger("pyllamacpp.llama").setLevel(pyllamacpp._log.TRACE)`` shows them.
+TRACE = 5
+
+# llama.cpp's level -> logging's, one step down for INFO and DEBUG: llama.cpp's INFO lines (~140
+# per model load and context: every GGUF key, tensor type counts, hparams, buffer sizes) are what a
+# Python library logs at DEBUG, and an application run at INFO should not scroll them past. WARN
+# and ERROR keep their level: they say something went or may go wrong.
 _PY_LEVEL = {
-    lib.GGML_LOG_LEVEL_NONE: logging.INFO,
-    lib.GGML_LOG_LEVEL_DEBUG: logging.DEBUG,
-    lib.GGML_LOG_LEVEL_INFO: logging.INFO,
+    lib.GGML_LOG_LEVEL_NONE: logging.DEBUG,
+    lib.GGML_LOG_LEVEL_DEBUG: TRACE,
+    lib.GGML_LOG_LEVEL_INFO: logging.DEBUG,
     lib.GGML_LOG_LEVEL_WARN: logging.WARNING,
     lib.GGML_LOG_LEVEL_ERROR: logging.ERROR,
 }
@@ -46,7 +54,7 @@ class Capture:
 class _ThreadState(threading.local):
     def __init__(self):
         self.partial = ""  # text of a line not yet ended by "\n"
-        self.level = logging.INFO  # for GGML_LOG_LEVEL_CONT
+        self.level = logging.DEBUG  # for GGML_LOG_LEVEL_CONT
         self.captures: list[Capture] = []
         self.errors: list[BaseException] = []  # raised by a logging handler inside the callback
 
@@ -70,7 +78,7 @@ def _on_error(exc_type, exc, tb):
 def _pyllamacpp_log_cb(level, text, user_data):
     s = ffi.string(text).decode("utf-8", "replace")
     if level != lib.GGML_LOG_LEVEL_CONT:
-        _tls.level = _PY_LEVEL.get(level, logging.INFO)
+        _tls.level = _PY_LEVEL.get(level, logging.DEBUG)
     buf = _tls.partial + s
     *lines, _tls.partial = buf.split("\n")
     for line in lines:
@@ -85,7 +93,7 @@ class capture:
     __slots__ = ("cap",)
 
     def __enter__(self) -> Capture:
-        lib.pyl_log_debug = logger.isEnabledFor(logging.DEBUG)  # follow the logger's level
+        lib.pyl_log_debug = logger.isEnabledFor(TRACE)  # follow the logger's level
         self.cap = Capture()
         _tls.captures.append(self.cap)
         return self.cap
@@ -125,7 +133,7 @@ def raise_pending() -> None:
 def install() -> None:
     """Point llama.cpp's and ggml's loggers (``llama_log_set`` sets both) at Python, through
     ``pyl_log_cb`` (build_support/helpers.h): DEBUG lines stay in C unless logger
-    ``pyllamacpp.llama`` is enabled for DEBUG, as checked on entering each :class:`capture`, when
+    ``pyllamacpp.llama`` is enabled for TRACE, as checked on entering each :class:`capture`, when
     ``generate`` starts, or by :func:`sync_log_level`. The hot calls that run without a capture
     (``generate``'s steps, ``seq_state``, ``set_seq_state``) follow the level as it was last checked."""
     sync_log_level()
@@ -134,9 +142,10 @@ def install() -> None:
 
 def sync_log_level() -> None:
     """Let llama.cpp's DEBUG lines through to Python when logger ``pyllamacpp.llama`` is enabled
-    for DEBUG: call it after changing the level, before raw ``lib`` calls or ``seq_state`` /
-    ``set_seq_state`` (pyllamacpp's captured calls and ``generate`` check it themselves)."""
-    lib.pyl_log_debug = logger.isEnabledFor(logging.DEBUG)
+    for :data:`TRACE` (they log at TRACE): call it after changing the level, before raw ``lib``
+    calls or ``seq_state`` / ``set_seq_state`` (pyllamacpp's captured calls and ``generate`` check
+    it themselves)."""
+    lib.pyl_log_debug = logger.isEnabledFor(TRACE)
 
 
 install()

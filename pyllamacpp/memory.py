@@ -7,6 +7,15 @@ from ._lib import lib
 from .errors import ClosedError, LlamaError
 
 
+# pyllamacpp.state's memory names -> the class llama_model::create_memory builds
+_LLAMA_CLASS = {
+    "kv": "llama_kv_cache", "iswa": "llama_kv_cache_iswa", "recurrent": "llama_memory_recurrent",
+    "hybrid": "llama_memory_hybrid", "hybrid-iswa": "llama_memory_hybrid_iswa", "dsa": "llama_kv_cache_dsa",
+    "msa": "llama_kv_cache_msa", "dsa-iswa": "llama_kv_cache_dsa_iswa", "hybrid-idx": "llama_memory_hybrid_idx",
+    "dsv4": "llama_kv_cache_dsv4",
+}
+
+
 class Memory:
     """``llama_get_memory(ctx)``: the context's sequences (KV cache or recurrent state).
 
@@ -15,6 +24,26 @@ class Memory:
 
     def __init__(self, ctx: "Context"):
         self._ctx = weakref.ref(ctx)
+
+    def __repr__(self) -> str:
+        """``<Memory llama_kv_cache n_seq_max=4 n_ctx=512 seqs={0: (0, 8), 2: (0, 3)}>``: the
+        class llama.cpp built (when pyllamacpp.state knows the architecture's rule), and the
+        [pos_min, pos_max] of each non-empty sequence (``llama_memory_seq_pos_min/max``)."""
+        ctx = self._ctx()
+        if ctx is None or ctx.closed:
+            return "<Memory (context closed)>"
+        mem = lib.llama_get_memory(ctx.ptr)
+        seqs = {}
+        for s in range(ctx.n_seq_max):
+            hi = lib.llama_memory_seq_pos_max(mem, s)
+            if hi >= 0:
+                seqs[s] = (lib.llama_memory_seq_pos_min(mem, s), hi)
+        try:
+            name, _ = ctx._memory_layers()
+        except Exception:  # a repr never raises: the GGUF may have moved since the model loaded
+            name = None
+        kind = _LLAMA_CLASS.get(name, name) if name else "memory"
+        return f"<Memory {kind} n_seq_max={ctx.n_seq_max} n_ctx={ctx.n_ctx} seqs={seqs}>"
 
     def _mem(self):
         ctx = self._ctx()

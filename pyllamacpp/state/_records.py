@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -382,6 +382,17 @@ class Layout:
     total_bytes: int
     metadata_only: bool = False   # an ON_DEVICE dump: headers without rows
     layers_known: bool = True     # False: "layer" numbers are record indices, not the model's il
+
+    def __len__(self) -> int:
+        """The number of records (rows)."""
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[LayoutRow]:
+        """The records (LayoutRow), in dump order."""
+        return iter(self.rows)
+
+    def __getitem__(self, i: int) -> LayoutRow:
+        return self.rows[i]
 
     def notes(self) -> list[str]:
         out = []

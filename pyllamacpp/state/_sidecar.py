@@ -4,10 +4,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import uuid
 from functools import lru_cache
 from pathlib import Path
 
+from ._gguf import read_metadata
 from ._layers import layer_map, memory_for, rule_keys
 
 SIDECAR_FIELDS = {
@@ -44,8 +45,22 @@ def _plain(v):
     return v
 
 
+def _dumps(v, indent: str = "") -> str:
+    """JSON with one key per line, and a list of numbers or strings on one line (a layer map
+    stays readable: ``"kv": [0, 1, ...]``, not one number per line)."""
+    if isinstance(v, dict) and v:
+        inner = indent + " "
+        items = ",\n".join(f"{inner}{json.dumps(str(k))}: {_dumps(x, inner)}" for k, x in sorted(v.items()))
+        return "{\n" + items + "\n" + indent + "}"
+    if isinstance(v, list) and any(isinstance(x, (dict, list)) for x in v):
+        inner = indent + " "
+        return "[\n" + ",\n".join(inner + _dumps(x, inner) for x in v) + "\n" + indent + "]"
+    return json.dumps(v)
+
+
 def write_sidecar(path: str | os.PathLike, **facts) -> Path:
-    """Write ``<path>.json`` atomically (temp file + os.replace); return its path.
+    """Write ``<path>.json`` atomically (temp file + os.replace); return its path. The file gets
+    the umask's permissions, as the dump does.
 
     Fields: see SIDECAR_FIELDS; others raise TypeError (a typo would otherwise go unread).
     """
@@ -53,8 +68,11 @@ def write_sidecar(path: str | os.PathLike, **facts) -> Path:
     if unknown:
         raise TypeError(f"unknown sidecar fields {unknown}; known: {sorted(SIDECAR_FIELDS)}")
     target = sidecar_path(path)
-    text = json.dumps({k: _plain(v) for k, v in facts.items()}, indent=1, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    text = _dumps({k: _plain(v) for k, v in facts.items()})
+    # a unique name beside the target, opened with mode 0o666 so the umask decides, as for the
+    # dump (tempfile.mkstemp would make it 0600)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text + "\n")
@@ -76,32 +94,42 @@ def read_sidecar(path: str | os.PathLike) -> dict | None:
     return facts
 
 
-def _field(reader, key):
-    f = reader.get_field(key)
-    return None if f is None else f.contents()
+def _model_keys(key: str) -> bool:
+    # everything but the tokenizer's (vocabulary, merges, chat template): no layer rule reads them
+    return not key.startswith("tokenizer.")
 
 
-@lru_cache(maxsize=4)
-def _gguf_reader(path: str, size: int, mtime_ns: int):
-    # GGUFReader reads the whole vocabulary too (~2 s for a 49k-token model): cache per file.
-    from gguf import GGUFReader
-    return GGUFReader(path)
+@lru_cache(maxsize=8)
+def _gguf_meta(path: str, size: int, mtime_ns: int) -> dict:
+    # the KV section only (_gguf.read_metadata, ~7 ms), not gguf.GGUFReader (~2 s): cached per file
+    return read_metadata(path, _model_keys)
+
+
+def _meta(path: str | os.PathLike) -> dict:
+    st = os.stat(path)
+    return _gguf_meta(os.fspath(path), st.st_size, st.st_mtime_ns)
 
 
 def gguf_field(path: str | os.PathLike, key: str):
     """One metadata value of a GGUF file (arrays as lists), None when absent. For what
-    llama.cpp's ``llama_model_meta_val_str`` leaves out: it skips array values."""
-    st = os.stat(path)
-    return _field(_gguf_reader(os.fspath(path), st.st_size, st.st_mtime_ns), key)
+    llama.cpp's ``llama_model_meta_val_str`` leaves out: it skips array values.
+
+    Raises:
+        StateFormatError: ``path`` is no GGUF file or its metadata is cut short.
+        OSError: the file cannot be read.
+    """
+    if _model_keys(key):
+        return _meta(path).get(key)
+    return read_metadata(path, (key,)).get(key)
 
 
 @lru_cache(maxsize=8)
 def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
-    r = _gguf_reader(path, size, mtime_ns)
-    arch = _field(r, "general.architecture")
-    head_kv = _field(r, f"{arch}.attention.head_count_kv")
-    n_head = _field(r, f"{arch}.attention.head_count")
-    n_embd = _field(r, f"{arch}.embedding_length")
+    r = _gguf_meta(path, size, mtime_ns).get
+    arch = r("general.architecture")
+    head_kv = r(f"{arch}.attention.head_count_kv")
+    n_head = r(f"{arch}.attention.head_count")
+    n_embd = r(f"{arch}.embedding_length")
     default_head = n_embd // n_head if isinstance(n_head, int) and n_head else None
     if isinstance(head_kv, list):
         # per-layer counts, 0 for a layer without attention (hybrid models): one number only
@@ -109,14 +137,14 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
         head_kv = set(head_kv) - {0}
         head_kv = head_kv.pop() if len(head_kv) == 1 else None
     keys = ["general.architecture"] + [f"{arch}.{k}" for k in rule_keys(arch)]  # absent ones as None
-    fields = {k: _field(r, k) for k in keys}
+    fields = {k: r(k) for k in keys}
     layers = layer_map(fields)
     memory = None if layers else memory_for(fields)
     return {
-        "model": Path(path).name, "arch": arch, "n_layer": _field(r, f"{arch}.block_count"),
+        "model": Path(path).name, "arch": arch, "n_layer": r(f"{arch}.block_count"),
         "n_head_kv": head_kv or None,
-        "n_embd_head_k": _field(r, f"{arch}.attention.key_length") or default_head,
-        "n_embd_head_v": _field(r, f"{arch}.attention.value_length") or default_head,
+        "n_embd_head_k": r(f"{arch}.attention.key_length") or default_head,
+        "n_embd_head_v": r(f"{arch}.attention.value_length") or default_head,
         "layers": layers,
         **({"memory": memory} if memory else {}),
     }
@@ -124,7 +152,7 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
 
 def model_facts(model, *, sha256: bool = False) -> dict:
     """Head counts, sizes and the layer map (``layers``, None for an architecture _layers does
-    not know) of ``model``: a GGUF path (read with gguf.GGUFReader) or an object with an
+    not know) of ``model``: a GGUF path (its KV metadata only, _gguf.read_metadata) or an object with an
     ``n_head_kv`` attribute (or method), whose ``path``, when it has one, is read as the GGUF
     (pyllamacpp.Model). ``sha256=True`` adds the file's sha256 prefix."""
     if isinstance(model, (str, os.PathLike)):
