@@ -3,9 +3,11 @@
 Writes a dump with the default model's layout (30 layers, F16 K and V rows of 384 bytes, one stream)
 and enough cells to reach the size asked for, then times parse(path), layout() and reading the last
 cell of the last layer's V, each the median of -r runs in fresh processes' worth of work (the file is
-re-opened every time).
+re-opened every time). Then the first parse(path, model=GGUF) of a process: the GGUF's metadata read
+cold (caches cleared each run) by pyllamacpp.state (its KV section only) against gguf.GGUFReader
+(what it used before), in the same run.
 
-    python tools/bench/bench_state_parse.py [--gib 1] [-r 5] [--dir /tmp]
+    python tools/bench/bench_state_parse.py [--gib 1] [-r 5] [--dir /tmp] [--model GGUF]
 """
 from __future__ import annotations
 
@@ -62,8 +64,10 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("-r", "--repeat", type=int, default=5)
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--model", default=None, help="GGUF for the model= rows (default: the default model)")
     args = ap.parse_args()
     import pyllamacpp.state as st
+    from pyllamacpp.state import _sidecar
 
     path = Path(args.dir) / "pyllamacpp-bench-1gib.bin"
     n = write_dump(path, int(args.gib * 2**30))
@@ -85,6 +89,25 @@ def main() -> None:
         print(f"parse(path)         median {statistics.median(t_parse) * 1e3:8.1f} ms  (of {args.repeat})")
         print(f"layout()            median {statistics.median(t_layout) * 1e3:8.1f} ms")
         print(f"last V row read     median {statistics.median(t_read) * 1e3:8.3f} ms")
+
+        from gguf import GGUFReader
+
+        from pyllamacpp.models import default_model_path
+        gguf_path = Path(args.model) if args.model else default_model_path()
+        t_model, t_reader = [], []
+        for _ in range(args.repeat):
+            _sidecar._gguf_meta.cache_clear(), _sidecar._gguf_facts.cache_clear()
+            t0 = time.perf_counter()
+            s = st.parse(path, model=gguf_path)  # first call: reads the GGUF's metadata
+            t1 = time.perf_counter()
+            GGUFReader(gguf_path)
+            t2 = time.perf_counter()
+            t_model.append(t1 - t0), t_reader.append(t2 - t1)
+            assert s.n_head_kv == 3 and s.layers == {"kv": list(range(N_LAYER))}
+            del s
+        m, r = statistics.median(t_model), statistics.median(t_reader)
+        print(f"parse(path, model=) first call median {m * 1e3:8.1f} ms  ({gguf_path.name}, metadata cold)")
+        print(f"gguf.GGUFReader(model) alone  median {r * 1e3:8.1f} ms  (what model= read before: {r / m:.0f}x)")
     finally:
         os.unlink(path)
 
