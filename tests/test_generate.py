@@ -74,28 +74,55 @@ def test_generate_parallel_equals_each_sequence_alone(model, kv_unified):
     assert [r.seq_id for r in results] == [0, 1, 2, 3]
     for r in results:
         assert r.tokens == alone
-        assert r.finished_by in ("eog", "n_predict") and r.text
+        assert r.finish_reason in ("eog", "n_predict") and r.text
+        assert r.finished_by == r.finish_reason  # the former name
 
 
-def test_generate_fills_the_cache_then_raises_and_the_context_goes_on(model):
-    """A step that finds no room raises KVCacheFullError from the generator; what was generated
-    up to there is what a roomy context generates, and the context decodes afterwards."""
+def test_generate_stops_when_the_context_is_full_and_the_context_goes_on(model):
+    """A step that finds no room ends generation with finish_reason "ctx_full" (no exception);
+    what was generated up to there is what a roomy context generates, and the context decodes
+    afterwards."""
     toks = model.tokenize("Once upon a time")  # greedy goes past 256 tokens without an end token
     with model.context(n_ctx=512, n_threads=2) as roomy:
         want = list(pl.generate(roomy, toks, 260))
     assert not any(model.is_eog(t) for t in want)
     with model.context(n_ctx=256, n_threads=2) as ctx:
         assert ctx.n_ctx == 256
-        got = []
-        with pytest.raises(pl.KVCacheFullError) as e:
-            for t in pl.generate(ctx, toks, 260):
-                got.append(t)
-        assert e.value.reason  # what llama.cpp logged for it, kept in C by the step
-        # cells 0..255 hold the prompt and the generated tokens decoded so far; the next found none
+        g = pl.generate(ctx, toks, 260)
+        got = list(g)
+        assert g.finish_reason == "ctx_full" and g.tokens == got
+        assert isinstance(g.error, pl.KVCacheFullError) and g.error.reason  # llama.cpp's reason, kept in C
+        # cells 0..255 hold the prompt and every generated token but the last, which found no cell
         assert ctx.memory.seq_pos_max(0) == 255
         assert len(got) == 256 - toks.size + 1 and got == want[:len(got)]
         ctx.memory.clear()
+        g = pl.generate(ctx, toks, -1)  # no limit: runs until the context is full too
+        assert list(g) == got and g.finish_reason == "ctx_full"
+        ctx.memory.clear()
         assert list(pl.generate(ctx, toks, 5)) == want[:5]  # the context decodes afterwards
+
+
+def test_generate_says_how_it_ended(model):
+    toks = model.tokenize(PROMPT)
+    with model.context(n_ctx=256, n_threads=2) as ctx:
+        g = pl.generate(ctx, toks, 3)
+        assert g.finish_reason is None and next(g) == g.tokens[0]
+        assert list(g) == g.tokens[1:] and g.finish_reason == "n_predict" and g.error is None
+        ctx.memory.clear()
+        g = pl.generate(ctx, toks, 0)  # prefill only
+        assert list(g) == [] and g.finish_reason == "n_predict" and ctx.memory.seq_pos_max(0) == toks.size - 1
+        ctx.memory.clear()
+        chat = model.tokenize(model.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+                              parse_special=True)
+        g = pl.generate(ctx, chat, 200)
+        out = list(g)
+        assert g.finish_reason == "eog" and model.is_eog(out[-1]) and len(out) < 200
+        ctx.memory.clear()
+        with pl.generate(ctx, toks, 50) as g:  # closed early: no reason
+            next(g)
+        assert g.finish_reason is None
+        with pytest.raises(StopIteration):
+            next(g)
 
 
 def test_a_raising_log_handler_during_a_failed_step_surfaces_there(tmp_path):
