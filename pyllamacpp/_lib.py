@@ -6,6 +6,8 @@ configure as the libraries next to it; a stale build raises ImportError saying w
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 from ._version import __version__
@@ -24,9 +26,13 @@ def _preload_nvidia_wheels() -> None:
     except (OSError, ValueError, ImportError):
         return
     import ctypes
+    if sys.platform == "win32":  # nvidia/<name>/bin/cublas64_13.dll
+        names, sub = ("cublasLt64_*.dll", "cublas64_*.dll"), "bin"
+    else:
+        names, sub = ("libcublasLt.so*", "libcublas.so*"), "lib"
     for base in map(Path, nvidia.__path__):
-        for name in ("libcublasLt.so*", "libcublas.so*"):
-            for lib_path in sorted(base.glob(f"*/lib/{name}")):
+        for name in names:
+            for lib_path in sorted(base.glob(f"*/{sub}/{name}")):
                 try:
                     ctypes.CDLL(str(lib_path), mode=ctypes.RTLD_GLOBAL)
                 except OSError:
@@ -34,6 +40,8 @@ def _preload_nvidia_wheels() -> None:
 
 
 _preload_nvidia_wheels()
+if sys.platform == "win32":  # no RPATH there: the DLLs beside the extension are found through this
+    os.add_dll_directory(str(Path(__file__).parent))
 
 try:
     from . import _pyllamacpp
@@ -63,7 +71,106 @@ if _installed_info.exists():
 LIB_DIR = Path(_pyllamacpp.__file__).parent
 """Where the extension and libllama/libggml* live (found through RPATH $ORIGIN)."""
 
-__all__ = ["ffi", "lib", "EXTENSION_INFO", "LIB_DIR", "build_info"]
+__all__ = ["ffi", "lib", "EXTENSION_INFO", "LIB_DIR", "build_info", "backend_function"]
+
+# What ggml names a backend module: [lib]ggml-<name>.so|.dll (ggml-backend-reg.cpp: backend_filename_*).
+_MODULE_PREFIX, _MODULE_SUFFIX = ("ggml-", ".dll") if sys.platform == "win32" else ("libggml-", ".so")
+
+
+def _module_path(name: str) -> Path:
+    return LIB_DIR / f"{_MODULE_PREFIX}{name}{_MODULE_SUFFIX}"
+
+
+def _load_backend_modules() -> None:
+    """A GGML_BACKEND_DL build (the release profile) links no backend: register the modules installed
+    beside the extension. ``ggml_backend_load_all_from_path`` picks the best-scoring CPU variant;
+    ``PYLLAMACPP_CPU_VARIANT=<name>`` loads that one instead with ``ggml_backend_load`` (no check that
+    this CPU can run it: for tests and comparisons)."""
+    if not EXTENSION_INFO.get("backend_dl"):
+        return
+    # ggml logs each module it loads; pyllamacpp's log callback (_log) is not installed yet, so
+    # keep those lines (build_info()["backend_load_log"]) rather than let ggml print them.
+    try:
+        cb = ffi.callback("ggml_log_callback", lambda level, text, ud: BACKEND_LOAD_LOG.append(_str(text)))
+    except MemoryError:  # no writable+executable memory for a closure (hardened runtimes): ggml prints
+        _load_backend_modules_quiet()
+        return
+    lib.llama_log_set(cb, ffi.NULL)
+    try:
+        _load_backend_modules_quiet()
+    finally:
+        lib.llama_log_set(ffi.NULL, ffi.NULL)
+
+
+BACKEND_LOAD_LOG: list[str] = []
+"""What ggml logged while loading the backend modules at import (release profile)."""
+
+
+def _load_backend_modules_quiet() -> None:
+    variant = os.environ.get("PYLLAMACPP_CPU_VARIANT", "")
+    if not variant:
+        lib.ggml_backend_load_all_from_path(os.fsencode(LIB_DIR))
+        if lib.ggml_backend_reg_by_name(b"CPU") == ffi.NULL:
+            raise ImportError(f"pyllamacpp: no CPU backend module in {LIB_DIR} could be loaded "
+                              f"(present: {cpu_variants_present()}); {_REBUILD}")
+        return
+    names = [f"cpu-{variant}"] + [b for b in EXTENSION_INFO.get("backends", []) if b != "cpu"]
+    for name in names:
+        path = _module_path(name)
+        if not path.exists():
+            raise ImportError(f"pyllamacpp: PYLLAMACPP_CPU_VARIANT={variant}: no {path.name} in {LIB_DIR} "
+                              f"(present: {cpu_variants_present()})")
+        if lib.ggml_backend_load(os.fsencode(path)) == ffi.NULL:
+            raise ImportError(f"pyllamacpp: ggml_backend_load({path}) failed (see the log above)")
+
+
+def cpu_variants_present() -> list[str]:
+    """The CPU backend variants installed beside the extension (release profile), e.g. ``haswell``."""
+    pre = f"{_MODULE_PREFIX}cpu-"
+    return sorted(p.name[len(pre):-len(_MODULE_SUFFIX)] for p in LIB_DIR.glob(f"{pre}*{_MODULE_SUFFIX}"))
+
+
+def cpu_variant_loaded() -> str | None:
+    """Which CPU variant module this process loaded (None for a build that links its CPU backend)."""
+    for name in cpu_variants_present():
+        if _is_loaded(_module_path(f"cpu-{name}")):
+            return name
+    return None
+
+
+def _is_loaded(path: Path) -> bool:
+    import ctypes
+    if sys.platform == "win32":
+        return bool(ctypes.WinDLL("kernel32").GetModuleHandleW(str(path)))
+    try:  # RTLD_NOLOAD: a handle only if the library is already mapped, nothing is loaded
+        ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD)
+        return True
+    except OSError:
+        return False
+
+
+def backend_function(reg_name: str, name: str, ctype: str):
+    """A function a backend exports (e.g. ``ggml_backend_rpc_add_server``): ``lib.<name>`` when the
+    backend is linked, else (GGML_BACKEND_DL) ``ggml_backend_reg_get_proc_address`` on the backend
+    registered as ``reg_name``, cast to ``ctype``.
+
+    Raises:
+        AttributeError: the backend is not registered or does not offer that function.
+    """
+    try:
+        return getattr(lib, name)
+    except AttributeError:
+        pass
+    reg = lib.ggml_backend_reg_by_name(reg_name.encode())
+    if reg == ffi.NULL:
+        raise AttributeError(f"{name}: no backend {reg_name!r} is registered")
+    ptr = lib.ggml_backend_reg_get_proc_address(reg, name.encode())
+    if ptr == ffi.NULL:
+        raise AttributeError(f"{name}: backend {reg_name!r} does not offer it (ggml_backend_reg_get_proc_address)")
+    return ffi.cast(ctype, ptr)
+
+
+_load_backend_modules()
 
 
 def _str(p) -> str:
@@ -84,12 +191,17 @@ def build_info() -> dict:
     info["devices"] = devices
     info["system_info"] = _str(lib.llama_print_system_info()).strip()
     info["lib_dir"] = str(LIB_DIR)
+    info["cpu_variants_present"] = cpu_variants_present()
+    info["cpu_variant_loaded"] = cpu_variant_loaded()
+    info["backend_load_log"] = "".join(BACKEND_LOAD_LOG).strip()
     info["loaded_libraries"] = _loaded_libraries()
     return info
 
 
 def _loaded_libraries() -> list[str]:
     """Paths of libllama/libggml* this process mapped (Linux: /proc/self/maps), to show RPATH at work."""
+    if not sys.platform.startswith("linux"):
+        return []
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "/lib" in line and (".so" in line)}
