@@ -51,7 +51,9 @@ class Context(StateMethods, Owner):
         with _log.capture() as cap:
             ptr = lib.llama_init_from_model(model.ptr, cparams[0])
         check_ptr(ptr, "llama_init_from_model", error=ContextError, reason=cap.reason())
-        self._h = Handle(ptr, lib.llama_free, deps=(model._h, self._abort_state))
+        rpc = model._h.rpc
+        self._h = Handle(ptr, lib.llama_free, deps=(model._h, self._abort_state),
+                         rpc=rpc.child("context") if rpc is not None else None)
         self.buffers: dict[str, dict[str, float]] = {**model.load_buffers}
         for backend, kinds in parse_buffer_sizes(cap.lines).items():
             self.buffers.setdefault(backend, {}).update(kinds)

@@ -49,6 +49,10 @@ class ClosedError(LlamaError, ValueError):
     """An object was used after ``close()``."""
 
 
+class RPCError(LlamaError):
+    """An RPC server (ggml-rpc) could not be used: unreachable, or gone while objects lived on it."""
+
+
 def check_ptr(ptr, func: str, *, error=LlamaError, reason: str | None = None, what: str = ""):
     """Return ``ptr``, or raise ``error`` naming ``func`` when it is NULL."""
     from ._lib import ffi

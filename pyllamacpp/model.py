@@ -60,11 +60,12 @@ class Model(Owner):
             path = default_model_path()
         self.path = Path(path)
         self._devices = None
+        self._rpc = [rpc] if isinstance(rpc, str) else list(rpc or ())
         if rpc:
             # Layers offloaded with n_gpu_layers go to these RPC servers' devices (tensor_split
             # divides them); the rest stays on the local CPU.
             from .rpc import add_servers
-            devs = add_servers([rpc] if isinstance(rpc, str) else list(rpc))
+            devs = add_servers(self._rpc)
             if "devices" not in params:
                 self._devices = ffi.new("ggml_backend_dev_t[]", devs + [ffi.NULL])
                 params["devices"] = self._devices
@@ -77,7 +78,11 @@ class Model(Owner):
             ptr = lib.llama_model_load_from_file(os.fsencode(self.path), cparams[0])
         check_ptr(ptr, "llama_model_load_from_file", error=ModelLoadError, reason=cap.reason(),
                   what=f"for {self.path}")
-        self._h = Handle(ptr, lib.llama_model_free)
+        rpc_link = None
+        if self._rpc:  # ggml's connections to the servers, watched from here on
+            from .rpc import link
+            rpc_link = link(self._rpc, f"model {self.path.name}")
+        self._h = Handle(ptr, lib.llama_model_free, rpc=rpc_link)
         self._vocab = lib.llama_model_get_vocab(ptr)
         self._contexts: weakref.WeakSet = weakref.WeakSet()
         self.load_buffers = parse_buffer_sizes(cap.lines)

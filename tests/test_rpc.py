@@ -113,3 +113,203 @@ def test_rpc_devices_do_not_leak_into_other_models(model_path, servers):
         pass
     with pl.Model(model_path, n_gpu_layers=99) as local, local.context(n_ctx=128, n_threads=2) as ctx:
         assert not any(name.startswith("RPC") for name in ctx.buffers)
+
+
+# -- a client that outlives its servers (issue 16) ------------------------------------------------
+# Each scenario runs in its own process group with a watchdog: a hang fails the test (and the
+# group, servers included, is killed) instead of blocking the suite; an abort fails it too.
+_PRELUDE = f"""
+import logging, os, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(name)s %(message)s")
+import pyllamacpp as pl
+from pyllamacpp.errors import ClosedError, RPCError
+from test_rpc import start_server, _free_port
+
+def load(*ports):
+    m = pl.Model(rpc=[f"127.0.0.1:{{p}}" for p in ports], n_gpu_layers=99)
+    ctx = m.context(n_ctx=128, n_threads=1)
+    print("TOKENS", list(pl.generate(ctx, m.tokenize("The cat sat"), 4)), flush=True)
+    return m, ctx
+
+def stop(*procs):
+    for p in procs:
+        p.kill(); p.wait()
+
+def refused(what, fn):
+    try:
+        fn()
+    except RPCError as e:
+        print("REFUSED", what, e, flush=True)
+"""
+
+
+def _scenario(body: str, timeout: float = 240) -> tuple[str, str]:
+    env = dict(os.environ, GGML_NO_BACKTRACE="1")  # an abort fails fast instead of attaching gdb
+    proc = subprocess.Popen([sys.executable, "-c", _PRELUDE + body], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir(), env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        pytest.fail(f"the scenario hung (killed after {timeout} s)\n--- stdout\n{out}\n--- stderr\n{err[-3000:]}")
+    assert proc.returncode == 0, f"rc {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err[-3000:]}"
+    assert "Exception ignored" not in err, err
+    return out, err
+
+
+def _tokens(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("TOKENS")]
+
+
+def test_servers_stopped_then_close_returns_and_warns():
+    out, _ = _scenario("""
+a, b = _free_port(), _free_port()
+sa, sb = start_server(a), start_server(b)
+m, ctx = load(a, b)
+stop(sa, sb)
+ctx.close()
+m.close()
+print("CLOSED", ctx.closed, m.closed, flush=True)
+try:
+    ctx.logits()
+except ClosedError:
+    print("USE AFTER CLOSE RAISES")
+""")
+    assert "CLOSED True True" in out and "USE AFTER CLOSE RAISES" in out
+    warnings = [line for line in out.splitlines() if line.startswith("LOG pyllamacpp.rpc")]
+    assert len(warnings) == 2, out  # once for the context, once for the model
+    assert "the context on it was not freed" in warnings[0] and "the model" in warnings[1]
+    assert all("is gone" in w and "127.0.0.1:" in w for w in warnings)
+
+
+def test_servers_stopped_then_interpreter_exit_with_objects_alive():
+    out, err = _scenario("""
+a, b = _free_port(), _free_port()
+sa, sb = start_server(a), start_server(b)
+m, ctx = load(a, b)
+logits = ctx.logits()  # a view that holds the context too
+stop(sa, sb)
+print("END", flush=True)
+""")
+    assert "END" in out and len(_tokens(out)) == 1
+
+
+def test_servers_stopped_then_decode_raises_rpc_error_and_the_process_lives():
+    out, _ = _scenario("""
+a, b = _free_port(), _free_port()
+sa, sb = start_server(a), start_server(b)
+m, ctx = load(a, b)
+toks = m.tokenize("The cat sat")
+stop(sa, sb)
+refused("generate", lambda: list(pl.generate(ctx, toks, 4)))
+refused("prefill", lambda: ctx.prefill(toks, seq_id=0))
+refused("seq_state", lambda: ctx.seq_state(0))
+refused("memory.clear", lambda: ctx.memory.clear())
+refused("context", lambda: m.context(n_ctx=128))
+print("ALIVE", flush=True)
+""")
+    refused = [line for line in out.splitlines() if line.startswith("REFUSED")]
+    assert [line.split()[1] for line in refused] == ["generate", "prefill", "seq_state", "memory.clear", "context"]
+    assert all("is gone" in line and "127.0.0.1:" in line for line in refused)
+    assert "ALIVE" in out
+
+
+def test_one_of_two_servers_stopped():
+    out, _ = _scenario("""
+a, b = _free_port(), _free_port()
+sa, sb = start_server(a), start_server(b)
+m, ctx = load(a, b)
+stop(sb)
+refused("generate", lambda: list(pl.generate(ctx, m.tokenize("The cat sat"), 4)))
+ctx.close(); m.close()
+print("CLOSED", flush=True)
+m2, ctx2 = load(a)  # the server still up takes a new model (on the connection the old one holds)
+print("DOWN", b, [d["memory_total"] for d in pl.devices() if d["description"] == f"127.0.0.1:{b}"])
+ctx2.close(); m2.close()
+stop(sa)
+""")
+    b = out.split("DOWN ")[1].split()[0]
+    refused = [line for line in out.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 1 and f"127.0.0.1:{b} is gone" in refused[0]
+    assert "CLOSED" in out
+    first, second = _tokens(out)
+    assert first == second  # same greedy tokens with all layers on the one server left
+    assert f"DOWN {b} [None]" in out  # devices() does not ask a server that is gone
+
+
+def test_server_restarted_on_the_same_port():
+    out, _ = _scenario("""
+a = _free_port()
+sa = start_server(a)
+m, ctx = load(a)
+stop(sa)
+sa = start_server(a)  # a new process: the old connection and its buffers are gone
+m2, ctx2 = load(a)    # loads before the old objects were even looked at
+refused("old generate", lambda: list(pl.generate(ctx, m.tokenize("The cat sat"), 4)))
+ctx.close(); m.close()
+print("OLD CLOSED", flush=True)
+ctx2.memory.clear()
+print("NEW AGAIN", list(pl.generate(ctx2, m2.tokenize("The cat sat"), 4)), flush=True)
+print("DEVICES", [d["memory_total"] for d in pl.devices() if d["backend"] == "RPC"], flush=True)
+ctx2.close(); m2.close()
+stop(sa)
+print("END", flush=True)
+""")
+    first, second = _tokens(out)
+    assert first == second
+    assert "REFUSED old generate" in out and "OLD CLOSED" in out and "END" in out
+    assert "NEW AGAIN " + first.split(" ", 1)[1] in out
+    devices = out.split("DEVICES ")[1].splitlines()[0]
+    assert devices.startswith("[") and "None" not in devices  # only the new connection's device
+
+
+def test_a_server_busy_with_this_process_takes_more_models(model_path, servers):
+    # An rpc-server serves one connection at a time and queues at most two more (listen(fd, 1)): a
+    # TCP connect to check it, while a model holds it, timed out from the third model on.
+    models = []
+    try:
+        for _ in range(4):
+            models.append(pl.Model(model_path, rpc=servers[:1], n_gpu_layers=5))
+    finally:
+        for m in models:
+            m.close()
+    assert len(models) == 4
+
+
+def _worker(kill_mid_call: bool):
+    """run_in_subprocess's test: a server of its own, killed during a prefill or not."""
+    import threading
+    os.environ["GGML_NO_BACKTRACE"] = "1"
+    port = _free_port()
+    srv = start_server(port)
+    m = pl.Model(rpc=[f"127.0.0.1:{port}"], n_gpu_layers=30)
+    ctx = m.context(n_ctx=2048, n_batch=2048, n_threads=1)
+    if not kill_mid_call:
+        out = list(pl.generate(ctx, m.tokenize("The cat sat"), 4))
+        ctx.close(), m.close()
+        srv.kill()
+        return out
+    toks = np.resize(m.tokenize("The cat sat on the mat."), 1024)
+    threading.Timer(0.3, srv.kill).start()
+    for _ in range(200):
+        ctx.memory.clear()
+        ctx.prefill(toks)
+    return "SURVIVED"
+
+
+def _raises():
+    raise KeyError("from the child")
+
+
+def test_run_in_subprocess_survives_a_server_dying_mid_call():
+    from pyllamacpp.rpc import RPCError, run_in_subprocess
+    tokens = run_in_subprocess(_worker, False, timeout=240)
+    assert len(tokens) == 4 and all(isinstance(t, int) for t in tokens)
+    with pytest.raises(RPCError, match="died") as e:
+        run_in_subprocess(_worker, True, timeout=240)
+    assert e.value.exitcode == -6  # SIGABRT: ggml-rpc's GGML_ABORT, in the child only
+    with pytest.raises(KeyError, match="from the child"):
+        run_in_subprocess(_raises, timeout=120)
