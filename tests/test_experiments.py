@@ -114,3 +114,27 @@ def test_prefix_sharing_uses_fewer_cells_and_matches(capsys):
     assert split["shared_cells"] == 3 * p  # one copy of the prefix per stream: the cost
     for r in data["rows"]:
         assert all(r["matches_alone"]) and r["decode_tps"] > 0
+
+
+def test_placement_flash_attention_off_restores_bit_identical(capsys, tmp_path):
+    # one thread and a short prompt keep it quick; the effect with flash attention on needs
+    # n_kv >= 512 and several threads (see the module), which the default flags give
+    data = _json(capsys, ["placement", "-t", "1", "-p", "40", "--occupy", "16"])
+    assert data["ok"] and data["n_prompt"] == 40
+    rows = {(r["flash_attn"], r["case"]): r for r in data["rows"]}
+    assert sorted(rows) == [("off", "other cells"), ("off", "same cells"), ("on", "other cells"), ("on", "same cells")]
+    for fa, case in rows:
+        r = rows[fa, case]
+        assert r["argmax_match"] and r["argmax_ref"] == rows["off", "same cells"]["argmax_ref"]
+        if fa == "off" or case == "same cells":  # no cell moved, or a kernel that does not care
+            assert r["max_abs_diff"] == 0 and r["bit_identical"] and r["n_differ"] == 0
+    assert rows["on", "other cells"]["cells"] == "16..55" and rows["on", "same cells"]["cells"] == "0..39"
+    assert main(["placement", "-t", "1", "-p", "24", "--occupy", "8", "-fa", "off"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bit-identical") == 2 and "other cells" in out and "greedy same" in out
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "placement.png"
+    assert main(["placement", "-t", "1", "-p", "24", "--occupy", "8", "-o", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["placement", "--prompt", "a", "-p", "0"]) == 2  # one token: nothing to restore
+    assert "at least 2" in capsys.readouterr().err

@@ -1,0 +1,193 @@
+"""``pyllamacpp placement``: does a sequence restored from a dump give the logits it gave before?
+
+A prompt minus its last token is decoded into sequence 0 of a fresh context (one unified KV stream,
+so cells 0..n-2) and dumped (``llama_state_seq_get_data_ext``); the last token is then decoded, and
+its logits are the reference. The dump is then restored twice, and the last token decoded again:
+
+- same cells: the whole memory cleared (its head back at cell 0), the dump loaded into sequence 0,
+  so its cells are 0..n-2 again, as when it was written;
+- other cells: the memory cleared, --occupy tokens decoded into sequence 1 first (cells 0..m-1),
+  then the dump loaded into sequence 0: it lands in cells m.. (the first ones are taken).
+
+Both with flash attention on and off. Each row gives max |Δ logit| against the reference and whether
+the greedy (argmax) token is the same. With flash attention off, the CPU result does not depend on
+where the cells are: every Δ is 0. With it on, ggml's CPU kernel (ops.cpp,
+ggml_compute_forward_flash_attn_ext_f16) splits the KV cells of a one-token ubatch into one chunk per
+thread once n_kv >= 512, and merges the chunks' partial softmax sums: when the sequence sits in other
+cells, or n_kv (the used cells, padded to 256) differs, the chunk boundaries cut it elsewhere and the
+float sums round differently. So the effect needs a sequence of a few hundred cells (-p) and more than
+one thread (-t); the greedy token usually holds. An iSWA model's sliding-window cache moves its cells
+on any reload: there even "same cells" differs with flash attention on (try -m on a Gemma 3 GGUF).
+Exit status 1 when a flash-attention-off row is not bit-identical.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .._cpu import default_n_threads
+
+DEFAULT_PROMPT = (
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "clockmaker and his granddaughter. Every morning she opened the shop, wound the clocks on the "
+    "wall one by one, and listened to them tick together. One winter day a stranger came in with a "
+    "broken pocket watch and asked whether it could be mended before nightfall, because"
+)
+CASES = ("same cells", "other cells")
+_BINS = np.concatenate([[0.0], np.logspace(-7, 1, 17)])  # |Δ logit| histogram edges
+
+
+def add_parser(sub):
+    import argparse
+    p = sub.add_parser("placement", help="restore a sequence at the same or other KV cells, -fa on/off: "
+                                         "do the logits change?",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", default=None,
+                   help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: a built-in story opening)")
+    p.add_argument("-p", "--n-prompt", type=int, default=400,
+                   help="repeat the prompt to this many tokens (0: as it is; default %(default)s)")
+    p.add_argument("--occupy", type=int, default=100,
+                   help="tokens decoded into sequence 1 before the 'other cells' restore (default %(default)s)")
+    p.add_argument("-fa", "--flash-attn", choices=["on", "off", "both"], default="both",
+                   help="flash_attn_type of the runs (default %(default)s: one run each)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help="type_k (default %(default)s)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", help="type_v (default %(default)s)")
+    p.add_argument("-t", "--threads", type=int, default=default_n_threads(),
+                   help="n_threads and n_threads_batch (default %(default)s: the physical cores)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("-o", "--output", help="write a plot (PNG): max |Δ logit| per case, and their histograms")
+    p.set_defaults(func=main)
+    return p
+
+
+def _tokens(model, args) -> np.ndarray:
+    toks = np.asarray(model.tokenize(args.prompt))
+    if args.n_prompt > 0:
+        toks = np.resize(toks, args.n_prompt)  # the prompt repeated, cut to n_prompt
+    if toks.size < 2:
+        raise ValueError(f"the prompt has {toks.size} token(s): at least 2 are needed (a dump and a next token)")
+    return toks
+
+
+def _row(fa: str, case: str, ref: np.ndarray, got: np.ndarray, cells: str) -> dict:
+    d = np.abs(got.astype(np.float64) - ref)
+    counts, _ = np.histogram(d, bins=_BINS)
+    return {"flash_attn": fa, "case": case, "cells": cells, "max_abs_diff": float(d.max()),
+            "mean_abs_diff": float(d.mean()), "n_differ": int(np.count_nonzero(d)),
+            "argmax_ref": int(np.argmax(ref)), "argmax_restored": int(np.argmax(got)),
+            "argmax_match": bool(np.argmax(ref) == np.argmax(got)), "bit_identical": bool(d.max() == 0),
+            "abs_diff_hist": counts.tolist()}
+
+
+def run_one(model, toks: np.ndarray, *, flash_attn: str, occupy: int, type_k: str = "f16", type_v: str = "f16",
+            n_threads: int | None = None) -> list[dict]:
+    """The two restores of ``toks[:-1]`` with ``flash_attn`` ("on"/"off"): one row per case."""
+    n, m = int(toks.size), int(occupy)
+    threads = n_threads or default_n_threads()
+    kw = dict(n_ctx=-(-(n + m + 1) // 256) * 256, n_batch=max(512, n, m), n_seq_max=2, kv_unified=True,
+              flash_attn=flash_attn, type_k=type_k, type_v=type_v, n_threads=threads, n_threads_batch=threads)
+    head, last = toks[:-1], toks[-1:]
+    filler = np.resize(toks, m) if m else None
+    with model.context(**kw) as ctx:
+        ctx.prefill(head, 0, 0)
+        dump = ctx.seq_state(0)
+        ctx.prefill(last, 0, n - 1)
+        ref = ctx.logits().astype(np.float64)
+        rows = []
+        for case in CASES:
+            ctx.memory.clear()
+            if case == "other cells" and m:
+                ctx.prefill(filler, 1, 0)  # cells 0..m-1 taken by sequence 1
+            ctx.set_seq_state(0, dump)
+            ctx.prefill(last, 0, n - 1)
+            start = m if case == "other cells" else 0
+            rows.append(_row(flash_attn, case, ref, ctx.logits(), f"{start}..{start + n - 1}"))
+    return rows
+
+
+def run(args) -> dict:
+    from .common import load_model, progress
+    args.n_gpu_layers = getattr(args, "n_gpu_layers", 0)
+    model = load_model(args)
+    try:
+        toks = _tokens(model, args)
+        fas = ["on", "off"] if args.flash_attn == "both" else [args.flash_attn]
+        rows = []
+        for fa in progress(fas, "placement"):
+            rows += run_one(model, toks, flash_attn=fa, occupy=args.occupy, type_k=args.cache_type_k,
+                            type_v=args.cache_type_v, n_threads=args.threads)
+        out = {"model": str(model.path), "n_prompt": int(toks.size), "n_occupy": int(args.occupy),
+               "type_k": args.cache_type_k, "type_v": args.cache_type_v, "threads": args.threads,
+               "hist_edges": _BINS.tolist(), "rows": rows}
+    finally:
+        model.close()
+    off = [r for r in rows if r["flash_attn"] == "off"]
+    out["ok"] = all(r["bit_identical"] for r in off)
+    return out
+
+
+def print_report(data: dict) -> None:
+    from .common import print_table
+    print(f"model {data['model']}; prompt {data['n_prompt']} tokens (cells 0..{data['n_prompt'] - 2} when dumped, "
+          f"the last token decoded after each restore); other cells: after {data['n_occupy']} tokens of "
+          f"sequence 1; cache {data['type_k']}/{data['type_v']}, {data['threads']} threads")
+    rows = [{**r, "argmax": f"{r['argmax_ref']} -> {r['argmax_restored']}",
+             "same": "yes" if r["argmax_match"] else "NO",
+             "ident": "bit-identical" if r["bit_identical"] else f"{r['n_differ']} differ"} for r in data["rows"]]
+    print_table(rows, [("flash_attn", "-fa", ""), ("case", "restored at", ""), ("cells", "cells*", ""),
+                       ("max_abs_diff", "max|Δ logit|", ".3g"), ("mean_abs_diff", "mean|Δ|", ".3g"),
+                       ("ident", "logits", ""), ("argmax", "argmax", ""), ("same", "greedy same", "")])
+    print("* where llama.cpp puts them (each restore and decode fills the first free cells from the cache's head); "
+          "not read back")
+    if not data["ok"]:
+        print("\nflash attention OFF changed logits after a restore: not what the pinned llama.cpp does")
+
+
+def plot(data: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = data["rows"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"-fa {r['flash_attn']}\n{r['case']}" for r in rows]
+    vals = [r["max_abs_diff"] for r in rows]
+    bars = a1.bar(range(len(rows)), vals, color=["C3" if r["flash_attn"] == "on" else "C0" for r in rows])
+    for b, r in zip(bars, rows):
+        a1.annotate("0 (bit-identical)" if r["bit_identical"] else f"{r['max_abs_diff']:.3g}",
+                    (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    a1.set_xticks(range(len(rows)), labels, fontsize=8)
+    a1.set_ylabel("max |Δ logit| vs the original")
+    a1.set_title(f"restored sequence, next-token logits ({data['n_prompt']} tokens)")
+    edges = np.asarray(data["hist_edges"])
+    for r in rows:
+        if not r["bit_identical"]:
+            a2.stairs(r["abs_diff_hist"][1:], edges[1:], label=f"-fa {r['flash_attn']}, {r['case']}")
+    a2.set_xscale("log")
+    a2.set_xlabel("|Δ logit|")
+    a2.set_ylabel("vocabulary entries")
+    a2.set_title("where the differences are (rows with any)")
+    if a2.get_legend_handles_labels()[0]:
+        a2.legend(fontsize=8)
+    else:
+        a2.text(0.5, 0.5, "every row bit-identical", ha="center", transform=a2.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    """The command: run, print (table or --json), plot with -o; exit 1 when a flash-attention-off
+    restore changed the logits, 2 on bad input."""
+    from .common import emit
+    try:
+        data = run(args)
+    except ValueError as e:
+        print(f"pyllamacpp placement: {e}", file=sys.stderr)
+        return 2
+    emit(args, data, print_report)
+    if args.output:
+        plot(data, args.output)
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0 if data["ok"] else 1
