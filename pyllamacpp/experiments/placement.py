@@ -16,8 +16,9 @@ ggml_compute_forward_flash_attn_ext_f16) splits the KV cells of a one-token ubat
 thread once n_kv >= 512, and merges the chunks' partial softmax sums: when the sequence sits in other
 cells, or n_kv (the used cells, padded to 256) differs, the chunk boundaries cut it elsewhere and the
 float sums round differently. So the effect needs a sequence of a few hundred cells (-p) and more than
-one thread (-t); the greedy token usually holds. An iSWA model's sliding-window cache moves its cells
-on any reload: there even "same cells" differs with flash attention on (try -m on a Gemma 3 GGUF).
+one thread (-t); the greedy token usually holds. An iSWA model's sliding-window cache is a ring: a
+reload may put its cells elsewhere even in the "same cells" case (reported for a Gemma 3 270M GGUF,
+700 tokens, window 512; a small synthetic gemma3 did not show it): try -m on such a model.
 Exit status 1 when a flash-attention-off row is not bit-identical.
 """
 from __future__ import annotations
