@@ -19,24 +19,107 @@ def _cmd_demo(args) -> int:
     with Model(path) as model, model.context(n_ctx=args.n_ctx, n_threads=args.threads) as ctx:
         tokens = model.tokenize(args.prompt)
         ctx.prefill(tokens)
-        logits = ctx.logits()
+        logits = ctx.logits().copy()  # a view would show the generation's last logits below
         top = np.argsort(logits)[::-1][: args.top]
         probs = np.exp(logits - logits.max())
         probs /= probs.sum()
         state = ctx.seq_state(0)
+        state_bytes = len(state)
+        del state
+        text = model.complete(args.prompt, args.n_predict, ctx=ctx)  # greedy, sequence 0 afresh
         if args.json:
-            print(json.dumps({"model": str(path), "tokens": tokens.tolist(),
+            print(json.dumps({"model": str(path), "description": model.description, "n_params": model.n_params,
+                              "tokens": tokens.tolist(),
                               "top": [{"token": int(t), "piece": model.token_to_piece(int(t)),
                                        "logit": float(logits[t]), "p": float(probs[t])} for t in top],
-                              "seq_state_bytes": len(state)}))
+                              "seq_state_bytes": state_bytes, "generated": str(text),
+                              "generated_tokens": len(text.tokens), "finish_reason": text.finish_reason}))
             return 0
-        print(f"model   {path.name}: {model.description}, {model.n_layer} layers, n_vocab {model.n_vocab}")
+        print(f"model   {path.name}: {model.n_params / 1e6:.1f}M params, {model.n_layer} layers, "
+              f"n_vocab {model.n_vocab} (llama.cpp's description: {model.description})")
         print(f"prompt  {args.prompt!r} -> {len(tokens)} tokens {tokens.tolist()}")
         print("top next tokens:")
         for t in top:
             print(f"  {int(t):6d} {model.token_to_piece(int(t))!r:16} logit {logits[t]:8.3f}  p {probs[t]:.4f}")
-        print(f"sequence 0 state: {len(state):,} bytes (llama_state_seq_get_data_ext, {len(tokens)} cells)")
+        print(f"sequence 0 state: {state_bytes:,} bytes (llama_state_seq_get_data_ext, {len(tokens)} cells)")
+        print(f"generated: {str(text)!r} ({len(text.tokens)} tokens, greedy, stopped by {text.finish_reason})")
     return 0
+
+
+def _context_kwargs(args) -> dict:
+    """The context flags given (-c, -t); the library's defaults for the others."""
+    kw = {"n_ctx": args.ctx_size}
+    if args.threads is not None:
+        kw["n_threads"] = kw["n_threads_batch"] = args.threads
+    return kw
+
+
+def _sampler(model, args):
+    """Greedy, or with --temp > 0 llama.cpp's chain: top-k, top-p, min-p, temperature, dist(seed)."""
+    from .sampling import Sampler
+    if args.temp <= 0:
+        return Sampler.greedy()
+    s = Sampler(model).top_k(args.top_k).top_p(args.top_p).min_p(args.min_p).temp(args.temp)
+    return s.dist(args.seed) if args.seed is not None else s.dist()
+
+
+def _stream_out(stream) -> None:
+    """Write a TextStream's pieces to stdout as they come; the end of generation on stderr."""
+    with stream:
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if stream.finish_reason == "ctx_full":
+        print(f"[context full after {len(stream.tokens)} tokens: n_ctx={stream.ctx.n_ctx}; give a larger -c]",
+              file=sys.stderr)
+
+
+def _cmd_generate(args) -> int:
+    """Generate text after a prompt, streamed to stdout as it comes (greedy unless --temp)."""
+    from . import default_model_path
+    from .model import Model
+
+    with Model(args.model or default_model_path()) as model, model.context(**_context_kwargs(args)) as ctx, \
+            _sampler(model, args) as sampler:
+        stream = model.complete(args.prompt, args.n_predict, sampler=sampler, ctx=ctx, stream=True,
+                                parse_special=args.special)
+        if args.display_prompt:
+            sys.stdout.write(args.prompt)
+        _stream_out(stream)
+    return 0
+
+
+def _cmd_chat(args) -> int:
+    """Chat through the model's chat template: each line of stdin is a user turn, each answer is
+    streamed to stdout (the conversation is kept; end with EOF, Ctrl-D)."""
+    from . import default_model_path
+    from .model import Model
+
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    with Model(args.model or default_model_path()) as model, model.context(**_context_kwargs(args)) as ctx, \
+            _sampler(model, args) as sampler:
+        while True:
+            if interactive:
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                return 0
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            try:
+                stream = model.chat(messages, args.n_predict, sampler=sampler, ctx=ctx, stream=True)
+            except ValueError as e:
+                if "more than the context holds" not in str(e):
+                    raise
+                print(f"pyllamacpp chat: the conversation no longer fits: {e}; give a larger -c", file=sys.stderr)
+                return 1
+            _stream_out(stream)
+            messages.append({"role": "assistant", "content": stream.text})
 
 
 def _cmd_rpc_server(args) -> int:
@@ -110,8 +193,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--n-ctx", type=int, default=512)
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--top", type=int, default=5)
+    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate after the prompt")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_demo)
+
+    def text_flags(p, n_predict: int) -> None:  # generate and chat
+        p.add_argument("-m", "--model", type=Path,
+                       help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
+        p.add_argument("-n", "--n-predict", type=int, default=n_predict,
+                       help="most tokens to generate (-1: until an end token or a full context)")
+        p.add_argument("-c", "--ctx-size", type=int, default=None,
+                       help="n_ctx (default: the library's, min(n_ctx_train, 4096))")
+        p.add_argument("-t", "--threads", type=int, default=None,
+                       help="n_threads and n_threads_batch (default: the library's, the physical cores)")
+        p.add_argument("--temp", type=float, default=0.0, help="temperature; 0: greedy")
+        p.add_argument("--top-k", type=int, default=40, help="with --temp > 0")
+        p.add_argument("--top-p", type=float, default=0.95, help="with --temp > 0")
+        p.add_argument("--min-p", type=float, default=0.05, help="with --temp > 0")
+        p.add_argument("-s", "--seed", type=int, default=None, help="with --temp > 0 (default: random)")
+
+    p = sub.add_parser("generate", help=_cmd_generate.__doc__, description=_cmd_generate.__doc__)
+    p.add_argument("-p", "--prompt", required=True, help="the text to continue")
+    text_flags(p, 128)
+    p.add_argument("--special", action="store_true", help="parse special tokens in the prompt (<|im_start|>...)")
+    p.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
+                   help="print the generated text only, not the prompt before it")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("chat", help=_cmd_chat.__doc__.split(":")[0], description=_cmd_chat.__doc__)
+    text_flags(p, 256)
+    p.add_argument("--system", help="a system message to start the conversation with")
+    p.set_defaults(func=_cmd_chat)
 
     p = sub.add_parser("rpc-server", help="serve this machine's CPU to ggml RPC clients")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
