@@ -8,8 +8,18 @@ import without them.
 import importlib as _importlib
 
 from ._version import __version__
-from .errors import (ClosedError, ContextError, DecodeAborted, DecodeError, DecodeInterrupted, InvalidBatchError,
-                     KVCacheFullError, LlamaError, ModelLoadError, StateError)
+from .errors import (
+    ClosedError,
+    ContextError,
+    DecodeAborted,
+    DecodeError,
+    DecodeInterrupted,
+    InvalidBatchError,
+    KVCacheFullError,
+    LlamaError,
+    ModelLoadError,
+    StateError,
+)
 from .models import default_model_path
 
 # name -> module that defines it; imported on first access (PEP 562).

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 from ._lib import lib
 from .errors import ClosedError, LlamaError
+
+if TYPE_CHECKING:
+    from .context import Context
 
 
 # pyllamacpp.state's memory names -> the class llama_model::create_memory builds
@@ -22,7 +26,7 @@ class Memory:
     Sequence ids are checked against ``[0, n_seq_max)`` in Python first: llama.cpp asserts
     (and aborts the process) on some out-of-range ids."""
 
-    def __init__(self, ctx: "Context"):
+    def __init__(self, ctx: Context):
         self._ctx = weakref.ref(ctx)
 
     def __repr__(self) -> str:
@@ -40,7 +44,7 @@ class Memory:
                 seqs[s] = (lib.llama_memory_seq_pos_min(mem, s), hi)
         try:
             name, _ = ctx._memory_layers()
-        except Exception:  # a repr never raises: the GGUF may have moved since the model loaded
+        except (OSError, ValueError):  # a repr never raises: the GGUF may have moved since the model loaded
             name = None
         kind = _LLAMA_CLASS.get(name, name) if name else "memory"
         return f"<Memory {kind} n_seq_max={ctx.n_seq_max} n_ctx={ctx.n_ctx} seqs={seqs}>"

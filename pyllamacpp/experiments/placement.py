@@ -87,8 +87,9 @@ def run_one(model, toks: np.ndarray, *, flash_attn: str, occupy: int, type_k: st
     """The two restores of ``toks[:-1]`` with ``flash_attn`` ("on"/"off"): one row per case."""
     n, m = int(toks.size), int(occupy)
     threads = n_threads or default_n_threads()
-    kw = dict(n_ctx=-(-(n + m + 1) // 256) * 256, n_batch=max(512, n, m), n_seq_max=2, kv_unified=True,
-              flash_attn=flash_attn, type_k=type_k, type_v=type_v, n_threads=threads, n_threads_batch=threads)
+    kw = {"n_ctx": -(-(n + m + 1) // 256) * 256, "n_batch": max(512, n, m), "n_seq_max": 2, "kv_unified": True,
+          "flash_attn": flash_attn, "type_k": type_k, "type_v": type_v, "n_threads": threads,
+          "n_threads_batch": threads}
     head, last = toks[:-1], toks[-1:]
     filler = np.resize(toks, m) if m else None
     with model.context(**kw) as ctx:

@@ -30,7 +30,7 @@ _STRING, _ARRAY = 8, 9
 class _Reader:
     """A cursor over the file's bytes; ``take`` is the one bounds-checked read."""
 
-    __slots__ = ("mv", "size", "off", "bo", "u64")
+    __slots__ = ("bo", "mv", "off", "size", "u64")
 
     def __init__(self, mv: memoryview, byteorder: str):
         self.mv, self.size, self.off, self.bo = mv, len(mv), 0, byteorder
@@ -97,6 +97,10 @@ class _Reader:
         raise StateFormatError(f"unknown value type {vtype}", offset=self.off - 4, what=what)
 
 
+def _every_key(key: str) -> bool:
+    return True
+
+
 def read_metadata(path: str | os.PathLike, keys: Collection[str] | Callable[[str], bool] | None = None
                   ) -> dict[str, Any]:
     """The key/value metadata of the GGUF file at ``path``: ``{key: value}`` for the keys in
@@ -111,12 +115,11 @@ def read_metadata(path: str | os.PathLike, keys: Collection[str] | Callable[[str
     """
     want: Callable[[str], bool]
     if keys is None:
-        want = lambda k: True  # noqa: E731
+        want = _every_key
     elif callable(keys):
         want = keys
     else:
-        wanted = frozenset(keys)
-        want = wanted.__contains__
+        want = frozenset(keys).__contains__
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 24:

@@ -130,7 +130,7 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
     head_kv = r(f"{arch}.attention.head_count_kv")
     n_head = r(f"{arch}.attention.head_count")
     n_embd = r(f"{arch}.embedding_length")
-    default_head = n_embd // n_head if isinstance(n_head, int) and n_head else None
+    default_head = n_embd // n_head if isinstance(n_embd, int) and isinstance(n_head, int) and n_head else None
     if isinstance(head_kv, list):
         # per-layer counts, 0 for a layer without attention (hybrid models): one number only
         # when the attention layers agree
