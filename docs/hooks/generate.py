@@ -1,0 +1,120 @@
+"""MkDocs hook: the pages and figures the build makes itself, so none of them can go stale.
+
+- ``reference/cli.md``: every subcommand's ``--help``, from ``pyllamacpp.cli.build_parser()``.
+- ``reference/api/*.md``: one mkdocstrings block per public name (``__all__`` of each package).
+- ``assets/kv/*.png``: the KV walk-through's figures, drawn with matplotlib from a real dump of the
+  default model made during the build (``kvwalk.py`` beside this file).
+
+Generated files live only in the build (``File.generated``): nothing is written under docs/.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+
+from mkdocs.structure.files import File
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _kvwalk():
+    # kvwalk.py beside this file; mkdocs loads hooks by path, not as a package
+    spec = importlib.util.spec_from_file_location("pyllamacpp_docs_kvwalk", os.path.join(HERE, "kvwalk.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextlib.contextmanager
+def _columns(n: int):
+    # argparse wraps help to the terminal width: fix it so the page does not depend on who builds it.
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(n)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = old
+
+
+def cli_page() -> str:
+    """Markdown for every ``pyllamacpp`` subcommand's help, in the parser's order."""
+    from pyllamacpp.cli import build_parser
+    with _columns(100):
+        ap = build_parser()
+        out = ["# Command line", "",
+               "Generated at build time from `pyllamacpp.cli.build_parser()`: what `--help` prints.",
+               "", "```text", ap.format_help().rstrip(), "```", ""]
+        sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+        helps = {a.dest: a.help for a in sub._choices_actions}
+        for name, p in sub.choices.items():
+            out += [f"## `pyllamacpp {name}`", ""]
+            if helps.get(name):
+                out += [helps[name].strip().split("\n")[0], ""]
+            out += ["```text", p.format_help().rstrip(), "```", ""]
+    return "\n".join(out)
+
+
+def _api_block(ident: str, heading_level: int = 2) -> str:
+    return f"::: {ident}\n    options:\n      heading_level: {heading_level}\n"
+
+
+def api_pages() -> dict[str, str]:
+    """One page per package, one mkdocstrings block per name of its ``__all__`` (or public module)."""
+    import pyllamacpp
+    import pyllamacpp.experiments
+    import pyllamacpp.state
+    import pyllamacpp.testing
+
+    pages = {}
+    top = ["# `pyllamacpp`", "", "Every name of `pyllamacpp.__all__`, generated from the docstrings.", "",
+           "## `ffi`, `lib`", "",
+           "The compiled cffi module (`pyllamacpp._lib`): every function, struct, enum and integer "
+           "`#define` of `llama.h` and the ggml headers it includes, checked by the C compiler. "
+           "Call them as llama.cpp documents them, e.g. `pl.lib.llama_max_parallel_sequences()`.", "",
+           "## `__version__`", "", f"The package version, `{pyllamacpp.__version__}` in this build.", ""]
+    for name in pyllamacpp.__all__:
+        if name in ("ffi", "lib", "__version__"):
+            continue
+        obj = getattr(pyllamacpp, name)
+        top.append(_api_block(f"{obj.__module__}.{name}"))
+    pages["reference/api/pyllamacpp.md"] = "\n".join(top)
+
+    st = ["# `pyllamacpp.state`", "", _api_block("pyllamacpp.state", 1).replace(
+        "heading_level: 1", "heading_level: 1\n      show_root_heading: false\n      members: false"), ""]
+    st += [_api_block(f"pyllamacpp.state.{name}") for name in pyllamacpp.state.__all__]
+    pages["reference/api/state.md"] = "\n".join(st)
+
+    pages["reference/api/testing.md"] = "# `pyllamacpp.testing`\n\n" + _api_block(
+        "pyllamacpp.testing", 1).replace("heading_level: 1", "heading_level: 2\n      show_root_heading: false")
+
+    ex = ["# `pyllamacpp.experiments`", "",
+          "Each module is one `pyllamacpp` subcommand: `run(args)` returns the data, "
+          "`print_report` prints it, `plot` draws it where the command has `-o`.", ""]
+    for mod in experiment_modules():
+        ex.append(_api_block(f"pyllamacpp.experiments.{mod}"))
+    pages["reference/api/experiments.md"] = "\n".join(ex)
+    return pages
+
+
+def experiment_modules() -> list[str]:
+    """The public modules of ``pyllamacpp.experiments`` (names without a leading underscore)."""
+    import pkgutil
+
+    import pyllamacpp.experiments
+    return sorted(m.name for m in pkgutil.iter_modules(pyllamacpp.experiments.__path__)
+                  if not m.name.startswith("_"))
+
+
+def on_files(files, config):
+    files.append(File.generated(config, "reference/cli.md", content=cli_page()))
+    for path, text in api_pages().items():
+        files.append(File.generated(config, path, content=text))
+    kvwalk = _kvwalk()
+    for name, png in kvwalk.figures(kvwalk.run()).items():
+        files.append(File.generated(config, f"assets/kv/{name}", content=png))
+    return files

@@ -1,0 +1,169 @@
+"""The docs cannot rot: every example in README.md and docs/ runs, and the site builds strictly.
+
+- Each ```python block runs; the blocks of one page share a namespace, in page order, in a
+  temporary folder (so a page may write a file in one block and read it in the next).
+- Each ```console block runs its ``$ pyllamacpp ...`` lines (the same page's temporary folder);
+  output lines shown under a command that hold no digit must appear in what it printed.
+- ``<!-- docs: skip REASON -->`` on the line before a fence skips that block, with the reason
+  (a GPU, a network, an API not landed yet). Other fences (```bash, ```text) are not run.
+- ``mkdocs build --strict`` must pass: a broken link, a missing reference or a docstring warning
+  fails, and the generated API pages must hold every public name.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted([ROOT / "README.md", *(p for p in (ROOT / "docs").rglob("*.md") if "hooks" not in p.parts)])
+FENCE = re.compile(r"^(`{3,})(\w*)\s*$")
+SKIP = re.compile(r"^<!--\s*docs:\s*skip\s+(.+?)\s*-->\s*$")
+
+
+@dataclass
+class Block:
+    path: Path
+    line: int          # 1-based line of the opening fence
+    lang: str
+    code: str
+    skip: str | None   # the reason, when marked
+
+
+def blocks(path: Path) -> list[Block]:
+    """The fenced blocks of a markdown file, with their skip marks."""
+    out, lines, i = [], path.read_text().splitlines(), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i].strip())
+        if not m:
+            i += 1
+            continue
+        start, fence, lang = i, m.group(1), m.group(2)
+        i += 1
+        body = []
+        while i < len(lines) and lines[i].strip() != fence:
+            body.append(lines[i])
+            i += 1
+        if i == len(lines):
+            raise AssertionError(f"{path}:{start + 1}: fence never closed")
+        prev = lines[start - 1].strip() if start else ""
+        skip = SKIP.match(prev)
+        indent = len(lines[start]) - len(lines[start].lstrip())
+        out.append(Block(path, start + 1, lang, "\n".join(b[indent:] for b in body), skip and skip.group(1)))
+        i += 1
+    return out
+
+
+def _id(p: Path) -> str:
+    return str(p.relative_to(ROOT))
+
+
+RUNNABLE = [p for p in PAGES if any(b.lang in ("python", "console") for b in blocks(p))]
+
+
+def run_console(block: Block, cwd: Path) -> None:
+    """Run each ``$ pyllamacpp ...`` line; shown output lines without digits must be printed."""
+    cmds: list[tuple[str, list[str]]] = []
+    for line in block.code.splitlines():
+        if line.startswith("$ "):
+            cmds.append((line[2:], []))
+        elif cmds:
+            cmds[-1][1].append(line)
+    for cmd, shown in cmds:
+        argv = shlex.split(cmd, comments=True)
+        if not argv or argv[0] != "pyllamacpp":
+            continue  # pip, python ...: setup lines, not examples
+        r = subprocess.run([sys.executable, "-m", "pyllamacpp.cli", *argv[1:]], cwd=cwd,
+                           capture_output=True, text=True, timeout=300)
+        where = f"{_id(block.path)}:{block.line}: `{cmd}`"
+        assert r.returncode == 0, f"{where} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
+        printed = " ".join((r.stdout + r.stderr).split())
+        for want in shown:
+            if want.strip() and not re.search(r"\d", want) and want.strip() != "...":
+                assert " ".join(want.split()) in printed, f"{where}: no line {want!r} in\n{r.stdout}{r.stderr}"
+
+
+@pytest.mark.parametrize("page", RUNNABLE, ids=_id)
+def test_examples(page: Path, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {"__name__": "__docs__"}
+    skipped = []
+    for b in blocks(page):
+        if b.lang not in ("python", "console"):
+            continue
+        if b.skip:
+            skipped.append(f"line {b.line}: {b.skip}")
+            continue
+        if b.lang == "console":
+            run_console(b, tmp_path)
+            continue
+        code = compile("\n" * (b.line) + b.code, str(page), "exec")  # tracebacks point at the page's lines
+        exec(code, ns)
+    if skipped:
+        pytest.skip(f"{_id(page)}: ran the rest; skipped " + "; ".join(skipped))
+
+
+def test_every_python_block_is_run_or_marked():
+    # a typo in the fence (```py, ```Python) would silently skip an example
+    for page in PAGES:
+        for b in blocks(page):
+            assert b.lang not in ("py", "Python", "python3", "pycon", "shell-session"), \
+                f"{_id(page)}:{b.line}: use ```python or ```console"
+
+
+def test_readme_front_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines (front page: at most 150)"
+    head = "\n".join(lines[:12])
+    assert "pip install . && pyllamacpp demo" in head
+    test_cmd = 'pip install ".[test]" && pytest'
+    assert test_cmd in head
+    assert (ROOT / ".ci/run").read_text().rstrip().splitlines()[-1] == test_cmd, \
+        ".ci/run must run exactly the README's test command"
+
+
+def test_site_builds_strict(tmp_path):
+    pytest.importorskip("mkdocs", reason="the docs tools come with the test extra")
+    site = tmp_path / "site"
+    # run from tmp: from the repository root, `python -m` would put the source folder (no compiled
+    # extension) first on sys.path and the hook's import of pyllamacpp would fail
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
+                        "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout}\n{r.stderr}"
+
+    import pyllamacpp
+    import pyllamacpp.state
+    api = (site / "reference/api/pyllamacpp/index.html").read_text()
+    for name in pyllamacpp.__all__:
+        if name in ("ffi", "lib", "__version__"):
+            assert f"<code>{name}</code>" in api, name
+            continue
+        ident = f"{getattr(pyllamacpp, name).__module__}.{name}"
+        assert f'id="{ident}"' in api, f"API reference lacks {ident}"
+    state = (site / "reference/api/state/index.html").read_text()
+    for name in pyllamacpp.state.__all__:
+        assert f'id="pyllamacpp.state.{name}"' in state, f"API reference lacks pyllamacpp.state.{name}"
+    testing = (site / "reference/api/testing/index.html").read_text()
+    for name in ("make_model", "ARCHS"):
+        assert f'id="pyllamacpp.testing.{name}"' in testing
+    sys.path.insert(0, str(ROOT / "docs/hooks"))
+    try:
+        import generate
+        mods = generate.experiment_modules()
+    finally:
+        sys.path.remove(str(ROOT / "docs/hooks"))
+    experiments = (site / "reference/api/experiments/index.html").read_text()
+    for mod in mods:
+        assert f'id="pyllamacpp.experiments.{mod}"' in experiments, mod
+    cli = (site / "reference/cli/index.html").read_text()
+    assert "pyllamacpp kvprobe" in cli and "--ubatch-list" in cli
+    for png in ("heads.png", "file-layout.png", "streams.png"):
+        assert (site / "assets/kv" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
