@@ -72,20 +72,49 @@ static llama_progress_callback const _pyllamacpp_check_progress = _pyllamacpp_pr
 """
 
 
+# Compiler extensions pycparser cannot parse, defined away in the file that is preprocessed (not on
+# the command line: MSVC's /D takes no function-like macros).
+_DEFINED_AWAY = ["__attribute__(x)", "__declspec(x)", "restrict", "__restrict", "__restrict__",
+                 "__extension__", "__forceinline", "__cdecl", "__stdcall"]
+
+
+def _is_msvc(cc: list[str]) -> bool:
+    return Path(cc[0]).stem.lower() in ("cl", "clang-cl")
+
+
 def preprocess(cc: list[str], headers: list[Path], include_dirs: list[Path], *, macros: bool) -> str:
+    if macros and _is_msvc(cc):
+        # MSVC has no -dM: the headers' own #define lines are the macro table (their values are
+        # checked by the C compiler anyway, through cffi's `#define NAME ...`).
+        # (only the headers that the given ones include, as the preprocessor would see them)
+        seen: list[Path] = []
+        todo = [d / h for h in headers for d in include_dirs if (d / h).exists()]
+        while todo:
+            p = todo.pop()
+            if p in seen:
+                continue
+            seen.append(p)
+            for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', p.read_text(), re.M):
+                todo += [d / inc for d in include_dirs if (d / inc).exists()]
+        text = re.sub(r"/\*.*?\*/|//[^\n]*", "", "\n".join(p.read_text() for p in seen), flags=re.S)
+        return "\n".join("#define " + " ".join(m.groups()).strip()
+                         for m in re.finditer(r"^\s*#\s*define\s+(\w+(?:\([^)]*\))?)[ \t]*(.*)$", text, re.M)
+                         if not m.group(1).startswith("_"))  # platform macros (_WIN32_WINNT), not llama.cpp's
     with tempfile.TemporaryDirectory() as tmp:
         stub = Path(tmp)
         for name in _STUB_HEADERS:
             (stub / name).write_text("")
         main = stub / "pyllamacpp_all.h"
-        main.write_text("".join(f'#include "{h}"\n' for h in headers))
-        cmd = [*cc, "-E", "-nostdinc", "-I", str(stub)]
-        for d in include_dirs:
-            cmd += ["-I", str(d)]
-        cmd += ["-D__attribute__(x)=", "-D__declspec(x)=", "-Drestrict=", "-D__restrict=",
-                "-D__restrict__=", "-D__inline=inline", "-D__extension__="]
-        cmd += ["-dM"] if macros else ["-P"]
-        cmd.append(str(main))
+        main.write_text("".join(f"#define {m}\n" for m in _DEFINED_AWAY) + "#define __inline inline\n"
+                        + "".join(f'#include "{h}"\n' for h in headers))
+        if _is_msvc(cc):  # /EP: preprocess to stdout without #line; /X: no standard include paths
+            cmd = [*cc, "/nologo", "/EP", "/X", f"/I{stub}", *(f"/I{d}" for d in include_dirs), str(main)]
+        else:
+            cmd = [*cc, "-E", "-nostdinc", "-I", str(stub)]
+            for d in include_dirs:
+                cmd += ["-I", str(d)]
+            cmd += ["-dM"] if macros else ["-P"]
+            cmd.append(str(main))
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"gen_cffi: preprocessing failed: {shlex.join(cmd)}\n{proc.stderr}")
@@ -102,14 +131,53 @@ class _ToCdef(c_ast.NodeVisitor):
 
 
 def exported_symbols(nm: str, libs: list[str]) -> set[str]:
-    """Functions the built shared libraries really export (``nm -D --defined-only``)."""
+    """Functions the built shared libraries really export: ``nm -D --defined-only`` (ELF),
+    ``nm -gU`` (Mach-O, names with a leading underscore), the PE export table (Windows DLLs)."""
     names: set[str] = set()
     for lib in libs:
-        proc = subprocess.run([nm, "-D", "--defined-only", lib], capture_output=True, text=True)
+        if lib.lower().endswith(".dll"):
+            names.update(pe_exports(Path(lib)))
+            continue
+        darwin = sys.platform == "darwin"
+        cmd = [nm, "-gU", lib] if darwin else [nm, "-D", "--defined-only", lib]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"gen_cffi: {nm} failed on {lib}: {proc.stderr}")
-        names.update(line.split()[-1] for line in proc.stdout.splitlines() if line.strip())
+        for line in proc.stdout.splitlines():
+            if line.strip() and not line.endswith(":"):
+                name = line.split()[-1]
+                names.add(name[1:] if darwin and name.startswith("_") else name)
     return names
+
+
+def pe_exports(path: Path) -> list[str]:
+    """Names in a DLL's export table (PE/COFF: the export directory of the optional header)."""
+    import struct
+    data = path.read_bytes()
+    pe = struct.unpack_from("<I", data, 0x3C)[0]
+    if data[pe:pe + 4] != b"PE\0\0":
+        sys.exit(f"gen_cffi: {path} is not a PE file")
+    n_sections, opt_size = struct.unpack_from("<H", data, pe + 6)[0], struct.unpack_from("<H", data, pe + 20)[0]
+    opt = pe + 24
+    magic = struct.unpack_from("<H", data, opt)[0]
+    export_rva = struct.unpack_from("<I", data, opt + (112 if magic == 0x20B else 96))[0]  # PE32+ / PE32
+    sections = [struct.unpack_from("<8sIIII", data, opt + opt_size + 40 * i) for i in range(n_sections)]
+
+    def offset(rva: int) -> int:
+        for _name, vsize, vaddr, rawsize, rawptr in sections:
+            if vaddr <= rva < vaddr + max(vsize, rawsize):
+                return rva - vaddr + rawptr
+        raise ValueError(f"RVA {rva:#x} is in no section of {path}")
+
+    if not export_rva:
+        return []
+    d = offset(export_rva)
+    n_names, names_rva = struct.unpack_from("<I", data, d + 24)[0], struct.unpack_from("<I", data, d + 32)[0]
+    out = []
+    for i in range(n_names):
+        p = offset(struct.unpack_from("<I", data, offset(names_rva) + 4 * i)[0])
+        out.append(data[p:data.index(b"\0", p)].decode())
+    return out
 
 
 def make_cdef(pp: str, exported: set[str] | None) -> tuple[str, list[str], list[str]]:
