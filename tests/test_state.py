@@ -2032,6 +2032,21 @@ def _reader_fields(path) -> dict:
     return {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items() if not k.startswith("GGUF.")}
 
 
+def _big_endian_gguf(path):
+    import gguf
+    w = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_uint32("llama.block_count", 3)
+    w.add_array("llama.attention.head_count_kv", [1, 0, 2])
+    w.add_float64("x.f64", 1.5)
+    w.add_int64("x.i64", -(2**40))
+    w.add_array("x.strings", ["a", "héllo"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def test_gguf_metadata_reader_matches_gguf_reader(model_path, tmp_path):
     from pyllamacpp.state._gguf import read_metadata
     from pyllamacpp.testing import make_model
@@ -2043,7 +2058,8 @@ def test_gguf_metadata_reader_matches_gguf_reader(model_path, tmp_path):
              make_model(tmp_path / "lfm2.gguf", "lfm2", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_vocab=64),
              _metadata_gguf(tmp_path / "d.gguf", "dots3note", block_count=4,
                             **{"attention.sliding_window_pattern": [False, True, True, False],
-                               "attention.indexer.types": [1, 0, 0, 1]})]
+                               "attention.indexer.types": [1, 0, 0, 1]}),
+             _big_endian_gguf(tmp_path / "be.gguf")]
     for path in paths:
         ref = _reader_fields(path)
         got = read_metadata(path)
