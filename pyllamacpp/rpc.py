@@ -79,10 +79,19 @@ def _sockets_to(addrs: set, exclude=()) -> list[tuple[int, int]] | None:
             st = os.fstat(fd)
             if not stat.S_ISSOCK(st.st_mode) or st.st_ino in exclude:
                 continue
-            with socket.socket(fileno=os.dup(fd)) as s:  # a duplicate: closing it leaves ggml's fd
-                peer = s.getpeername()
-        except (OSError, ValueError):
+            dup = os.dup(fd)  # a duplicate to look through: closing it leaves ggml's fd open
+        except OSError:
             continue
+        try:
+            s = socket.socket(fileno=dup)
+        except (OSError, ValueError):
+            os.close(dup)
+            continue
+        with s:
+            try:
+                peer = s.getpeername()
+            except OSError:
+                continue
         if isinstance(peer, tuple) and peer[:2] in addrs:
             out.append((fd, st.st_ino))
     return out
@@ -92,7 +101,7 @@ class _Conn:
     """A server under one name given to ggml (``alias``): ggml's connection under that name,
     alive, or known gone (``down`` says why; it stays gone)."""
 
-    def __init__(self, server: "_Server", alias: str):
+    def __init__(self, server: _Server, alias: str):
         self.server, self.alias, self.endpoint = server, alias, server.endpoint
         self.down: str | None = None
 
@@ -197,9 +206,9 @@ class Link:
         for fd in self._conns:
             self._poll.register(fd, _GONE)
         self._warned = False
-        self._is_finalizing = sys.is_finalizing  # bound now: module globals may be None at exit
+        self._exiting, self._is_finalizing = _exiting, sys.is_finalizing  # module globals may be None at exit
 
-    def child(self, what: str) -> "Link":
+    def child(self, what: str) -> Link:
         """A link for an object made over this one (a context over its model)."""
         return Link(self.servers, what)
 
@@ -237,7 +246,7 @@ class Link:
     def must_leak(self) -> bool:
         """True when freeing the object must not call into ggml: at interpreter exit, or when a
         server is gone (then a warning, once). Called by ``Handle.__del__``."""
-        if _exiting[0] or self._is_finalizing():
+        if self._exiting[0] or self._is_finalizing():
             return True  # the servers free this connection's buffers when the process's sockets close
         srv = self.down()
         if srv is None and not self.known:  # no sockets to look at: ask each server for a connection
@@ -252,9 +261,9 @@ class Link:
             return False
         if not self._warned:
             self._warned = True
-            log.warning("RPC server %s is gone (%s): the %s on it was not freed; its memory here and on "
-                        "the other servers of the object stays allocated (freeing it through ggml-rpc would "
-                        "abort or hang the process)", srv.endpoint, srv.down, self.what)
+            log.warning("RPC server %s is gone (%s): the %s on it is left unfreed, since freeing it through "
+                        "ggml-rpc would abort or hang this process; its memory here stays allocated, and on "
+                        "servers still up until this process exits", srv.endpoint, srv.down, self.what)
         return True
 
 
@@ -378,7 +387,7 @@ def _child(conn, fn, args, kwargs) -> None:
         result = (False, e)
     try:
         conn.send(result)
-    except Exception as e:  # an unpicklable result or exception
+    except Exception as e:  # noqa: BLE001 (an unpicklable result or exception)
         conn.send((False, RPCError(f"{fn.__qualname__}'s result could not be sent back: {e!r}")))
     conn.close()
 
@@ -415,7 +424,7 @@ def run_in_subprocess(fn, /, *args, timeout: float | None = None, **kwargs):
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
             err = RPCError(f"{name}'s child process died ({how}) without a result; an RPC server going away "
                            "during a call aborts the process that made it (ggml-rpc's GGML_ABORT)")
-            err.exitcode = code
+            err.exitcode = code  # type: ignore[attr-defined]
             raise err from None
     finally:
         recv.close()

@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import PROMPT
 
 import pyllamacpp as pl
-from conftest import PROMPT
 
 pytestmark = pytest.mark.skipif("rpc" not in pl.build_info()["backends"], reason="built without GGML_RPC")
 
@@ -100,7 +100,7 @@ for _ in range(50):
     ctx.memory.clear(); ctx.prefill(toks)
 print("SURVIVED")
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
                           cwd=tempfile.gettempdir())
     assert "SURVIVED" not in proc.stdout
     assert proc.returncode != 0
@@ -181,12 +181,12 @@ except ClosedError:
     assert "CLOSED True True" in out and "USE AFTER CLOSE RAISES" in out
     warnings = [line for line in out.splitlines() if line.startswith("LOG pyllamacpp.rpc")]
     assert len(warnings) == 2, out  # once for the context, once for the model
-    assert "the context on it was not freed" in warnings[0] and "the model" in warnings[1]
+    assert "the context on it is left unfreed" in warnings[0] and "the model" in warnings[1]
     assert all("is gone" in w and "127.0.0.1:" in w for w in warnings)
 
 
 def test_servers_stopped_then_interpreter_exit_with_objects_alive():
-    out, err = _scenario("""
+    out, _ = _scenario("""
 a, b = _free_port(), _free_port()
 sa, sb = start_server(a), start_server(b)
 m, ctx = load(a, b)
