@@ -1,0 +1,208 @@
+"""The text level: complete / chat, the streaming detokenizer, how generation ends, the KV cache
+state generation leaves, and the generate / chat commands."""
+from __future__ import annotations
+
+import gc
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+import pyllamacpp as pl
+from pyllamacpp.text import Completion, Detokenizer, TextStream, chat_tokens
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+CAT_JA = [{"role": "user", "content": "Write the Japanese word for cat."}]  # greedy: kana, 3 bytes over 2 tokens
+
+
+def _splits(model, tokens) -> int:
+    """How many tokens' bytes are not whole UTF-8 characters on their own."""
+    n = 0
+    for t in tokens:
+        try:
+            model.token_to_bytes(t).decode("utf-8")
+        except UnicodeDecodeError:
+            n += 1
+    return n
+
+
+def test_detokenizer_never_splits_a_character(model):
+    text = "你好世界 🦙 Привет, naïve"
+    toks = model.tokenize(text, add_special=False)
+    assert _splits(model, toks) >= 8  # the vocabulary does split these characters across tokens
+    d = Detokenizer(model)
+    pieces = [d.feed(t) for t in toks]
+    assert "\ufffd" not in "".join(pieces)
+    assert "".join(pieces) + d.flush() == text
+    assert pieces[:3] == ["", "你", ""]  # "你" is e4 bd | a0: nothing, then the character
+
+
+def test_stream_yields_whole_characters_and_equals_the_text(model):
+    s = model.chat(CAT_JA, 24, stream=True)
+    assert isinstance(s, TextStream)
+    pieces = list(s)
+    assert _splits(model, s.tokens) >= 10  # the answer's characters did come in halves
+    assert pieces and all(p and "\ufffd" not in p for p in pieces)
+    whole = model.chat(CAT_JA, 24)
+    assert isinstance(whole, Completion) and isinstance(whole, str)
+    assert "".join(pieces) == s.text == whole == model.detokenize(whole.tokens)
+    assert s.finish_reason == whole.finish_reason == "n_predict" and s.tokens == whole.tokens
+    # a character cut by n_predict: U+FFFD at the end, as llama_detokenize decoded with "replace"
+    cut = model.complete("Emoji: 😀😀😀", 20, stream=True)
+    pieces = list(cut)
+    assert pieces[-1] == "\ufffd" and "\ufffd" not in "".join(pieces[:-1])
+    assert "".join(pieces) == model.detokenize(cut.tokens)
+
+
+def test_complete_stream_equals_complete(model):
+    text = model.complete("The cat sat on the mat.", 24)
+    assert text.finish_reason == "n_predict" and len(text.tokens) == 24 and text.n_prompt == 7
+    assert "".join(model.complete("The cat sat on the mat.", 24, stream=True)) == text
+    with model.context(n_ctx=256, n_threads=2) as ctx:
+        assert text.tokens == list(pl.generate(ctx, model.tokenize("The cat sat on the mat."), 24))
+
+
+def test_chat_parses_the_template_special_tokens_and_answers(model):
+    toks = chat_tokens(model, FRANCE)
+    assert toks.size == 16 and toks.tolist().count(model.tokenize("<|im_start|>", False, True)[0]) == 2
+    answer = model.chat(FRANCE)  # greedy
+    assert "Paris" in answer and answer.finish_reason == "eog" and model.is_eog(answer.tokens[-1])
+    assert "<|im_end|>" not in answer  # the end token writes nothing
+    with pytest.raises(ValueError, match="messages"):
+        model.chat([{"role": "user"}])
+    with pytest.raises(ValueError, match="messages"):
+        model.chat([])
+    with pytest.raises(TypeError):
+        model.complete(b"bytes")
+    with pytest.raises(ValueError, match="no tokens"):
+        model.complete("")
+
+
+def test_ctx_reuse_clears_the_sequence_and_keeps_the_context(model):
+    with model.context(n_ctx=512, n_seq_max=2, n_threads=2) as ctx:
+        ctx.prefill(model.tokenize("Another sequence entirely."), seq_id=1)
+        other = ctx.memory.seq_pos_max(1)
+        first = model.complete("The cat sat on the mat.", 12, ctx=ctx)
+        # the prompt and every sampled token but the last are in sequence 0
+        assert ctx.memory.seq_pos_max(0) == first.n_prompt + len(first.tokens) - 2
+        again = model.complete("The cat sat on the mat.", 12, ctx=ctx)  # sequence 0 cleared first
+        assert again == first and ctx.memory.seq_pos_max(0) == first.n_prompt + 10
+        assert not ctx.closed and ctx.memory.seq_pos_max(1) == other  # the other sequence untouched
+        on1 = model.chat(FRANCE, ctx=ctx, seq_id=1)
+        assert "Paris" in on1 and ctx.memory.seq_pos_max(0) == first.n_prompt + 10
+        with pytest.raises(ValueError, match="more than the context holds"):
+            model.complete("word " * 600, 4, ctx=ctx)
+        with pytest.raises(ValueError, match="seq_id"):
+            model.complete("x", 4, ctx=ctx, seq_id=-1)
+
+
+def test_a_closed_or_dropped_stream_frees_its_context(model):
+    s = model.complete("Once upon a time", 100, stream=True)
+    next(s)
+    ctx = s.ctx
+    assert not ctx.closed
+    s.close()
+    assert ctx.closed and s.finish_reason is None and 0 < len(s.tokens) < 100
+    with pytest.raises(StopIteration):
+        next(s)
+    s = model.complete("Once upon a time", 100, stream=True)
+    next(s)
+    ctx = s.ctx
+    del s  # abandoned mid-way: the generator closes at once (no reference cycle)
+    assert ctx.closed
+    with model.complete("Once upon a time", 100, stream=True) as s:  # never started
+        ctx = s.ctx
+    assert ctx.closed
+    with model.context(n_ctx=256, n_threads=2) as mine:
+        with model.complete("Once upon a time", 100, ctx=mine, stream=True) as s:
+            next(s)
+        assert not mine.closed  # a given context stays open
+    gc.collect()
+
+
+def test_a_full_context_ends_the_text_with_ctx_full(model):
+    with model.context(n_ctx=256, n_threads=2) as ctx:
+        s = model.complete("Once upon a time", -1, ctx=ctx, stream=True)
+        text = "".join(s)
+        assert s.finish_reason == "ctx_full" and isinstance(s.generation.error, pl.KVCacheFullError)
+        assert len(s.tokens) == 256 - s.n_prompt + 1 and ctx.memory.seq_pos_max(0) == 255
+        assert text == model.detokenize(s.tokens)
+        done = model.complete("Once upon a time", 300, ctx=ctx)  # n_predict beyond the context
+        assert done.finish_reason == "ctx_full" and done == text
+    # without ctx=, the context made holds the prompt and n_predict tokens
+    c = model.complete("Once upon a time", 300)
+    assert c.finish_reason == "n_predict" and len(c.tokens) == 300 and c.startswith(text[:200])
+
+
+def test_generate_and_generate_parallel_leave_the_same_cache(model):
+    """Both leave the prompt and every sampled token but the last in memory (llama.cpp's examples
+    do not decode the last token either): 9 prompt tokens + 16 sampled -> positions 0..23."""
+    toks = model.tokenize("The cat sat on the mat. The dog")
+    assert toks.size == 9
+    with model.context(n_ctx=256, n_seq_max=3, kv_unified=True, n_threads=2) as ctx:
+        g = pl.generate(ctx, toks, 16)
+        out = list(g)
+        assert len(out) == 16 and g.finish_reason == "n_predict"
+        assert ctx.memory.seq_pos_max(0) == 23
+        alone = bytes(ctx.seq_state(0))
+        ctx.memory.clear()
+        res = pl.generate_parallel(ctx, toks, 3, 16)
+        assert [r.tokens for r in res] == [out] * 3 and {r.finish_reason for r in res} == {"n_predict"}
+        assert [ctx.memory.seq_pos_max(s) for s in range(3)] == [23, 23, 23]
+        ctx.memory.clear()
+        pl.generate_parallel(ctx, toks, 1, 16)
+        assert bytes(ctx.seq_state(0)) == alone  # the same cells, byte for byte
+        # continuing: feed the last token back, as the convention says
+        ctx.memory.clear()
+        first = list(pl.generate(ctx, toks, 8))
+        more = list(pl.generate(ctx, [first[-1]], 8))
+        assert first + more == out
+
+
+def _run_cli(argv, capsys, stdin: str | None = None, monkeypatch=None):
+    from pyllamacpp.cli import main
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_generate_streams_the_text(model, capsys):
+    rc, out, _ = _run_cli(["generate", "-p", "The cat sat on the mat.", "-n", "12", "-t", "2"], capsys)
+    want = model.complete("The cat sat on the mat.", 12)
+    assert rc == 0 and out == "The cat sat on the mat." + want + "\n"
+    rc, out, _ = _run_cli(["generate", "-p", "The cat sat on the mat.", "-n", "12", "--no-display-prompt",
+                           "--temp", "0.8", "-s", "7"], capsys)
+    assert rc == 0 and out.endswith("\n") and len(out) > 1
+    rc, out, err = _run_cli(["generate", "-p", "Once upon a time", "-n", "-1", "-c", "256", "--no-display-prompt"],
+                            capsys)
+    assert rc == 0 and "context full after 253 tokens" in err
+
+
+def test_cli_chat_answers_stdin_turns(capsys, monkeypatch):
+    rc, out, _ = _run_cli(["chat", "-n", "32"], capsys, "What is the capital of France?\n\nAnd of Germany?\n",
+                          monkeypatch)
+    lines = out.splitlines()
+    assert rc == 0 and len(lines) == 2 and "Paris" in lines[0] and "Berlin" in lines[1]  # the history is kept
+
+
+def test_cli_chat_piped():
+    r = subprocess.run([sys.executable, "-c", "import sys; from pyllamacpp.cli import main; sys.exit(main())",
+                        "chat", "-n", "32"], input="What is the capital of France?\n", capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "Paris" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_cli_demo_generates_and_names_the_size(capsys):
+    rc, out, _ = _run_cli(["demo", "-n", "8"], capsys)
+    assert rc == 0 and "134.5M params" in out and "generated: " in out
+    top = [ln for ln in out.splitlines() if ln.startswith("  ")]
+    logits = [float(ln.split("logit")[1].split()[0]) for ln in top]
+    assert logits == sorted(logits, reverse=True)  # the prompt's logits, not the generation's
+    rc, out, _ = _run_cli(["demo", "-n", "8", "--json"], capsys)
+    d = json.loads(out)
+    assert d["n_params"] == 134_515_008 and d["generated_tokens"] == 8 and d["generated"]
+    assert d["finish_reason"] == "n_predict"
