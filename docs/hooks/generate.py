@@ -110,6 +110,35 @@ def experiment_modules() -> list[str]:
                   if not m.name.startswith("_"))
 
 
+# Commands whose own -o output the Experiments page shows: (asset name, argv with {out}).
+EXPERIMENT_OUTPUTS = [
+    ("sweep.png", ["ubatch-sweep", "-t", "2", "-c", "1024", "-p", "128", "-n", "4", "-r", "1",
+                   "--ubatch-list", "256,128,64", "-o", "{out}"]),
+    ("plot-state.png", ["plot-state", "{dump}", "-o", "{out}"]),
+    ("split-plan.html", ["split-plan", "--tokens", "100,50,30,10", "-np", "4", "-b", "512", "-ub", "64",
+                         "--no-kv-unified", "-o", "{out}"]),
+]
+
+
+def experiment_outputs(tmp: str) -> dict[str, bytes]:
+    """Run the commands of EXPERIMENT_OUTPUTS (stdout discarded) and return the files they wrote."""
+    import io
+
+    from pyllamacpp.cli import main
+    dump = os.path.join(tmp, "cat.bin")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        main(["kvprobe", "-t", "2", "-c", "512", "--ops", f"text:0:The cat sat on the mat.;save:0:{dump}"])
+        out = {}
+        for name, argv in EXPERIMENT_OUTPUTS:
+            path = os.path.join(tmp, name)
+            rc = main([a.format(out=path, dump=dump) for a in argv])
+            if rc != 0:
+                raise RuntimeError(f"pyllamacpp {' '.join(argv)} exited {rc}")
+            with open(path, "rb") as f:
+                out[name] = f.read()
+    return out
+
+
 def on_files(files, config):
     files.append(File.generated(config, "reference/cli.md", content=cli_page()))
     for path, text in api_pages().items():
@@ -117,4 +146,8 @@ def on_files(files, config):
     kvwalk = _kvwalk()
     for name, png in kvwalk.figures(kvwalk.run()).items():
         files.append(File.generated(config, f"assets/kv/{name}", content=png))
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in experiment_outputs(tmp).items():
+            files.append(File.generated(config, f"assets/experiments/{name}", content=data))
     return files
