@@ -114,6 +114,8 @@ def _run(ctx, tokens: np.ndarray, n_predict: int, sampler: Sampler, seq_id: int,
         try:
             tok = step(tok, pos, True)
         except KVCacheFullError as e:  # nothing of this step reached memory; the context goes on
+            if e.__context__ is not None:
+                raise  # something else failed in the step too (a logging handler): surface both
             res.finish_reason, res.error = "ctx_full", e
             return
         eog = out.eog
