@@ -43,9 +43,38 @@ _preload_nvidia_wheels()
 if sys.platform == "win32":  # no RPATH there: the DLLs beside the extension are found through this
     os.add_dll_directory(str(Path(__file__).parent))
 
+
+def _shadowing_source_tree() -> str | None:
+    """When this package is a source checkout's folder with no compiled extension (and not an
+    editable install), what to tell the user: typically `python` run from the clone's root after a
+    non-editable `pip install .`, where the current folder comes first on sys.path."""
+    pkg = Path(__file__).resolve().parent
+    if not (pkg.parent / "pyproject.toml").is_file() or any(pkg.glob("_pyllamacpp*.so")) \
+            or any(pkg.glob("_pyllamacpp*.pyd")):
+        return None
+    installed = ""
+    try:
+        from importlib.metadata import distribution
+        dist = distribution("pyllamacpp")
+        url = json.loads(dist.read_text("direct_url.json") or "{}")
+        if url.get("dir_info", {}).get("editable") and url.get("url") == pkg.parent.as_uri():
+            return None  # this tree's own editable install: its extension lives elsewhere, a build problem
+        ext = [dist.locate_file(f) for f in dist.files or () if f.name.startswith("_pyllamacpp")]
+        if ext:
+            installed = f" (the installed pyllamacpp, with its extension, is in {Path(str(ext[0])).parent.parent})"
+    except Exception:  # noqa: BLE001 (no or odd metadata: the message above is still right)
+        pass
+    return (f"pyllamacpp was imported from the source tree at {pkg}, which has no compiled extension: it "
+            f"shadows the installed package{installed}, as the current folder comes first on sys.path; "
+            "run from another folder, or install with `pip install -e .`")
+
+
 try:
     from . import _pyllamacpp
 except ImportError as e:  # a missing or half-built extension, or a library it cannot find
+    _why = _shadowing_source_tree()
+    if _why:
+        raise ImportError(_why) from e
     raise ImportError(f"pyllamacpp's compiled extension could not be loaded ({e}); {_REBUILD}") from e
 
 ffi = _pyllamacpp.ffi

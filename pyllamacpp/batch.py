@@ -48,10 +48,20 @@ class _BatchMem:
 class Batch:
     """``llama_batch_init(capacity, embd, n_seq_max)``, freed with ``llama_batch_free``.
 
+    As in llama.cpp, ``n_seq_max`` is how many seq ids ONE token may carry (the width of the
+    ``seq_id`` array), not a bound on their values: ``Batch(512)`` holds tokens of sequences 0, 1,
+    2... one id each (llama.cpp's server builds its batch with ``n_seq_max`` 1). The values are
+    checked when the batch is decoded, against the context's ``n_seq_max``.
+
     Views (of the filled part, ``len(batch)`` slots): ``token``, ``pos``, ``n_seq_id``, ``seq_id``
-    (2-D), ``logits`` (int8 flags); ``embd`` (2-D) for an embedding batch. Each is a numpy view over
-    the memory ``llama_decode`` reads, valid as long as the view exists.
+    (2-D, ``len x n_seq_max``), ``logits`` (int8 flags); ``embd`` (2-D) for an embedding batch. Each
+    is a numpy view over the memory ``llama_decode`` reads, valid as long as the view exists.
     Pass ``model=`` to have tokens checked against its vocabulary.
+
+    Raises:
+        ValueError: a non-positive capacity or n_seq_max, a negative embd; from the ``add*``
+            methods: a full batch, more seq ids for a token than ``n_seq_max``, a negative or
+            repeated seq id, a token outside the model's vocabulary.
     """
 
     def __init__(self, capacity: int, n_seq_max: int = 1, embd: int = 0, *, model=None):
@@ -156,8 +166,8 @@ class Batch:
         ids = _as_int_array([seq_ids] if np.isscalar(seq_ids) else seq_ids, "seq_ids")
         if ids.size == 0 or ids.size > self.n_seq_max:
             raise ValueError(f"a token needs 1..{self.n_seq_max} seq ids, got {ids.size}")
-        if ids.min() < 0 or ids.max() >= self.n_seq_max:
-            raise ValueError(f"seq id outside [0, {self.n_seq_max}): {ids.tolist()}")
+        if ids.min() < 0:  # the upper bound is the context's n_seq_max, checked at decode
+            raise ValueError(f"negative seq id: {ids.tolist()}")
         if np.unique(ids).size != ids.size:
             raise ValueError(f"duplicate seq ids for one token: {ids.tolist()}")
         return ids
@@ -192,8 +202,8 @@ class Batch:
             raise ValueError("token does not fit in int32")
         if self._n_vocab is not None and not 0 <= tok < self._n_vocab:
             raise ValueError(f"token {tok} is outside the vocabulary [0, {self._n_vocab})")
-        if not 0 <= sid < self.n_seq_max:
-            raise ValueError(f"seq id outside [0, {self.n_seq_max}): [{sid}]")
+        if not 0 <= sid <= _I32.max:  # the upper bound is the context's n_seq_max, checked at decode
+            raise ValueError(f"seq id {sid} is negative or does not fit in int32")
         i = self._check_room(1)
         p = self._p
         p.token[i] = tok

@@ -14,10 +14,11 @@ from ._handle import Handle, Owner, view
 from ._lib import ffi, lib
 from .batch import Batch
 from .context_state import SeqState, StateFlags, StateMethods  # noqa: F401 (SeqState, StateFlags: re-exported)
-from .errors import ContextError, DecodeAborted, InvalidBatchError, LlamaError, check_decode, check_ptr
+from .errors import (ContextError, DecodeAborted, DecodeInterrupted, InvalidBatchError, LlamaError, check_decode,
+                     check_ptr)
 from .memory import Memory
 from .model import Model, parse_buffer_sizes
-from .params import ContextParams, context_params
+from .params import ContextParams, context_params, default_n_ctx
 
 
 _MAIN_THREAD = threading.main_thread().ident
@@ -35,12 +36,28 @@ class Context(StateMethods, Owner):
     Keeps its model alive. Any use after ``close()`` raises :class:`ClosedError`.
     Keywords are fields of :class:`ContextParams` (``n_ctx``, ``n_batch``, ``n_ubatch``,
     ``n_seq_max``, ``type_k``, ``flash_attn``, ``kv_unified``...).
+
+    Defaults that differ from ``llama_context_default_params()``: ``n_ctx`` not given (None) is
+    ``min(model.n_ctx_train, 4096)`` (``n_ctx=0`` is llama.cpp's "all of ``n_ctx_train``"), and
+    ``n_threads`` / ``n_threads_batch`` are the physical core count
+    (:func:`pyllamacpp.params.default_n_threads`). ``self.params`` holds the values asked for,
+    with ``n_ctx`` resolved.
+
+    With ``handle_sigint`` (the default), Ctrl-C during a decode on the main thread stops it
+    through the abort callback and raises :class:`DecodeInterrupted` (a KeyboardInterrupt); the
+    context stays usable.
+
+    Raises:
+        ContextError: ``llama_init_from_model`` returned NULL (llama.cpp's logged reason attached).
+        ValueError, TypeError: a bad or unknown parameter, before anything reaches C.
     """
 
     def __init__(self, model: Model, params: ContextParams | None = None, *, handle_sigint: bool = True,
                  **kwargs):
         self.model = model
         self.params = context_params(params, **kwargs)
+        if self.params.n_ctx is None:  # the default: what the model was trained for, capped
+            self.params = dataclasses.replace(self.params, n_ctx=default_n_ctx(model.n_ctx_train))
         self.handle_sigint = handle_sigint
         cparams = self.params.to_c()
         # Abort through a C flag (no GIL in ggml's threads) unless the caller brings a callback.
@@ -118,7 +135,8 @@ class Context(StateMethods, Owner):
 
     # -- decode --------------------------------------------------------------------------------
     def abort(self) -> None:
-        """Stop the running (or next) ``decode`` through the abort callback; it raises DecodeAborted.
+        """Stop the running (or next) ``decode`` through the abort callback; it raises DecodeAborted
+        (Ctrl-C raises :class:`DecodeInterrupted` instead, a KeyboardInterrupt).
 
         The exception's ``seq_pos_max`` maps each sequence of the batch to the last position now
         in memory (ubatches computed before the abort stay); from ``prefill`` it also carries
@@ -126,8 +144,9 @@ class Context(StateMethods, Owner):
         self._abort_state.abort_requested = 1
 
     def decode(self, batch: Batch) -> None:
-        """``llama_decode``. Return codes become exceptions: 1 KVCacheFullError, 2 DecodeAborted,
-        -1 InvalidBatchError (with llama.cpp's logged reason), other negatives DecodeError.
+        """``llama_decode``. Return codes become exceptions: 1 KVCacheFullError, 2 DecodeAborted
+        (DecodeInterrupted, a KeyboardInterrupt, when Ctrl-C stopped it), -1 InvalidBatchError (with
+        llama.cpp's logged reason), other negatives DecodeError.
 
         Output views (``logits()``...) of the previous decode are overwritten by this one."""
         self._run(lib.llama_decode, batch)
@@ -183,9 +202,12 @@ class Context(StateMethods, Owner):
         self._n_outputs = 0
         try:
             if rc == 2 and sigint:
-                raise DecodeAborted(f"{func}() aborted by Ctrl-C (SIGINT)", func=func, code=2)
+                if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+                    signal.raise_signal(signal.SIGINT)  # the program's own handler runs (and may raise)
+                    raise DecodeAborted(f"{func}() aborted by SIGINT", func=func, code=2)
+                raise DecodeInterrupted(f"{func}() interrupted by Ctrl-C (SIGINT)", func=func, code=2)
             check_decode(rc, func, reason=reason)
-        except DecodeAborted as e:
+        except (DecodeAborted, DecodeInterrupted) as e:
             # Which positions made it into memory: ubatches that finished before the abort stay.
             e.seq_pos_max = {int(sq): self.memory.seq_pos_max(int(sq)) for sq in np.unique(
                 batch.seq_id[np.arange(batch.n_seq_max) < batch.n_seq_id[:, None]])}
@@ -284,7 +306,7 @@ class Context(StateMethods, Owner):
 
     def _prefill_batch(self) -> Batch:
         if self._batch is None or self._batch.capacity < self.n_batch:
-            self._batch = Batch(self.n_batch, self.n_seq_max, model=self.model)
+            self._batch = Batch(self.n_batch, 1, model=self.model)  # prefill: one seq id per token
         return self._batch
 
     def prefill(self, tokens, seq_id: int = 0, start_pos: int | None = None) -> int:
@@ -306,7 +328,7 @@ class Context(StateMethods, Owner):
             batch.add_sequence(chunk, seq_id, start_pos + i0, logits="last" if last else "none")
             try:
                 self.decode(batch)
-            except DecodeAborted as e:
+            except (DecodeAborted, DecodeInterrupted) as e:
                 # resume with prefill(tokens[e.resume_from:], seq_id) (positions follow)
                 e.resume_from = self.memory.seq_pos_max(seq_id) + 1 - start_pos
                 raise

@@ -38,7 +38,26 @@ class KVCacheFullError(DecodeError):
 
 
 class DecodeAborted(DecodeError):
-    """``llama_decode`` returned 2: the abort callback stopped it."""
+    """``llama_decode`` returned 2: the abort callback stopped it (``Context.abort()``, or a callback
+    of the caller's own).
+
+    ``seq_pos_max`` maps each sequence of the batch to its last position in memory (ubatches
+    computed before the abort stay); from ``Context.prefill``, ``resume_from`` is the index of the
+    first token to feed again."""
+
+
+class DecodeInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped ``llama_decode``/``llama_encode`` (it returned 2 through the abort
+    callback). A ``KeyboardInterrupt``, so ``except KeyboardInterrupt`` sees it and ``except
+    Exception`` does not swallow it; not a :class:`DecodeAborted`, which is a RuntimeError.
+
+    Carries what a DecodeAborted carries: ``func``, ``code`` (2), ``seq_pos_max`` and, from
+    ``Context.prefill``, ``resume_from``. The context stays usable."""
+
+    def __init__(self, message: str, *, func: str | None = None, code: int | None = None):
+        self.func, self.code, self.reason = func, code, None
+        self.seq_pos_max: dict[int, int] = {}
+        super().__init__(message)
 
 
 class StateError(LlamaError):

@@ -10,13 +10,32 @@ Python, naming the field, before anything reaches C:
 - ``flash_attn_type`` (alias ``flash_attn``) takes ``"auto"``, ``"on"``, ``"off"``, a bool or the value;
 - any other enum takes its value or the tail of its C name (``pooling_type="mean"``);
 - unsigned fields reject negatives, ``n_seq_max`` is checked against ``llama_max_parallel_sequences()``.
+
+Three defaults differ from ``llama_context_default_params()``, to fit the machine and the model:
+
+- ``n_threads`` and ``n_threads_batch`` default to :func:`default_n_threads`, the number of physical
+  cores, as llama.cpp's own tools choose it (the C default is 4, whatever the machine: on a 2-core
+  machine that decodes 3-4x slower than 2 threads);
+- ``n_ctx`` defaults to ``None``: the Context resolves it with its model to
+  ``min(n_ctx_train, 4096)`` (:func:`default_n_ctx`). ``n_ctx=0`` keeps llama.cpp's meaning, the
+  model's whole ``n_ctx_train``.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
+from ._cpu import default_n_threads
 from ._lib import ffi, lib
+
+DEFAULT_N_CTX_MAX = 4096
+"""The default ``n_ctx`` is the model's ``n_ctx_train``, at most this."""
+
+
+def default_n_ctx(n_ctx_train: int) -> int:
+    """``min(n_ctx_train, 4096)``: the ``n_ctx`` a Context takes when none is given (a model that
+    does not say its ``n_ctx_train`` gets 4096)."""
+    return min(n_ctx_train, DEFAULT_N_CTX_MAX) if n_ctx_train > 0 else DEFAULT_N_CTX_MAX
 
 _U32 = {"uint32_t": (0, 2**32 - 1), "int32_t": (-(2**31), 2**31 - 1), "uint64_t": (0, 2**64 - 1),
         "int64_t": (-(2**63), 2**63 - 1), "size_t": (0, 2**64 - 1)}
@@ -74,7 +93,7 @@ def _enum_value(ctype, value, field: str) -> int:
 
 def _convert(name: str, ctype, value):
     """Check one field's value against its C type; return what to store."""
-    if value is None and ctype.kind in ("pointer", "function"):
+    if value is None and (ctype.kind in ("pointer", "function") or name in _RESOLVED_LATER):
         return None
     if name == "flash_attn_type":
         if isinstance(value, str):
@@ -104,10 +123,16 @@ def _convert(name: str, ctype, value):
     return value  # pointers and callbacks: cdata (or a Python object the owner converts)
 
 
-def _make(cls_name: str, struct: str, defaults_fn, doc: str):
+_RESOLVED_LATER = {"n_ctx"}  # None: resolved when the Context knows its model (Context.__init__)
+
+
+def _make(cls_name: str, struct: str, defaults_fn, doc: str, overrides: dict | None = None):
     c_defaults = defaults_fn()
     fields = []
     for name, f in ffi.typeof(struct).fields:
+        if overrides and name in overrides:
+            fields.append((name, object, overrides[name]))
+            continue
         if f.type.kind in ("pointer", "function"):
             default = None  # NULL
         elif f.type.kind == "array":
@@ -129,6 +154,9 @@ def _make(cls_name: str, struct: str, defaults_fn, doc: str):
         p = ffi.new(f"{struct} *", defaults_fn())
         for name, ctype in self._ctypes.items():
             value = getattr(self, name)
+            if value is None and name in _RESOLVED_LATER:
+                raise ValueError(f"{name}: None (the default) is resolved by the Context from its model; "
+                                 "give a value to build the C struct without one")
             if value is None:
                 setattr(p, name, ffi.NULL)
             else:
@@ -145,7 +173,12 @@ def _make(cls_name: str, struct: str, defaults_fn, doc: str):
 
 ContextParams = _make(
     "ContextParams", "struct llama_context_params", lambda: lib.llama_context_default_params(),
-    "Every field of ``llama_context_params``; defaults from ``llama_context_default_params()``.")
+    "Every field of ``llama_context_params``; defaults from ``llama_context_default_params()``,\n"
+    "except ``n_threads`` / ``n_threads_batch`` (:func:`default_n_threads`, the physical cores) and\n"
+    "``n_ctx`` (None: ``min(n_ctx_train, 4096)``, resolved by the Context; 0: ``n_ctx_train``).",
+    overrides={"n_ctx": dataclasses.field(default=None),
+               "n_threads": dataclasses.field(default_factory=default_n_threads),
+               "n_threads_batch": dataclasses.field(default_factory=default_n_threads)})
 ModelParams = _make(
     "ModelParams", "struct llama_model_params", lambda: lib.llama_model_default_params(),
     "Every field of ``llama_model_params``; defaults from ``llama_model_default_params()``.")

@@ -45,7 +45,9 @@ def test_errors_at_the_call(model):
     with pytest.raises(ValueError, match="capacity"):
         b.add_sequence(range(5))
     with pytest.raises(ValueError, match="seq id"):
-        b.add(1, 0, seq_ids=2)
+        b.add(1, 0, seq_ids=-1)
+    with pytest.raises(ValueError, match="1..2 seq ids"):
+        b.add(1, 0, seq_ids=[0, 1, 2])
     with pytest.raises(ValueError, match="vocabulary"):
         b.add(model.n_vocab, 0)
     with pytest.raises(TypeError, match="integers"):
@@ -94,3 +96,37 @@ def test_2048_tokens_add_sequence_equals_slot_by_slot(model):
             ctx.decode(b)
             results.append(ctx.logits().copy())
     np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_n_seq_max_bounds_ids_per_token_not_their_values():
+    """llama_batch_init(n_tokens, embd, n_seq_max): n_seq_max is how many seq ids one token may
+    carry; llama.cpp's server makes its batch with 1 and seq ids up to n_parallel - 1."""
+    b = pl.Batch(4)
+    assert b.add(7, 0, seq_ids=1) == 0 and b.add(8, 0, seq_ids=np.int32(5)) == 1
+    b.add_sequence([9], seq_ids=3, start_pos=0)
+    b.add(10, 1, seq_ids=[6])
+    assert b.seq_id[:, 0].tolist() == [1, 5, 3, 6] and b.n_seq_id.tolist() == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="1..1 seq ids"):
+        pl.Batch(4).add_sequence([1], seq_ids=[0, 1])
+    with pytest.raises(ValueError, match="seq id"):
+        pl.Batch(4).add(1, 0, seq_ids=2**31)
+    e = pl.Batch(2, embd=8)
+    assert e.add_embd(np.zeros(8), 0, seq_ids=4) == 0
+
+
+@pytest.mark.parametrize("n_per_seq", [3, 12])  # 6 tokens: the small-batch checks; 24: the vectorized ones
+def test_seq_id_values_are_checked_at_decode_against_the_context(model, n_per_seq):
+    toks = model.tokenize("The cat sat on the mat.")[:n_per_seq]
+    toks = np.resize(toks, n_per_seq)
+    with model.context(n_ctx=512, n_seq_max=2, n_threads=2) as ctx:
+        b = pl.Batch(64, model=model)  # n_seq_max 1, as llama.cpp's server builds it
+        b.add_sequence(toks, seq_ids=0)
+        b.add_sequence(toks, seq_ids=1)
+        ctx.decode(b)
+        assert ctx.memory.seq_pos_max(0) == ctx.memory.seq_pos_max(1) == n_per_seq - 1
+        np.testing.assert_allclose(ctx.logits(n_per_seq - 1), ctx.logits(2 * n_per_seq - 1), atol=1e-4)
+        b.clear()
+        b.add_sequence(toks, seq_ids=2, start_pos=0)  # a batch takes it; this context has 2 sequences
+        with pytest.raises(pl.InvalidBatchError, match=r"seq_id 2, outside \[0, n_seq_max=2\)"):
+            ctx.decode(b)
+        assert ctx.memory.seq_pos_max(0) == n_per_seq - 1  # nothing changed

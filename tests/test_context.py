@@ -277,11 +277,63 @@ def test_ctrl_c_aborts_a_decode(model):
             b = pl.Batch(1024, model=model)
             b.add_sequence(toks)
             threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
-            with pytest.raises(pl.DecodeAborted, match="SIGINT"):
+            with pytest.raises(KeyboardInterrupt, match="SIGINT") as info:
                 ctx.decode(b)
+            e = info.value
+            assert isinstance(e, pl.DecodeInterrupted) and not isinstance(e, Exception)  # not swallowed
+            assert e.func == "llama_decode" and e.code == 2 and set(e.seq_pos_max) == {0}
+            assert ctx.memory.seq_pos_max(0) == e.seq_pos_max[0] < 1023  # the abort came in time
+            ctx.memory.clear()
+            b.clear()
+            b.add_sequence(toks[:8])
+            ctx.decode(b)  # usable afterwards
+            assert np.isfinite(ctx.logits()).all() and ctx.memory.seq_pos_max(0) == 7
+            # a prefill that Ctrl-C stops says where to resume
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+            with pytest.raises(pl.DecodeInterrupted) as info:
+                ctx.prefill(np.resize(toks, 1000), seq_id=0, start_pos=8)
+            assert info.value.resume_from == ctx.memory.seq_pos_max(0) + 1 - 8
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's handler is back
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_abort_still_raises_decode_aborted_not_keyboard_interrupt(model):
+    toks = np.resize(model.tokenize(PROMPT), 256)
+    with model.context(n_ctx=256, n_batch=256, n_threads=2) as ctx:
+        b = pl.Batch(256, model=model)
+        b.add_sequence(toks)
+        ctx.abort()
+        with pytest.raises(pl.DecodeAborted) as info:
+            ctx.decode(b)
+        assert not isinstance(info.value, KeyboardInterrupt)
+
+
+def test_ctrl_c_with_the_programs_own_handler_runs_that_handler(model):
+    """A program with its own SIGINT handler keeps it: the decode stops, the handler runs, and the
+    decode raises DecodeAborted (a handler that does not raise asked for no KeyboardInterrupt)."""
+    toks = np.resize(model.tokenize(PROMPT), 1024)
+    calls = []
+    before = signal.signal(signal.SIGINT, lambda sig, frame: calls.append(sig))
+    try:
+        with model.context(n_ctx=1024, n_batch=1024, n_ubatch=1024, n_threads=2) as ctx:
+            b = pl.Batch(1024, model=model)
+            b.add_sequence(toks)
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            with pytest.raises(pl.DecodeAborted, match="SIGINT"):
+                ctx.decode(b)
+            assert calls == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_default_context_fits_the_model_and_the_machine(model):
+    from pyllamacpp.params import default_n_threads
+    with model.context() as ctx:
+        assert ctx.n_ctx == min(model.n_ctx_train, 4096) == ctx.params.n_ctx
+        assert ctx.n_threads == default_n_threads() == lib.llama_n_threads_batch(ctx.ptr)
+    with model.context(n_ctx=0, n_threads=1) as ctx:  # llama.cpp's 0: all of n_ctx_train
+        assert ctx.n_ctx == model.n_ctx_train and ctx.n_threads == 1
 
 
 def test_gil_is_released_during_decode(model):

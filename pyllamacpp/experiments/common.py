@@ -8,21 +8,27 @@ import sys
 import time
 from pathlib import Path
 
+from .._cpu import default_n_threads
+
 
 def add_model_flags(p: argparse.ArgumentParser, *, ctx: int = 4096, batch: int = 2048, ubatch: int = 512,
-                    n_parallel: int = 1, threads: int = 2) -> None:
-    """-m -c -b -ub -np -fa -ctk -ctv -ngl -t --kv-unified/--no-kv-unified --json."""
+                    n_parallel: int = 1, threads: int | None = None) -> None:
+    """-m -c -b -ub -np -fa -ctk -ctv -ngl -t --kv-unified/--no-kv-unified --json.
+
+    ``threads`` None: the physical core count (``default_n_threads()``, as llama.cpp's tools)."""
     p.add_argument("-m", "--model", type=Path, default=None,
                    help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
     p.add_argument("-c", "--ctx-size", type=int, default=ctx, help="n_ctx (default %(default)s)")
     p.add_argument("-b", "--batch-size", type=int, default=batch, help="n_batch (default %(default)s)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=ubatch, help="n_ubatch (default %(default)s)")
     p.add_argument("-np", "--parallel", type=int, default=n_parallel, help="n_seq_max (default %(default)s)")
-    p.add_argument("-fa", "--flash-attn", choices=["auto", "on", "off"], default="auto")
-    p.add_argument("-ctk", "--cache-type-k", default="f16")
-    p.add_argument("-ctv", "--cache-type-v", default="f16")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
-    p.add_argument("-t", "--threads", type=int, default=threads)
+    p.add_argument("-fa", "--flash-attn", choices=["auto", "on", "off"], default="auto",
+                   help="flash_attn_type (default %(default)s)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help="type_k (default %(default)s)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", help="type_v (default %(default)s)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="n_gpu_layers (default %(default)s)")
+    p.add_argument("-t", "--threads", type=int, default=default_n_threads() if threads is None else threads,
+                   help="n_threads and n_threads_batch (default %(default)s: the physical cores)")
     p.add_argument("--kv-unified", dest="kv_unified", action="store_true", default=None,
                    help="one KV stream for all sequences")
     p.add_argument("--no-kv-unified", dest="kv_unified", action="store_false",
@@ -55,9 +61,24 @@ def median_time(fn, repeat: int) -> float:
 
 
 def progress(iterable, desc: str, total: int | None = None):
-    """tqdm on stderr; quiet when stderr is not a terminal."""
-    from tqdm import tqdm
-    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, disable=None, leave=False)
+    """Progress on stderr: a tqdm bar on a terminal, otherwise (piped, logged) one line per step,
+    ``desc: step i/n (t s)``, so a long command never sits silent."""
+    if sys.stderr is not None and sys.stderr.isatty():
+        from tqdm import tqdm
+        return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False)
+    return _progress_lines(iterable, desc, total)
+
+
+def _progress_lines(iterable, desc: str, total: int | None):
+    if total is None and hasattr(iterable, "__len__"):
+        total = len(iterable)
+    of = f"/{total}" if total is not None else ""
+    t0 = time.perf_counter()
+    i = 0
+    for i, item in enumerate(iterable, 1):
+        print(f"{desc}: step {i}{of} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+        yield item
+    print(f"{desc}: done, {i} steps in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]], file=None) -> None:
