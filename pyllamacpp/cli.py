@@ -4,8 +4,66 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import re
 import sys
 from pathlib import Path
+
+from ._cpu import default_n_threads
+
+DESCRIPTION = """\
+pyllamacpp: llama.cpp's C API from Python (a compiled cffi binding with a numpy layer), and
+commands that show what llama.cpp does with batches, ubatches, the KV cache and state dumps.
+Each command has its own --help. Defaults fit this machine: -t is its physical core count."""
+
+_RST = re.compile(r"``([^`]+)``|:[a-z]+:`~?([^`]+)`")
+
+
+def _plain(text: str) -> str:
+    """Help text without reStructuredText markup (docstrings double as help): ``x`` and :func:`x` -> x."""
+    return _RST.sub(lambda m: m.group(1) or m.group(2), text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command's parser: descriptions as written, help text as plain text, and every
+    option that takes a value shows its default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["formatter_class"] = argparse.RawDescriptionHelpFormatter
+        super().__init__(*args, **kwargs)
+
+    def _add_action(self, action):
+        help_ = action.help or ""
+        if (action.option_strings and action.nargs != 0 and action.default not in (None, argparse.SUPPRESS)
+                and action.default != [] and help_ is not argparse.SUPPRESS and "default" not in help_):
+            action.help = f"{help_} (default: %(default)s)" if help_ else "default: %(default)s"
+        return super()._add_action(action)
+
+    def format_help(self) -> str:
+        return _plain(super().format_help())
+
+    def format_usage(self) -> str:
+        return _plain(super().format_usage())
+
+
+class _Version(argparse.Action):
+    """--version: the package and the llama.cpp commit its extension was built from (looked up only
+    when asked: it loads the extension)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from ._version import __version__
+        try:
+            from ._lib import EXTENSION_INFO
+            llama = f"llama.cpp {EXTENSION_INFO.get('llama_cpp_commit', 'unknown')}"
+            if EXTENSION_INFO.get("llama_cpp_source"):
+                llama += f", {EXTENSION_INFO['llama_cpp_source']}"
+        except ImportError as e:
+            llama = f"llama.cpp unknown: {e}"
+        print(f"pyllamacpp {__version__} ({llama})")
+        parser.exit()
 
 
 def _cmd_demo(args) -> int:
@@ -137,7 +195,23 @@ def _cmd_rpc_server(args) -> int:
         print(f"WARNING: serving on {args.host}:{args.port} without authentication: anyone who can reach "
               "it can run computations and read or write its memory buffers", file=sys.stderr)
     sys.stdout.flush()
-    start_server(args.host, args.port, threads=args.threads, cache_dir=args.cache)
+    # ggml's server never returns, and a SIGINT may land on one of its compute threads and leave
+    # accept() blocked: serve from a daemon thread, and wait here, where Ctrl-C is seen
+    import threading
+    failed: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            start_server(args.host, args.port, threads=args.threads, cache_dir=args.cache)
+        except BaseException as e:  # noqa: BLE001 (re-raised in the main thread)
+            failed.append(e)
+
+    server = threading.Thread(target=serve, name="rpc-server", daemon=True)
+    server.start()
+    while server.is_alive():
+        server.join(0.25)
+    if failed:
+        raise failed[0]
     return 0
 
 
@@ -180,10 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
         The parser ``main()`` parses with.
     """
-    ap = argparse.ArgumentParser(prog="pyllamacpp", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(prog="pyllamacpp", description=DESCRIPTION)
     ap.add_argument("-v", "--verbose", action="count", default=0,
                     help="show llama.cpp's log (-v: info, -vv: debug)")
+    ap.add_argument("--version", action=_Version, help="print the version and llama.cpp's commit, and exit")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help=_cmd_demo.__doc__)
@@ -191,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
     p.add_argument("-p", "--prompt", default="The cat sat on the mat.")
     p.add_argument("-c", "--n-ctx", type=int, default=512)
-    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("-t", "--threads", type=int, default=default_n_threads(),
+                   help="n_threads and n_threads_batch (default %(default)s: the physical cores)")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate after the prompt")
     p.add_argument("--json", action="store_true")
@@ -204,8 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most tokens to generate (-1: until an end token or a full context)")
         p.add_argument("-c", "--ctx-size", type=int, default=None,
                        help="n_ctx (default: the library's, min(n_ctx_train, 4096))")
-        p.add_argument("-t", "--threads", type=int, default=None,
-                       help="n_threads and n_threads_batch (default: the library's, the physical cores)")
+        p.add_argument("-t", "--threads", type=int, default=default_n_threads(),
+                       help="n_threads and n_threads_batch (default %(default)s: the physical cores)")
         p.add_argument("--temp", type=float, default=0.0, help="temperature; 0: greedy")
         p.add_argument("--top-k", type=int, default=40, help="with --temp > 0")
         p.add_argument("--top-p", type=float, default=0.95, help="with --temp > 0")
@@ -228,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rpc-server", help="serve this machine's CPU to ggml RPC clients")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=50052)
-    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("-t", "--threads", type=int, default=default_n_threads(),
+                   help="CPU threads of the server (default %(default)s: the physical cores)")
     p.add_argument("--cache", help="local cache folder for tensors sent by clients")
     p.add_argument("--allow-remote", action="store_true",
                    help="allow a non-loopback --host (the RPC protocol has no authentication)")
@@ -308,6 +384,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``pyllamacpp`` command; returns the exit status: 0, 1 (a check failed), 2 (bad input),
+    130 (Ctrl-C; no traceback), 141 (stdout closed early, as by ``| head``; quietly)."""
+    try:
+        rc = _run(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return rc
+    except KeyboardInterrupt:  # Ctrl-C (DecodeInterrupted during a decode): the shell's 128 + SIGINT
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `pyllamacpp info | head -1`: the reader left; stop quietly
+        # stdout to /dev/null, or the interpreter's final flush fails once more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a C tool killed by the signal reports
+
+
+def _run(argv: list[str] | None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.verbose:
@@ -317,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import LlamaError
     try:
         return args.func(args)
+    except BrokenPipeError:
+        raise  # main() stops quietly
     except (ValueError, LlamaError, OSError) as e:  # bad input: say why, no traceback
         print(f"pyllamacpp {args.command}: error: {e}", file=sys.stderr)
         return 2
