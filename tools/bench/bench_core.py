@@ -26,6 +26,10 @@ Workloads:
   fill      a 2048-token batch: ``Batch.add_sequence`` vs a C loop over llama_batch (µs, no decode)
   state     ``ctx.seq_state`` / ``ctx.set_seq_state`` of a 512-token sequence vs
             llama_state_seq_get_data_ext / set_data_ext (ms)
+  text      Python only: ``model.complete(prompt, N, ctx=ctx, stream=True)`` (text pieces) against
+            ``pl.generate`` on the same prompt, context and sampler, alternating in one process
+            (tokens/s of the decode phase; the row's "native" column is generate). Not in the
+            default list: ``-w text``.
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ def settings(threads: int, n_predict: int, n_parallel_predict: int) -> dict[str,
         "prefill": {**common, "n_tokens": 512, "iters": 2},
         "fill": {**common, "n_tokens": 2048, "iters": 5000},
         "state": {**common, "n_tokens": 512, "iters": 20},
+        "text": {**common, "n_predict": n_predict, "prompt": PROMPT_DECODE, "pairs": 3},
     }
 
 
@@ -201,7 +206,7 @@ def decode_in_process(ctx, tokens, sampler, clock: DecodeClock, s: dict, pairs: 
         else:
             out = list(pl.generate(ctx, tokens, s["n_predict"], sampler))
             t = time.perf_counter() - clock.calls[-1][0]
-            py.append((len(out) - (1 if out and ctx.model.is_eog(out[-1]) else 0)) / t)
+            py.append((len(out) - 1) / t)  # every token but the last is decoded
             checks.add(checksum(out))
     return {"inproc_native_tok_s": statistics.median(nat), "inproc_tok_s": statistics.median(py),
             "inproc_same_tokens": len(checks) == 1}
@@ -246,6 +251,44 @@ def state_in_process(ctx, s: dict) -> dict:
             "inproc_native_page_offsets": sorted(offs)}
 
 
+def text_workload(model, s: dict) -> dict:
+    """``model.complete(..., stream=True)`` against ``pl.generate``: one context, one sampler,
+    ``pairs`` runs each, alternating which goes first (g c, c g, g c ...). Each is timed from the
+    end of its prompt's decode (DecodeClock) to its last token; both decode every token but the
+    last, so tokens/s = (tokens - 1) / time."""
+    import pyllamacpp as pl
+    ctx = py_context(model, s)
+    tokens = model.tokenize(s["prompt"])
+    sampler = pl.Sampler.greedy()
+    if s["warmup"]:
+        "".join(model.complete(s["prompt"], 16, ctx=ctx, sampler=sampler, stream=True))
+        ctx.memory.clear()
+        sampler.reset()
+    clock = DecodeClock(ctx)
+    rates: dict[str, list[float]] = {"generate": [], "complete": []}
+    texts = set()
+    for k in range(2 * s["pairs"]):
+        ctx.memory.clear()
+        sampler.reset()
+        side = "generate" if (k % 2 == 0) == (k % 4 < 2) else "complete"  # g, c, c, g, g, c ...
+        if side == "generate":
+            out = list(pl.generate(ctx, tokens, s["n_predict"], sampler))
+            t = time.perf_counter() - clock.calls[-1][0]
+            texts.add(model.detokenize([x for x in out if not model.is_eog(x)]))
+        else:
+            stream = model.complete(s["prompt"], s["n_predict"], ctx=ctx, sampler=sampler, stream=True)
+            text = "".join(stream)  # what a user streaming text does, less the printing
+            t = time.perf_counter() - clock.calls[-1][0]
+            out = stream.tokens
+            texts.add(text)
+        rates[side].append((len(out) - 1) / t)
+    ratios = [c / g for g, c in zip(rates["generate"], rates["complete"])]
+    return {"workload": "text", "flash_attn": flash_attn_verdict(ctx), "n_prompt": int(tokens.size),
+            "n_decoded": len(out) - 1, "generate_tok_s": statistics.median(rates["generate"]),
+            "complete_tok_s": statistics.median(rates["complete"]), "ratio": statistics.median(ratios),
+            "same_text": len(texts) == 1}
+
+
 def worker(workload: str, model_path: str, s: dict) -> dict:
     import numpy as np
     import pyllamacpp as pl
@@ -261,10 +304,12 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
         clock = DecodeClock(ctx)  # generate's prefill goes through ctx.decode; its steps do not
         out = list(pl.generate(ctx, tokens, s["n_predict"], sampler))  # what a user writes
         t = time.perf_counter() - clock.calls[-1][0]
-        n_dec = len(out) - (1 if out and model.is_eog(out[-1]) else 0)  # each token but an end one is decoded
+        n_dec = len(out) - 1  # every token but the last is decoded (generate's convention)
         inproc = decode_in_process(ctx, tokens, sampler, clock, s) if native_lib_path().exists() else {}
         return {"workload": workload, "flash_attn": flash_attn_verdict(ctx), "n_prompt": int(tokens.size),
                 "n_decoded": n_dec, "t_s": t, "tok_s": n_dec / t, "checksum": checksum(out), **inproc}
+    if workload == "text":
+        return text_workload(model, s)
     if workload == "decode_raw":
         # Diagnostic, not a user API: native_driver.c's loop written with pl.lib calls only, so the
         # cost of a Python process + cffi shows apart from the cost of pyllamacpp's layers.
@@ -500,6 +545,13 @@ def summarize(runs: dict) -> list[dict]:
                 ("roundtrip_ms", "round trip, both sides in one process on one context", "<= 1.1x")):
             rows.append(row("state", f"inproc_{metric}", label, "ms", "time", target,
                             [r[f"inproc_native_{metric}"] for r in pys], [r[f"inproc_{metric}"] for r in pys]))
+    if runs.get("text", {}).get("python"):  # Python only: complete(stream=True) against generate
+        rs = runs["text"]["python"]
+        r = row("text", "complete_tok_s", "text: complete(stream=True) / generate, one process ('native' = generate)",
+                "tok/s", "rate", ">= 0.98x", [x["generate_tok_s"] for x in rs], [x["complete_tok_s"] for x in rs])
+        r["ratio"] = statistics.median(x["ratio"] for x in rs)  # the paired runs' ratios, in the worker
+        r["met"] = target_met(r["target"], r["python"], r["ratio"])
+        rows.append(r)
     if "fill" in runs:  # Batch(model=...) checks tokens against the vocabulary: shown for reference
         for metric in ("checked_best_us", "checked_median_us"):
             py = [r[metric] for r in runs["fill"]["python"]]
@@ -545,6 +597,8 @@ def main(argv=None) -> int:
         for w in workloads:
             s = all_settings[w]
             sides = ["native", "python"] if rep % 2 == 0 else ["python", "native"]
+            if w == "text":  # both of its sides run in the one Python worker
+                sides = ["python"]
             if w == "decode" and a.raw_cffi:  # the diagnostic third side, in the rotation
                 sides = sides + ["python_raw"] if rep % 3 != 1 else ["python_raw"] + sides
             for side in sides:
@@ -580,6 +634,11 @@ def main(argv=None) -> int:
             notes.append(f"{w}: generated tokens {'identical on both sides' if len(same) == 1 else 'DIFFER'} "
                          f"({len(same)} distinct checksum(s)); decoded tokens per run: "
                          f"native {runs[w]['native'][0]['n_decoded']}, python {runs[w]['python'][0]['n_decoded']}")
+    if runs.get("text", {}).get("python"):
+        same = all(r["same_text"] for r in runs["text"]["python"])
+        notes.append(f"text: complete(stream=True) and generate alternated, {all_settings['text']['pairs']} runs each "
+                     f"per worker, {runs['text']['python'][0]['n_decoded']} decoded tokens per run; text "
+                     + ("identical" if same else "DIFFERS"))
     if runs.get("decode", {}).get("python") and "inproc_tok_s" in runs["decode"]["python"][0]:
         same = all(r["inproc_same_tokens"] for r in runs["decode"]["python"])
         notes.append("decode, one process: native_driver.c's run_decode through ctypes on the Python side's context "
