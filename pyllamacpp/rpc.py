@@ -178,7 +178,10 @@ def _server(endpoint: str) -> _Server:
     host, port = _split(endpoint)
     key = f"{host}:{port}"
     if key not in _servers:
-        _servers[key] = _Server(endpoint)
+        srv = _Server(endpoint)
+        # One server under two names ("localhost:p", "127.0.0.1:p") would get two ggml connections,
+        # and an rpc-server serves one at a time: the second load waited forever for its HELLO.
+        _servers[key] = next((s for s in _servers.values() if s.addrs & srv.addrs), srv)
     return _servers[key]
 
 
@@ -352,6 +355,8 @@ def add_servers(endpoints, timeout: float = 3.0) -> list:
         # with default devices, and talking to a server that is gone aborts the process.
         for i in range(lib.ggml_backend_reg_dev_count(reg)):
             dev = lib.ggml_backend_reg_dev_get(reg, i)
+            if any(dev == d for d in devs):
+                continue  # the same server named twice
             devs.append(dev)
             if not any(dev == d for d, _ in _added):
                 _added.append((dev, srv.conn))

@@ -155,6 +155,11 @@ def _scenario(body: str, timeout: float = 240) -> tuple[str, str]:
         os.killpg(proc.pid, 9)
         out, err = proc.communicate()
         pytest.fail(f"the scenario hung (killed after {timeout} s)\n--- stdout\n{out}\n--- stderr\n{err[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, 9)  # servers a failed scenario left running
+        except ProcessLookupError:
+            pass
     assert proc.returncode == 0, f"rc {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err[-3000:]}"
     assert "Exception ignored" not in err, err
     return out, err
@@ -279,6 +284,19 @@ def test_a_server_busy_with_this_process_takes_more_models(model_path, servers):
     assert len(models) == 4
 
 
+def test_one_server_under_two_names_is_one_connection(servers):
+    # ggml-rpc keeps a connection per endpoint string and an rpc-server serves one connection at a
+    # time: "localhost:p" while "127.0.0.1:p" was held waited forever for the server's HELLO.
+    port = servers[0].rpartition(":")[2]  # idle: a server serves one process, and this one holds none
+    out, _ = _scenario(f"""
+m = pl.Model(rpc=["127.0.0.1:{port}"], n_gpu_layers=5)
+m2 = pl.Model(rpc=["localhost:{port}", "127.0.0.1:{port}"], n_gpu_layers=5)
+print("LOADED", sum(d["backend"] == "RPC" for d in pl.devices()), flush=True)
+m2.close(); m.close()
+""", timeout=120)
+    assert "LOADED 1" in out
+
+
 def _worker(kill_mid_call: bool):
     """run_in_subprocess's test: a server of its own, killed during a prefill or not."""
     import threading
@@ -313,3 +331,5 @@ def test_run_in_subprocess_survives_a_server_dying_mid_call():
     assert e.value.exitcode == -6  # SIGABRT: ggml-rpc's GGML_ABORT, in the child only
     with pytest.raises(KeyError, match="from the child"):
         run_in_subprocess(_raises, timeout=120)
+    with pytest.raises(RPCError, match="ran past 2 s"):
+        run_in_subprocess(time.sleep, 60, timeout=2)
