@@ -182,8 +182,15 @@ try:
     ctx.logits()
 except ClosedError:
     print("USE AFTER CLOSE RAISES")
+c = _free_port(); sc = start_server(c)
+pl.rpc.add_servers([f"127.0.0.1:{c}"])  # devices, no model: nothing holds a connection to it
+stop(sc)
+print("DEVICES", sorted((d["description"] == f"127.0.0.1:{c}", d["memory_total"]) for d in pl.devices()
+                        if d["backend"] == "RPC"), flush=True)
 """)
     assert "CLOSED True True" in out and "USE AFTER CLOSE RAISES" in out
+    # ggml would abort asking a server that is gone for its memory (stopped: known; c: not reachable)
+    assert "DEVICES [(False, None), (False, None), (True, None)]" in out
     warnings = [line for line in out.splitlines() if line.startswith("LOG pyllamacpp.rpc")]
     assert len(warnings) == 2, out  # once for the context, once for the model
     assert "the context on it is left unfreed" in warnings[0] and "the model" in warnings[1]
