@@ -76,7 +76,7 @@ def _macos_physical_cores() -> int:
     return 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_n_threads() -> int:
     """Threads for ``n_threads`` and ``n_threads_batch`` when none are given: the number of physical
     cores this process may use, as llama.cpp's tools decide it (``common_cpu_get_num_math()``).

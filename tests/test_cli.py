@@ -26,24 +26,30 @@ ROOT = Path(__file__).resolve().parent.parent
 CMD = [sys.executable, "-m", "pyllamacpp"]
 
 
-def _default_sigint():
-    # a background job (CI, `pytest &`) starts with SIGINT ignored, and children inherit that
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# A background job (CI, `pytest &`) starts with SIGINT ignored, children inherit that, and Python
+# then installs no handler: the command runs through an exec that puts the default back first.
+WITH_SIGINT = [sys.executable, "-c", ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                                      "os.execv(sys.executable, [sys.executable, '-m', 'pyllamacpp', *sys.argv[1:]])")]
 
 
 def _popen(args, **kw):
-    return subprocess.Popen([*CMD, *args], cwd=tempfile.gettempdir(), preexec_fn=_default_sigint, text=True, **kw)
+    return subprocess.Popen([*WITH_SIGINT, *args], cwd=tempfile.gettempdir(), text=True, **kw)
+
+
+def _run(args, **kw):
+    return subprocess.run(args, check=False, capture_output=True, text=True, cwd=tempfile.gettempdir(),
+                          timeout=120, **kw)
 
 
 def test_version_and_python_dash_m():
-    proc = subprocess.run([*CMD, "--version"], capture_output=True, text=True, cwd=tempfile.gettempdir(), timeout=60)
+    proc = _run([*CMD, "--version"])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"pyllamacpp {pl.__version__} (llama.cpp ")
     assert pl.build_info()["llama_cpp_commit"] in proc.stdout
 
 
 def test_help_is_plain_text_with_a_description():
-    proc = subprocess.run([*CMD, "--help"], capture_output=True, text=True, cwd=tempfile.gettempdir(), timeout=60)
+    proc = _run([*CMD, "--help"])
     assert proc.returncode == 0
     assert "``" not in proc.stdout and "The pyllamacpp command." not in proc.stdout
     assert "llama.cpp's C API from Python" in proc.stdout and "--version" in proc.stdout
@@ -106,8 +112,7 @@ def test_a_closed_pipe_ends_quietly(args, dump):
 def test_piped_into_head():
     script = (f"{' '.join(CMD)} split-plan --tokens 5000 --seqs 8 | head -1; "
               f"{' '.join(CMD)} info | head -1; echo \"status ${{PIPESTATUS[0]}}\"")
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=tempfile.gettempdir(),
-                          timeout=120)
+    proc = _run(["bash", "-c", script])
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("8 sequence(s)") and lines[1] == "{", proc.stdout
     assert lines[2] in ("status 0", "status 141")  # 0 when head read it all before leaving
@@ -125,7 +130,7 @@ def test_ctrl_c_exits_130_without_traceback_and_progress_shows_when_piped():
             break
     time.sleep(0.5)  # well into the step's decodes
     proc.send_signal(signal.SIGINT)
-    out, rest = proc.communicate(timeout=60)
+    _, rest = proc.communicate(timeout=60)
     err.append(rest)
     err = "".join(err)
     assert proc.returncode == 130, err
@@ -151,7 +156,7 @@ def test_rpc_server_ctrl_c_exits_130_without_traceback():
                 assert proc.poll() is None, proc.communicate()
                 time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -185,7 +190,7 @@ def test_import_from_a_source_tree_says_so(tmp_path):
     code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Redirect' not in type(f).__name__]; "
             "import pyllamacpp; assert pyllamacpp.__file__.startswith(sys.argv[1]), pyllamacpp.__file__; "
             "pyllamacpp.Model()")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False, capture_output=True, text=True,
                           cwd=tmp_path, timeout=60)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
@@ -193,6 +198,6 @@ def test_import_from_a_source_tree_says_so(tmp_path):
     assert str(tmp_path / "pyllamacpp") in last and "no compiled extension" in last
     assert "run from another folder, or install with `pip install -e .`" in last
     # the checkout this venv's editable install builds is not "shadowing": it imports fine
-    ok = subprocess.run([sys.executable, "-c", "import pyllamacpp; pyllamacpp.lib"], capture_output=True,
+    ok = subprocess.run([sys.executable, "-c", "import pyllamacpp; pyllamacpp.lib"], check=False, capture_output=True,
                         text=True, cwd=ROOT, timeout=60)
     assert ok.returncode == 0, ok.stderr
