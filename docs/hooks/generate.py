@@ -92,6 +92,11 @@ def api_pages() -> dict[str, str]:
     pages["reference/api/testing.md"] = "# `pyllamacpp.testing`\n\n" + _api_block(
         "pyllamacpp.testing", 1).replace("heading_level: 1", "heading_level: 2\n      show_root_heading: false")
 
+    import importlib.util
+    if importlib.util.find_spec("pyllamacpp.text"):  # the text API's module, when present
+        pages["reference/api/text.md"] = "# `pyllamacpp.text`\n\n" + _api_block(
+            "pyllamacpp.text", 1).replace("heading_level: 1", "heading_level: 2\n      show_root_heading: false")
+
     ex = ["# `pyllamacpp.experiments`", "",
           "Each module is one `pyllamacpp` subcommand: `run(args)` returns the data, "
           "`print_report` prints it, `plot` draws it where the command has `-o`.", ""]
