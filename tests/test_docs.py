@@ -167,3 +167,10 @@ def test_site_builds_strict(tmp_path):
     assert "pyllamacpp kvprobe" in cli and "--ubatch-list" in cli
     for png in ("heads.png", "file-layout.png", "streams.png"):
         assert (site / "assets/kv" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_readme_links_exist():
+    # the README is not part of the site, so mkdocs --strict does not check its relative links
+    text = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(((?!https?:)[^)#\s]+)", text):
+        assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
