@@ -50,29 +50,49 @@ def make_model(path: str | os.PathLike, arch: str = "llama", *, n_layer: int, n_
                dtype: str = "f32", **arch_specific) -> Path:
     """Write a random-weight GGUF of ``arch`` to ``path`` (atomically) and return the path.
 
-    ``n_head_kv`` defaults to ``n_head`` (llama.cpp's default); ``head_dim`` sets
-    ``attention.key_length`` and ``value_length`` (default ``n_embd / n_head``); ``n_ff`` defaults
-    to ``4 * n_embd``. Matrices are ``normal(0, 0.02)`` from ``numpy.random.default_rng(seed)`` in
-    ``dtype`` (``"f32"`` or ``"f16"``); norms are 1 and vectors stay float32.
+    Matrices are ``normal(0, 0.02)`` from ``numpy.random.default_rng(seed)``; norms are 1 and
+    vectors stay float32. llama.cpp loads the file with ``llama_model_load_from_file``.
 
-    ``arch_specific``, by arch (llama.cpp's hparams names):
+    Args:
+        path: where to write the GGUF (a temporary name, then renamed).
+        arch: one of ``ARCHS`` (llama.cpp's ``general.architecture`` names).
+        n_layer: number of layers (``block_count``).
+        n_embd: embedding size.
+        n_head: attention heads; leave unset for ``mamba`` (no attention).
+        n_head_kv: KV heads; defaults to ``n_head`` (llama.cpp's default).
+        head_dim: ``attention.key_length`` and ``value_length``; defaults to ``n_embd / n_head``
+            (leave unset for ``lfm2``, which has no key_length).
+        n_vocab: vocabulary size (llama.cpp's ``"test"`` tokenizer).
+        n_ff: feed-forward size; defaults to ``4 * n_embd``.
+        n_ctx_train: ``context_length``.
+        seed: seed of the weights.
+        dtype: ``"f32"`` or ``"f16"`` for the matrices.
+        **arch_specific: by arch, in llama.cpp's hparams names:
 
-    - attention archs: ``rope_freq_base``, ``norm_rms_eps``;
-    - ``gemma2``/``gemma3`` (iSWA cache): ``n_swa`` (``attention.sliding_window``, default 4096),
-      ``swa_pattern``: an int period (layer ``il`` is SWA when ``il % p < p - 1``; default 2 for
-      gemma2, 6 for gemma3) or one bool per layer (True = SWA);
-    - ``mamba`` (recurrent memory; no attention, leave ``n_head`` unset): ``ssm_d_conv`` (4),
-      ``ssm_d_state`` (16), ``ssm_dt_rank`` (``ceil(n_embd / 16)``); ``ssm_d_inner`` must be
-      ``2 * n_embd``, the only expansion llama.cpp's mamba supports.
-    - ``lfm2`` (hybrid memory: a KV cache for the attention layers, then recurrent state for the
-      short-convolution layers): ``attn_layers``, one bool per layer (True = attention; default:
-      every other layer from layer 1), written as a per-layer ``attention.head_count_kv`` where 0
-      marks a convolution layer (models/lfm2.cpp: ``is_recr_impl[il] = n_head_kv(il) == 0``);
-      ``conv_l_cache`` (``shortconv.l_cache``, 3), ``rope_freq_base``, ``norm_rms_eps``,
-      ``n_swa`` (``attention.sliding_window``; > 0 makes every attention layer a sliding-window
-      one, so llama.cpp builds a hybrid iSWA memory: an empty base cache, the swa cache, the
-      recurrent state; 0, the default, writes no key). Heads have ``n_embd / n_head`` values
-      (lfm2 has no key_length); leave ``head_dim`` unset.
+            - attention archs: ``rope_freq_base``, ``norm_rms_eps``;
+            - ``gemma2``/``gemma3`` (iSWA cache): ``n_swa`` (``attention.sliding_window``, default
+              4096), ``swa_pattern``: an int period (layer ``il`` is SWA when ``il % p < p - 1``;
+              default 2 for gemma2, 6 for gemma3) or one bool per layer (True = SWA);
+            - ``mamba`` (recurrent memory): ``ssm_d_conv`` (4), ``ssm_d_state`` (16),
+              ``ssm_dt_rank`` (``ceil(n_embd / 16)``); ``ssm_d_inner`` must be ``2 * n_embd``, the
+              only expansion llama.cpp's mamba supports;
+            - ``lfm2`` (hybrid memory: a KV cache for the attention layers, then recurrent state
+              for the short-convolution layers): ``attn_layers``, one bool per layer (True =
+              attention; default: every other layer from layer 1), written as a per-layer
+              ``attention.head_count_kv`` where 0 marks a convolution layer (models/lfm2.cpp:
+              ``is_recr_impl[il] = n_head_kv(il) == 0``); ``conv_l_cache`` (``shortconv.l_cache``,
+              3), ``rope_freq_base``, ``norm_rms_eps``, ``n_swa`` (``attention.sliding_window``;
+              > 0 makes every attention layer a sliding-window one, so llama.cpp builds a hybrid
+              iSWA memory: an empty base cache, the swa cache, the recurrent state; 0, the
+              default, writes no key). Heads have ``n_embd / n_head`` values.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        ValueError: an unknown ``arch`` or ``dtype``, or a size below 1.
+        TypeError: a keyword ``arch`` does not take.
+        OSError: the file could not be written.
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
