@@ -120,7 +120,8 @@ def _load_backend_modules() -> None:
     # ggml logs each module it loads; pyllamacpp's log callback (_log) is not installed yet, so
     # keep those lines (build_info()["backend_load_log"]) rather than let ggml print them.
     try:
-        cb = ffi.callback("ggml_log_callback", lambda level, text, ud: BACKEND_LOAD_LOG.append(_str(text)))
+        cb = ffi.callback("ggml_log_callback",
+                          lambda level, text, ud: BACKEND_LOAD_LOG.append(ffi.string(text).decode("utf-8", "replace")))
     except MemoryError:  # no writable+executable memory for a closure (hardened runtimes): ggml prints
         _load_backend_modules_quiet()
         return

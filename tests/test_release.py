@@ -203,6 +203,8 @@ def test_wheel_installs_and_runs_without_a_compiler(tmp_path, reference):
 
     # the smoke subset of the suite, against the wheel (tests copied out: the repo root would shadow it)
     shutil.copytree(REPO / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    for inc in ("include", "ggml/include"):  # test_binding reads the headers the wheel was built from
+        shutil.copytree(REPO / "vendor/llama.cpp" / inc, tmp_path / "vendor/llama.cpp" / inc)
     smoke = subprocess.run([py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                             "tests/test_binding.py", "tests/test_model.py", "tests/test_release.py"],
                            capture_output=True, text=True, env={**env, "PYLLAMACPP_TEST_WHEEL": ""},
