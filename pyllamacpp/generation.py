@@ -15,8 +15,9 @@ How generation ends, and what the KV cache holds afterwards (the same for :func:
 """
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Literal
 
 import numpy as np
 
@@ -30,7 +31,7 @@ FinishReason = Literal["eog", "n_predict", "ctx_full"]
 class _Outcome:
     """What a generation did, written by its generator (kept apart so that the generator holds no
     reference to the object the caller holds: dropping that one closes the generator at once)."""
-    __slots__ = ("tokens", "finish_reason", "error")
+    __slots__ = ("error", "finish_reason", "tokens")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -90,7 +91,7 @@ class Generation:
         return f"<Generation {len(self.tokens)} tokens, finish_reason={self.finish_reason!r}>"
 
 
-def _run(ctx, tokens: np.ndarray, n_predict: int, sampler: Sampler, seq_id: int, res: _Outcome) -> Iterator[int]:
+def _run(ctx, tokens: np.ndarray, n_predict: int, sampler: Sampler, seq_id: int, res: _Outcome) -> Generator[int, None, None]:
     is_eog = ctx.model.is_eog
     pos = ctx.prefill(tokens, seq_id)
     if n_predict == 0:

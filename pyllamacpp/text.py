@@ -19,7 +19,9 @@ convention of :mod:`pyllamacpp.generation`). To continue a sequence instead, use
 from __future__ import annotations
 
 import codecs
-from typing import TYPE_CHECKING, Iterator, Literal, overload
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 
@@ -75,11 +77,19 @@ class Completion(str):
         return self
 
 
+@dataclass(slots=True)
 class _StreamState:
     """What a TextStream's generator uses and writes (the stream object itself stays out of its
     reach, so dropping the stream closes the generator and frees the context at once)."""
-    __slots__ = ("model", "ctx", "own_ctx", "sampler", "own_sampler", "seq_id", "pieces", "generation",
-                 "finish_reason")
+    model: Model
+    ctx: Context
+    own_ctx: bool
+    sampler: Sampler
+    own_sampler: bool
+    seq_id: int
+    pieces: list[str] = field(default_factory=list)
+    generation: Generation | None = None
+    finish_reason: FinishReason | None = None
 
     def release(self) -> None:
         if self.own_ctx:
@@ -113,8 +123,7 @@ class TextStream:
             raise ValueError("the prompt gave no tokens")
         if not isinstance(seq_id, int) or seq_id < 0:
             raise ValueError(f"seq_id must be an int >= 0, not {seq_id!r}")
-        st = self._st = _StreamState()
-        st.model, st.seq_id, st.own_ctx = model, seq_id, ctx is None
+        own_ctx = ctx is None
         if ctx is None:
             n_ctx = None if n_predict < 0 else int(tokens.size) + n_predict
             if n_ctx is not None and model.n_ctx_train > 0:
@@ -122,21 +131,30 @@ class TextStream:
             ctx = model.context(n_ctx=n_ctx)
         elif ctx.model is not model:
             raise ValueError("ctx= is a context of another model")
-        st.ctx = ctx
         if tokens.size > ctx.n_ctx_seq:
-            if st.own_ctx:
+            if own_ctx:
                 ctx.close()
             raise ValueError(f"the prompt is {tokens.size} tokens, more than the context holds "
                              f"(n_ctx_seq={ctx.n_ctx_seq})")
-        st.own_sampler, st.sampler = sampler is None, sampler or Sampler.greedy()
-        st.pieces, st.generation, st.finish_reason = [], None, None
+        self._st = _StreamState(model, ctx, own_ctx, sampler or Sampler.greedy(), sampler is None, seq_id)
         self.n_prompt = int(tokens.size)
-        self._it = _stream(st, tokens, n_predict)
+        self._it = _stream(self._st, tokens, n_predict)
 
-    ctx = property(lambda self: self._st.ctx)
-    seq_id = property(lambda self: self._st.seq_id)
-    generation = property(lambda self: self._st.generation)
-    finish_reason = property(lambda self: self._st.finish_reason)
+    @property
+    def ctx(self) -> Context:
+        return self._st.ctx
+
+    @property
+    def seq_id(self) -> int:
+        return self._st.seq_id
+
+    @property
+    def generation(self) -> Generation | None:
+        return self._st.generation
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._st.finish_reason
 
     @property
     def tokens(self) -> list[int]:
@@ -168,7 +186,7 @@ class TextStream:
         return f"<TextStream {len(self.tokens)} tokens, finish_reason={self.finish_reason!r}>"
 
 
-def _stream(st: _StreamState, tokens: np.ndarray, n_predict: int) -> Iterator[str]:
+def _stream(st: _StreamState, tokens: np.ndarray, n_predict: int) -> Generator[str, None, None]:
     try:
         ctx = st.ctx
         if not st.own_ctx:
@@ -206,11 +224,15 @@ def _finish(stream: TextStream) -> Completion:
 def complete(model: Model, prompt: str, n_predict: int = ..., *, sampler: Sampler | None = ...,
              ctx: Context | None = ..., stream: Literal[False] = ..., add_special: bool = ...,
              parse_special: bool = ..., seq_id: int = ...) -> Completion: ...
-@overload  # noqa: E302
+
+
+@overload
 def complete(model: Model, prompt: str, n_predict: int = ..., *, sampler: Sampler | None = ...,
              ctx: Context | None = ..., stream: Literal[True], add_special: bool = ...,
              parse_special: bool = ..., seq_id: int = ...) -> TextStream: ...
-def complete(model: Model, prompt: str, n_predict: int = 128, *, sampler: Sampler | None = None,  # noqa: E302
+
+
+def complete(model: Model, prompt: str, n_predict: int = 128, *, sampler: Sampler | None = None,
              ctx: Context | None = None, stream: bool = False, add_special: bool = True,
              parse_special: bool = False, seq_id: int = 0) -> Completion | TextStream:
     """Generate text after ``prompt``: ``llama_tokenize``, then :func:`pyllamacpp.generate`, then
@@ -252,7 +274,7 @@ def chat_tokens(model: Model, messages: list[dict[str, str]], template: str | No
         raise ValueError("messages: a non-empty list of {'role': ..., 'content': ...} dicts")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content' strings, not {m!r}")
+            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content' strings, not {m!r}")
     text = model.apply_chat_template(list(messages), add_assistant=True, template=template)
     toks = model.tokenize(text, add_special=True, parse_special=True)
     bos = model.bos
@@ -265,11 +287,15 @@ def chat_tokens(model: Model, messages: list[dict[str, str]], template: str | No
 def chat(model: Model, messages: list[dict[str, str]], n_predict: int = ..., *,
          sampler: Sampler | None = ..., ctx: Context | None = ..., stream: Literal[False] = ...,
          template: str | None = ..., seq_id: int = ...) -> Completion: ...
-@overload  # noqa: E302
+
+
+@overload
 def chat(model: Model, messages: list[dict[str, str]], n_predict: int = ..., *,
          sampler: Sampler | None = ..., ctx: Context | None = ..., stream: Literal[True],
          template: str | None = ..., seq_id: int = ...) -> TextStream: ...
-def chat(model: Model, messages: list[dict[str, str]], n_predict: int = 256, *,  # noqa: E302
+
+
+def chat(model: Model, messages: list[dict[str, str]], n_predict: int = 256, *,
          sampler: Sampler | None = None, ctx: Context | None = None, stream: bool = False,
          template: str | None = None, seq_id: int = 0) -> Completion | TextStream:
     """The assistant's answer to ``messages``, through the GGUF's chat template
@@ -291,7 +317,8 @@ def chat(model: Model, messages: list[dict[str, str]], n_predict: int = 256, *, 
         A :class:`Completion`, or with ``stream=True`` a :class:`TextStream`.
 
     Raises:
-        ValueError: malformed messages, no usable template, a prompt longer than the context.
+        ValueError: no messages, no usable template, a prompt longer than the context.
+        TypeError: a message that is not a dict with ``role`` and ``content`` strings.
         DecodeAborted: ``ctx.abort()`` or Ctrl-C stopped a decode.
         ClosedError: the model, context or sampler was closed.
     """
