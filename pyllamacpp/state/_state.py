@@ -56,25 +56,39 @@ def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | No
     """Parse a state dump: bytes-like, a uint8 array, or a path (np.memmap'ed, never read whole).
 
     It may come from llama_state_seq_get_data(_ext), llama_state_get_data,
-    llama_state_seq_save_file or llama_state_save_file; ``KVState.kind`` says which.
+    llama_state_seq_save_file or llama_state_save_file; ``KVState.kind`` says which. For a path,
+    its ``<path>.json`` sidecar, when present, gives what the arguments below do not.
 
-    ``n_head_kv`` (or ``model=``: a GGUF path or an object with ``n_head_kv``; else, for a path,
-    its ``<path>.json`` sidecar) shapes views as (cells, n_head_kv, head_dim); without it rows
-    stay (cells, n_embd_gqa). The same sources give the layer map (``layers=`` sets it: part name
-    -> the model's il of each record, see _layers), which numbers records by the model's layer;
-    without one, layer numbers are record indices. ``writable``: None keeps the input's
-    writability (bytes are read-only, a bytearray or writable array gives writable views,
-    zero-copy); True copies read-only input once (a path is mapped copy-on-write: the file is
-    never changed); False forces read-only views. ``memory`` ("kv", "iswa", "hybrid",
-    "hybrid-iswa", "recurrent", "dsa", "msa", "dsa-iswa", "hybrid-idx", "dsv4"), ``cell_ext``, ``has_v`` and ``metadata_only`` (a
-    StateFlags.ON_DEVICE dump: headers without rows) pin what is otherwise detected (see
-    _memory.parse_memory). ``partial=True``: written with StateFlags.PARTIAL_ONLY, so only the
-    memory's partial part is there (an iSWA cache's swa part, a hybrid memory's recurrent part;
-    plain KV caches and recurrent memories write all of themselves); ``flags=`` (the
-    ``llama_state_seq_flags`` the dump was made with, as a sidecar's ``flags``) sets it and, with
-    ON_DEVICE, ``metadata_only``. With a layer map the memory is the map's, and a partial dump is
-    told apart from a full one by reading. Raises StateFormatError (a ValueError) on anything that
-    does not follow the format, or that contradicts the layer map.
+    Args:
+        data: the dump: bytes-like, a uint8 array, or a path.
+        n_head_kv: shapes views as (cells, n_head_kv, head_dim); without it (or ``model``, or a
+            sidecar) rows stay (cells, n_embd_gqa).
+        model: a GGUF path or an object with ``n_head_kv`` (a ``Model``): gives ``n_head_kv``
+            and the layer map.
+        writable: None keeps the input's writability (bytes are read-only, a bytearray or
+            writable array gives writable views, zero-copy); True copies read-only input once (a
+            path is mapped copy-on-write: the file is never changed); False forces read-only views.
+        memory: pins the memory layout ("kv", "iswa", "hybrid", "hybrid-iswa", "recurrent",
+            "dsa", "msa", "dsa-iswa", "hybrid-idx", "dsv4"); detected otherwise.
+        cell_ext: pins whether cells carry ``llama_kv_cell_ext``; detected otherwise.
+        has_v: pins whether KV parts have V records; detected otherwise.
+        metadata_only: pins a StateFlags.ON_DEVICE dump (headers without rows); detected otherwise.
+        layers: the layer map: part name -> the model's il of each record (see _layers); without
+            one, layer numbers are record indices.
+        partial: True when written with StateFlags.PARTIAL_ONLY, so only the memory's partial
+            part is there (an iSWA cache's swa part, a hybrid memory's recurrent part; plain KV
+            caches and recurrent memories write all of themselves). With a layer map a partial
+            dump is told apart from a full one by reading.
+        flags: the ``llama_state_seq_flags`` the dump was made with (a sidecar's ``flags``): sets
+            ``partial`` and, with ON_DEVICE, ``metadata_only``.
+
+    Returns:
+        A ``KVState``: header, cells, and per layer zero-copy views of K and V.
+
+    Raises:
+        StateFormatError: (a ValueError) anything that does not follow the format, or that
+            contradicts the layer map; the message gives the byte offset, what was being read, the
+            bytes needed and the bytes left.
     """
     arr, source, path = _as_array(data, writable)
     sidecar = read_sidecar(path) if path is not None else None
