@@ -113,9 +113,24 @@ class StateMethods:
         a buffer you own (a read-only numpy array over memory from ``malloc``, freed with its last
         view; both calls and the allocation are one C call, ``pyl_state_seq_get``).
 
-        ``out``: a writable uint8 array to reuse (at least the state's size): no fresh allocation,
-        hence no page faults, for loops that dump again and again. The state is then ``out[:size]``
-        (writable, so ``set_seq_state`` checks it like any blob)."""
+        Args:
+            seq_id: the sequence to dump (checked against the context's ``n_seq_max``).
+            flags: ``StateFlags`` (``PARTIAL_ONLY``, ``ON_DEVICE``).
+            out: a writable uint8 array to reuse (at least the state's size): no fresh
+                allocation, hence no page faults, for loops that dump again and again. The state
+                is then ``out[:size]`` (writable, so ``set_seq_state`` checks it like any blob).
+
+        Returns:
+            A ``SeqState``: the bytes (``.data``), ``seq_id`` and ``flags``.
+
+        Raises:
+            StateError: llama.cpp returned a size of 0 or wrote fewer bytes than it announced, or
+                ``ON_DEVICE`` was asked of a quantized cache.
+            ValueError: a bad ``seq_id``, or an ``out`` that is not a big enough writable,
+                contiguous 1-D uint8 array.
+            MemoryError: the buffer could not be allocated.
+            ClosedError: the context is closed.
+        """
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         flags = int(flags)
@@ -178,7 +193,24 @@ class StateMethods:
         parsed again, unless ``flags`` differ from its own in ``PARTIAL_ONLY``.
         ``flags=StateFlags.PARTIAL_ONLY`` loads a partial dump: llama.cpp then reads only the
         memory's partial part (an iSWA cache's swa part, a hybrid memory's recurrent part) and
-        leaves the rest of the sequence as it was."""
+        leaves the rest of the sequence as it was.
+
+        Args:
+            seq_id: the sequence to load into.
+            data: a ``SeqState``, bytes-like or uint8 array holding a sequence dump.
+            flags: the ``StateFlags`` the dump was made with.
+            validate: check the blob against this context before the C call.
+            keep_on_error: copy an occupied sequence aside when the load could fail, and put it
+                back if it does.
+
+        Returns:
+            The number of bytes llama.cpp read.
+
+        Raises:
+            StateError: the blob does not fit this context, or llama.cpp read 0 bytes.
+            ValueError: a bad ``seq_id``.
+            ClosedError: the context is closed.
+        """
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         if self._pending_stream_copies:
