@@ -52,7 +52,7 @@ PROMPT_DECODE = "Once upon a time"  # greedy runs 256 tokens from it without an 
 PROMPT_PARALLEL = "Hello my name is"  # examples/batched's default prompt
 
 
-def settings(threads: int, n_predict: int, n_parallel_predict: int) -> dict[str, dict]:
+def settings(threads: int, n_predict: int, n_parallel_predict: int, text_pairs: int = 3) -> dict[str, dict]:
     """Per workload, the keys both sides receive (native: key=value arguments)."""
     common = dict(threads=threads, n_ctx=1024, n_batch=512, n_ubatch=512, n_seq_max=1, kv_unified=0, warmup=1)
     return {
@@ -62,7 +62,7 @@ def settings(threads: int, n_predict: int, n_parallel_predict: int) -> dict[str,
         "prefill": {**common, "n_tokens": 512, "iters": 2},
         "fill": {**common, "n_tokens": 2048, "iters": 5000},
         "state": {**common, "n_tokens": 512, "iters": 20},
-        "text": {**common, "n_predict": n_predict, "prompt": PROMPT_DECODE, "pairs": 3},
+        "text": {**common, "n_predict": n_predict, "prompt": PROMPT_DECODE, "pairs": text_pairs},
     }
 
 
@@ -572,6 +572,8 @@ def main(argv=None) -> int:
     ap.add_argument("-w", "--workloads", default="decode,parallel,prefill,fill,state")
     ap.add_argument("-n", "--n-predict", type=int, default=256, help="decode: tokens generated (256)")
     ap.add_argument("--n-parallel-predict", type=int, default=64, help="parallel: tokens per sequence (64)")
+    ap.add_argument("--text-pairs", type=int, default=3,
+                    help="text: generate / complete runs each per worker, alternating (3)")
     ap.add_argument("--no-raw-cffi", dest="raw_cffi", action="store_false",
                     help="skip the diagnostic third side of decode: the same loop in raw pl.lib calls")
     ap.add_argument("-m", "--model", default=None, help="default: pyllamacpp.default_model_path()")
@@ -587,7 +589,7 @@ def main(argv=None) -> int:
     import pyllamacpp as pl
     model = str(a.model or pl.default_model_path())
     exe, build_cmd = build_driver(verbose=True)
-    all_settings = settings(a.threads, a.n_predict, a.n_parallel_predict)
+    all_settings = settings(a.threads, a.n_predict, a.n_parallel_predict, a.text_pairs)
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     load_before = os.getloadavg()
     loads: list[float] = []  # 1-min load after each run: another busy process skews both sides
