@@ -206,7 +206,7 @@ def test_ctrl_c_stops_generate_and_the_context_goes_on(model):
                 assert "SIGINT" in str(info.value)
             assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
             ctx.memory.clear()
-            assert list(pl.generate(ctx, toks, 3)) == got[:3]
+            assert list(pl.generate(ctx, toks, 3))[:len(got)] == got[:3]  # got may hold 1 token on a busy machine
     finally:
         signal.signal(signal.SIGINT, before)
 
