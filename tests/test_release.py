@@ -65,6 +65,37 @@ print(json.dumps({{"tokens": out, "variant": info["cpu_variant_loaded"], "profil
 """
 
 
+# The reference's greedy continuation fed back one token per llama_decode (as generation does); the
+# logits before each token are saved to argv[2] (.npy): a variant is compared on the same inputs.
+TEACHER_FORCED = """
+import json, sys
+import numpy as np
+from pyllamacpp import Model
+tokens = json.loads(sys.argv[1])
+with Model() as m, m.context(n_ctx=256, n_threads=2) as ctx:
+    ctx.prefill(m.tokenize("The cat sat on the mat."))
+    rows = []
+    for t in tokens:
+        rows.append(np.array(ctx.logits(), copy=True))
+        ctx.prefill([t])
+np.save(sys.argv[2], np.stack(rows))
+"""
+# Measured here (AMD EPYC, 32 steps): across SIMD levels the logits differ by 0.18-0.23 on average
+# (accumulation order, activation quantization), so greedy tokens flip where the top two are within
+# 0.004-0.18 of each other; the token the reference chose was never more than 0.30 below a variant's
+# best. A broken kernel differs by whole units.
+TOL_GAP = 1.0
+TOL_MEAN = 0.5
+
+
+def run_teacher_forced(python: str, tokens: list[int], out: Path, env: dict | None = None):
+    import numpy as np
+    proc = subprocess.run([python, "-c", TEACHER_FORCED, json.dumps(tokens), str(out)], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=Path(__file__).parent)
+    assert proc.returncode == 0, f"teacher-forced decode failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return np.load(out)
+
+
 def run_greedy(python: str, env: dict | None = None, cwd: Path | None = None) -> dict:
     """GREEDY in a fresh process of ``python``; outside the repo root, whose pyllamacpp/ would shadow."""
     proc = subprocess.run([python, "-c", GREEDY], capture_output=True, text=True, timeout=600,
@@ -141,7 +172,10 @@ def test_best_runnable_variant_is_loaded():
 
 @release_only
 @pytest.mark.parametrize("variant", sorted(X86_VARIANTS))
-def test_each_runnable_variant_decodes_the_same_tokens(variant, reference):
+def test_each_runnable_variant_decodes_the_same_tokens(variant, reference, tmp_path):
+    """The same prompt, greedy, in a process that loads only this variant (by path): the same tokens,
+    or, where SIMD rounding flips a near-tie, the reference's tokens within TOL_GAP of this variant's
+    best at every step of the reference's path."""
     if variant not in cpu_variants_present():
         pytest.skip(f"libggml-cpu-{variant} is not in {LIB_DIR}")
     missing = missing_flags(variant)
@@ -149,9 +183,23 @@ def test_each_runnable_variant_decodes_the_same_tokens(variant, reference):
         pytest.skip(f"cannot tell from /proc/cpuinfo whether this CPU runs {variant}: not loaded")
     if missing:
         pytest.skip(f"this CPU lacks {', '.join(missing)} for {variant}: not loaded")
-    got = run_greedy(sys.executable, env={**os.environ, "PYLLAMACPP_CPU_VARIANT": variant})
+    import numpy as np
+    env = {**os.environ, "PYLLAMACPP_CPU_VARIANT": variant}
+    got = run_greedy(sys.executable, env=env)
     assert got["variant"] == variant
-    assert got["tokens"] == reference["tokens"], f"{variant} vs {reference['variant']}"
+    if got["tokens"] == reference["tokens"]:
+        return
+    # Not the same greedy tokens: every difference must be a near-tie, on the same inputs.
+    ref_tokens = reference["tokens"]
+    ref = run_teacher_forced(sys.executable, ref_tokens, tmp_path / "ref.npy")
+    var = run_teacher_forced(sys.executable, ref_tokens, tmp_path / f"{variant}.npy", env=env)
+    steps = np.arange(len(ref_tokens))
+    gap = var.max(axis=1) - var[steps, ref_tokens]  # how far below this variant's best the reference's token is
+    mean = float(np.abs(var - ref).mean())
+    first = next(i for i, (a, b) in enumerate(zip(got["tokens"], ref_tokens)) if a != b)
+    where = f"{variant} leaves {reference['variant']}'s greedy path at step {first}"
+    assert float(gap.max()) <= TOL_GAP, f"{where}; the reference's token is {gap.max():.3f} below its best"
+    assert mean <= TOL_MEAN, f"{where}; mean |delta logit| {mean:.3f}"
 
 
 def test_unknown_variant_is_refused():
@@ -203,10 +251,14 @@ def test_wheel_installs_and_runs_without_a_compiler(tmp_path, reference):
 
     # the smoke subset of the suite, against the wheel (tests copied out: the repo root would shadow it)
     shutil.copytree(REPO / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
-    for inc in ("include", "ggml/include"):  # test_binding reads the headers the wheel was built from
+    for inc in ("include", "ggml/include"):  # test_binding reads the headers and pin the wheel was built from
         shutil.copytree(REPO / "vendor/llama.cpp" / inc, tmp_path / "vendor/llama.cpp" / inc)
-    smoke = subprocess.run([py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+    shutil.copy(REPO / "vendor/llama.cpp/PYLLAMACPP_PIN.txt", tmp_path / "vendor/llama.cpp")
+    # (less the one test that compiles C to compare struct layouts: this venv has no compiler, by design)
+    smoke = subprocess.run([py, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider",
+                            "--deselect", "tests/test_binding.py::test_struct_layout_matches_the_compiler",
                             "tests/test_binding.py", "tests/test_model.py", "tests/test_release.py"],
                            capture_output=True, text=True, env={**env, "PYLLAMACPP_TEST_WHEEL": ""},
                            cwd=tmp_path, timeout=1200)
     assert smoke.returncode == 0, smoke.stdout[-4000:] + smoke.stderr[-2000:]
+    print(smoke.stdout[-1500:])  # with -s or -rP: which release tests ran and which were skipped, and why
