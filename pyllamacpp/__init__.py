@@ -18,6 +18,7 @@ from .errors import (
     KVCacheFullError,
     LlamaError,
     ModelLoadError,
+    RPCError,
     StateError,
 )
 from .models import default_model_path
@@ -30,6 +31,8 @@ _LAZY = {
     "Context": ".context", "Memory": ".memory", "SeqState": ".context_state", "StateFlags": ".context_state",
     "devices": ".rpc", "sync_log_level": "._log",
     "Sampler": ".sampling", "generate": ".generation", "generate_parallel": ".generation",
+    "Generation": ".generation",
+    "Completion": ".text", "TextStream": ".text", "Detokenizer": ".text",
 }
 # public subpackages and modules, also imported on first access (``pyllamacpp.state.parse``)
 _SUBMODULES = ("state", "testing", "models", "experiments", "rpc", "cli")
@@ -56,4 +59,4 @@ def __dir__() -> list[str]:
 
 __all__ = ["__version__", "default_model_path", "LlamaError", "ModelLoadError", "ContextError",
            "DecodeError", "InvalidBatchError", "KVCacheFullError", "DecodeAborted", "DecodeInterrupted", "StateError",
-           "ClosedError", *_LAZY]
+           "ClosedError", "RPCError", *_LAZY]

@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     """
     ap = _Parser(prog="pyllamacpp", description=DESCRIPTION)
     ap.add_argument("-v", "--verbose", action="count", default=0,
-                    help="show llama.cpp's log (-v: info, -vv: debug)")
+                    help="show the log: -v pyllamacpp's info and llama.cpp's warnings, -vv also llama.cpp's "
+                         "info lines (model load, buffers), -vvv also its debug lines")
     ap.add_argument("--version", action=_Version, help="print the version and llama.cpp's commit, and exit")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -404,8 +405,9 @@ def _run(argv: list[str] | None) -> int:
     args = ap.parse_args(argv)
     if args.verbose:
         import logging
-        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
-                            format="%(name)s %(levelname)s %(message)s")
+        from ._log import TRACE
+        level = (logging.INFO, logging.DEBUG, TRACE)[min(args.verbose, 3) - 1]
+        logging.basicConfig(level=level, format="%(name)s %(levelname)s %(message)s")
     from .errors import LlamaError
     try:
         return args.func(args)
