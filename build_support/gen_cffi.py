@@ -15,6 +15,7 @@ Nothing here lists llama.cpp's declarations by hand. The steps:
 
 A llama.cpp bump therefore needs no edit of any declaration file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,24 @@ import cffi
 from pycparser import c_ast, c_generator, c_parser
 
 # Types cffi knows without a typedef; pycparser needs them declared to parse.
-_BUILTIN_TYPES = ["size_t", "ssize_t", "ptrdiff_t", "intptr_t", "uintptr_t", "bool", "FILE",
-                  "int8_t", "int16_t", "int32_t", "int64_t", "uint8_t", "uint16_t", "uint32_t",
-                  "uint64_t", "va_list"]
+_BUILTIN_TYPES = [
+    "size_t",
+    "ssize_t",
+    "ptrdiff_t",
+    "intptr_t",
+    "uintptr_t",
+    "bool",
+    "FILE",
+    "int8_t",
+    "int16_t",
+    "int32_t",
+    "int64_t",
+    "uint8_t",
+    "uint16_t",
+    "uint32_t",
+    "uint64_t",
+    "va_list",
+]
 _STUB_HEADERS = ["stddef.h", "stdint.h", "stdio.h", "stdbool.h", "stdlib.h", "string.h", "stdarg.h"]
 
 # Written in Python by pyllamacpp: C calls them through these trampolines. Each must match the
@@ -74,8 +90,17 @@ static llama_progress_callback const _pyllamacpp_check_progress = _pyllamacpp_pr
 
 # Compiler extensions pycparser cannot parse, defined away in the file that is preprocessed (not on
 # the command line: MSVC's /D takes no function-like macros).
-_DEFINED_AWAY = ["__attribute__(x)", "__declspec(x)", "restrict", "__restrict", "__restrict__",
-                 "__extension__", "__forceinline", "__cdecl", "__stdcall"]
+_DEFINED_AWAY = [
+    "__attribute__(x)",
+    "__declspec(x)",
+    "restrict",
+    "__restrict",
+    "__restrict__",
+    "__extension__",
+    "__forceinline",
+    "__cdecl",
+    "__stdcall",
+]
 
 
 def _is_msvc(cc: list[str]) -> bool:
@@ -97,16 +122,21 @@ def preprocess(cc: list[str], headers: list[Path], include_dirs: list[Path], *, 
             for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', p.read_text(), re.M):
                 todo += [d / inc for d in include_dirs if (d / inc).exists()]
         text = re.sub(r"/\*.*?\*/|//[^\n]*", "", "\n".join(p.read_text() for p in seen), flags=re.S)
-        return "\n".join("#define " + " ".join(m.groups()).strip()
-                         for m in re.finditer(r"^\s*#\s*define\s+(\w+(?:\([^)]*\))?)[ \t]*(.*)$", text, re.M)
-                         if not m.group(1).startswith("_"))  # platform macros (_WIN32_WINNT), not llama.cpp's
+        return "\n".join(
+            "#define " + " ".join(m.groups()).strip()
+            for m in re.finditer(r"^\s*#\s*define\s+(\w+(?:\([^)]*\))?)[ \t]*(.*)$", text, re.M)
+            if not m.group(1).startswith("_")
+        )  # platform macros (_WIN32_WINNT), not llama.cpp's
     with tempfile.TemporaryDirectory() as tmp:
         stub = Path(tmp)
         for name in _STUB_HEADERS:
             (stub / name).write_text("")
         main = stub / "pyllamacpp_all.h"
-        main.write_text("".join(f"#define {m}\n" for m in _DEFINED_AWAY) + "#define __inline inline\n"
-                        + "".join(f'#include "{h}"\n' for h in headers))
+        main.write_text(
+            "".join(f"#define {m}\n" for m in _DEFINED_AWAY)
+            + "#define __inline inline\n"
+            + "".join(f'#include "{h}"\n' for h in headers)
+        )
         if _is_msvc(cc):  # /EP: preprocess to stdout without #line; /X: no standard include paths
             cmd = [*cc, "/nologo", "/EP", "/X", f"/I{stub}", *(f"/I{d}" for d in include_dirs), str(main)]
         else:
@@ -153,9 +183,10 @@ def exported_symbols(nm: str, libs: list[str]) -> set[str]:
 def pe_exports(path: Path) -> list[str]:
     """Names in a DLL's export table (PE/COFF: the export directory of the optional header)."""
     import struct
+
     data = path.read_bytes()
     pe = struct.unpack_from("<I", data, 0x3C)[0]
-    if data[pe:pe + 4] != b"PE\0\0":
+    if data[pe : pe + 4] != b"PE\0\0":
         sys.exit(f"gen_cffi: {path} is not a PE file")
     n_sections, opt_size = struct.unpack_from("<H", data, pe + 6)[0], struct.unpack_from("<H", data, pe + 20)[0]
     opt = pe + 24
@@ -176,7 +207,7 @@ def pe_exports(path: Path) -> list[str]:
     out = []
     for i in range(n_names):
         p = offset(struct.unpack_from("<I", data, offset(names_rva) + 4 * i)[0])
-        out.append(data[p:data.index(b"\0", p)].decode())
+        out.append(data[p : data.index(b"\0", p)].decode())
     return out
 
 
@@ -185,7 +216,7 @@ def make_cdef(pp: str, exported: set[str] | None) -> tuple[str, list[str], list[
     ast = c_parser.CParser().parse(prelude + pp, filename="<llama.h preprocessed>")
     gen = c_generator.CGenerator()
     out, functions, typedefs, missing = [], [], set(), []
-    for node in ast.ext[len(_BUILTIN_TYPES):]:
+    for node in ast.ext[len(_BUILTIN_TYPES) :]:
         if isinstance(node, c_ast.Typedef):
             if node.name in typedefs:  # C11 allows repeating a typedef; cffi does not
                 continue
@@ -261,9 +292,21 @@ def main() -> None:
     cdef, functions, missing = make_cdef(pp, exported)
     header_files = sorted({p for d in include_dirs for p in d.glob("*.h")})
     used = [p for p in header_files if p.name in pp or p.name in {h.name for h in headers}]
-    headers_text = "\n".join(p.read_text() for p in header_files if p.name in
-                             {"llama.h", "ggml.h", "ggml-cpu.h", "ggml-backend.h", "ggml-alloc.h",
-                              "ggml-opt.h", "gguf.h", *(h.name for h in headers)})
+    headers_text = "\n".join(
+        p.read_text()
+        for p in header_files
+        if p.name
+        in {
+            "llama.h",
+            "ggml.h",
+            "ggml-cpu.h",
+            "ggml-backend.h",
+            "ggml-alloc.h",
+            "ggml-opt.h",
+            "gguf.h",
+            *(h.name for h in headers),
+        }
+    )
     names = integer_macros(preprocess(cc, headers, include_dirs, macros=True), headers_text)
     cdef += "".join(f"#define {n} ...\n" for n in names)
     cdef += _PYTHON_CALLBACKS + _HELPERS_CDEF
@@ -289,9 +332,12 @@ def main() -> None:
     ffi.emit_c_code(str(args.out_c))
     with open(args.out_c, "a") as f:
         f.write(_CALLBACK_CHECKS)
-    print(f"gen_cffi: {len(functions)} functions, {len(names)} integer macros, "
-          f"{len(missing)} declared but not exported ({', '.join(missing) or 'none'}), "
-          f"{len(used)} headers -> {args.out_c.name}", file=sys.stderr)
+    print(
+        f"gen_cffi: {len(functions)} functions, {len(names)} integer macros, "
+        f"{len(missing)} declared but not exported ({', '.join(missing) or 'none'}), "
+        f"{len(used)} headers -> {args.out_c.name}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

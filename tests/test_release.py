@@ -5,6 +5,7 @@ wheel test is opt-in and slow: ``PYLLAMACPP_TEST_WHEEL=dist/pyllamacpp_cffi-...m
 (made by ``tools/release/build.sh``) installs that wheel into a fresh venv whose PATH has no C
 compiler and no cmake, and checks it against the build these tests import.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,21 @@ N_TOKENS = 32
 
 # ggml/src/CMakeLists.txt (ggml_add_cpu_backend_variant) at the pin: the features each x86 variant is
 # compiled with, as /proc/cpuinfo names them. GGML_AVX512 compiles with -mavx512{f,cd,vl,dq,bw}.
-_X86_FEATURES = {"SSE42": ["sse4_2"], "AVX": ["avx"], "F16C": ["f16c"], "FMA": ["fma"], "AVX2": ["avx2"],
-                 "BMI2": ["bmi2"], "AVX512": ["avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"],
-                 "AVX512_VBMI": ["avx512vbmi"], "AVX512_VNNI": ["avx512_vnni"], "AVX512_BF16": ["avx512_bf16"],
-                 "AVX_VNNI": ["avx_vnni"], "AMX_TILE": ["amx_tile"], "AMX_INT8": ["amx_int8"]}
+_X86_FEATURES = {
+    "SSE42": ["sse4_2"],
+    "AVX": ["avx"],
+    "F16C": ["f16c"],
+    "FMA": ["fma"],
+    "AVX2": ["avx2"],
+    "BMI2": ["bmi2"],
+    "AVX512": ["avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"],
+    "AVX512_VBMI": ["avx512vbmi"],
+    "AVX512_VNNI": ["avx512_vnni"],
+    "AVX512_BF16": ["avx512_bf16"],
+    "AVX_VNNI": ["avx_vnni"],
+    "AMX_TILE": ["amx_tile"],
+    "AMX_INT8": ["amx_int8"],
+}
 _BASE = ["SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2"]
 X86_VARIANTS = {
     "x64": [],
@@ -49,7 +61,8 @@ X86_VARIANTS = {
 release_only = pytest.mark.skipif(
     not EXTENSION_INFO.get("backend_dl"),
     reason=f"the installed build is the {EXTENSION_INFO.get('profile', 'native')} profile (GGML_BACKEND_DL off); "
-           "build with PYLLAMACPP_PROFILE=release (tools/release/build.sh) to test the CPU variants")
+    "build with PYLLAMACPP_PROFILE=release (tools/release/build.sh) to test the CPU variants",
+)
 
 # One greedy decode, printed as JSON; run in a subprocess so that each CPU variant is alone in its process.
 GREEDY = f"""
@@ -90,16 +103,24 @@ TOL_MEAN = 0.5
 
 def run_teacher_forced(python: str, tokens: list[int], out: Path, env: dict | None = None):
     import numpy as np
-    proc = subprocess.run([python, "-c", TEACHER_FORCED, json.dumps(tokens), str(out)], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=Path(__file__).parent)
+
+    proc = subprocess.run(
+        [python, "-c", TEACHER_FORCED, json.dumps(tokens), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=Path(__file__).parent,
+    )
     assert proc.returncode == 0, f"teacher-forced decode failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     return np.load(out)
 
 
 def run_greedy(python: str, env: dict | None = None, cwd: Path | None = None) -> dict:
     """GREEDY in a fresh process of ``python``; outside the repo root, whose pyllamacpp/ would shadow."""
-    proc = subprocess.run([python, "-c", GREEDY], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=cwd or Path(__file__).parent)
+    proc = subprocess.run(
+        [python, "-c", GREEDY], capture_output=True, text=True, timeout=600, env=env, cwd=cwd or Path(__file__).parent
+    )
     assert proc.returncode == 0, f"greedy decode failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -184,6 +205,7 @@ def test_each_runnable_variant_decodes_the_same_tokens(variant, reference, tmp_p
     if missing:
         pytest.skip(f"this CPU lacks {', '.join(missing)} for {variant}: not loaded")
     import numpy as np
+
     env = {**os.environ, "PYLLAMACPP_CPU_VARIANT": variant}
     got = run_greedy(sys.executable, env=env)
     assert got["variant"] == variant
@@ -205,8 +227,14 @@ def test_each_runnable_variant_decodes_the_same_tokens(variant, reference, tmp_p
 def test_unknown_variant_is_refused():
     # PYLLAMACPP_CPU_VARIANT names a module file; one that is not there is an ImportError, not a crash
     env = {**os.environ, "PYLLAMACPP_CPU_VARIANT": "no-such-level"}
-    proc = subprocess.run([sys.executable, "-c", "import pyllamacpp._lib"], capture_output=True, text=True,
-                          env=env, cwd=Path(__file__).parent, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import pyllamacpp._lib"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).parent,
+        timeout=120,
+    )
     if EXTENSION_INFO.get("backend_dl"):
         assert proc.returncode != 0 and "no-such-level" in proc.stderr and "ImportError" in proc.stderr
     else:  # a native build links its CPU backend and has no modules to choose from
@@ -233,14 +261,25 @@ def test_wheel_installs_and_runs_without_a_compiler(tmp_path, reference):
     for tool in ("cc", "gcc", "c++", "g++", "clang", "cmake", "ninja"):
         assert shutil.which(tool, path=env["PATH"]) is None, tool
     # binary wheels only: a dependency that would need building fails here instead of compiling
-    subprocess.run([py, "-m", "pip", "install", "-q", "--only-binary=:all:", str(wheel), "pytest"],
-                   check=True, env=env, cwd=tmp_path)
-    show = subprocess.run([py, "-m", "pip", "show", "pyllamacpp-cffi"], capture_output=True, text=True,
-                          check=True, env=env).stdout
+    subprocess.run(
+        [py, "-m", "pip", "install", "-q", "--only-binary=:all:", str(wheel), "pytest"],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    show = subprocess.run(
+        [py, "-m", "pip", "show", "pyllamacpp-cffi"], capture_output=True, text=True, check=True, env=env
+    ).stdout
     assert "Name: pyllamacpp-cffi" in show
 
-    demo = subprocess.run([str(bindir / "pyllamacpp"), "demo", "--json"], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300)
+    demo = subprocess.run(
+        [str(bindir / "pyllamacpp"), "demo", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert json.loads(demo.stdout)["tokens"] == [504, 2644, 2643, 335, 260, 1171, 30]
 
@@ -255,10 +294,27 @@ def test_wheel_installs_and_runs_without_a_compiler(tmp_path, reference):
         shutil.copytree(REPO / "vendor/llama.cpp" / inc, tmp_path / "vendor/llama.cpp" / inc)
     shutil.copy(REPO / "vendor/llama.cpp/PYLLAMACPP_PIN.txt", tmp_path / "vendor/llama.cpp")
     # (less the one test that compiles C to compare struct layouts: this venv has no compiler, by design)
-    smoke = subprocess.run([py, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider",
-                            "--deselect", "tests/test_binding.py::test_struct_layout_matches_the_compiler",
-                            "tests/test_binding.py", "tests/test_model.py", "tests/test_release.py"],
-                           capture_output=True, text=True, env={**env, "PYLLAMACPP_TEST_WHEEL": ""},
-                           cwd=tmp_path, timeout=1200)
+    smoke = subprocess.run(
+        [
+            py,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "--deselect",
+            "tests/test_binding.py::test_struct_layout_matches_the_compiler",
+            "tests/test_binding.py",
+            "tests/test_model.py",
+            "tests/test_release.py",
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, "PYLLAMACPP_TEST_WHEEL": ""},
+        cwd=tmp_path,
+        timeout=1200,
+    )
     assert smoke.returncode == 0, smoke.stdout[-4000:] + smoke.stderr[-2000:]
     print(smoke.stdout[-1500:])  # with -s or -rP: which release tests ran and which were skipped, and why

@@ -12,6 +12,7 @@ per side, the side that goes first alternating. A process loads the default mode
 and prints its profile, loaded CPU variant and greedy tokens (which must match across sides).
 Reports medians and b/a ratios. It measures; it asserts nothing about time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,9 @@ print(json.dumps({"decode_tps": decode, "prefill_tps": best, "tokens": [int(t) f
 
 
 def run(python: str, n_predict: int, threads: int) -> dict:
-    proc = subprocess.run([python, "-c", WORKER, str(n_predict), str(threads)], capture_output=True, text=True,
-                          cwd="/tmp", timeout=900)
+    proc = subprocess.run(
+        [python, "-c", WORKER, str(n_predict), str(threads)], capture_output=True, text=True, cwd="/tmp", timeout=900
+    )
     if proc.returncode != 0:
         sys.exit(f"{python} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -76,8 +78,10 @@ def main() -> None:
         for side in order:
             out = run(getattr(args, side), args.n_predict, args.threads)
             res[side].append(out)
-            print(f"repeat {r + 1} {side}: decode {out['decode_tps']:.1f} t/s, prefill {out['prefill_tps']:.1f} t/s",
-                  flush=True)
+            print(
+                f"repeat {r + 1} {side}: decode {out['decode_tps']:.1f} t/s, prefill {out['prefill_tps']:.1f} t/s",
+                flush=True,
+            )
     for side in "ab":
         o = res[side][0]
         print(f"{side}: {getattr(args, side)}  profile {o['profile']}, CPU variant {o['variant']}, {o['lib_dir']}")
@@ -89,10 +93,17 @@ def main() -> None:
         ma = statistics.median(o[key] for o in res["a"])
         mb = statistics.median(o[key] for o in res["b"])
         table[name] = {"a": ma, "b": mb, "ratio": mb / ma}
-        print(f"{name:10} {ma:10.1f} {mb:10.1f} {mb / ma:6.3f}   (tokens/s, {args.repeats} runs each, {args.threads} threads)")
+        print(
+            f"{name:10} {ma:10.1f} {mb:10.1f} {mb / ma:6.3f}   "
+            f"(tokens/s, {args.repeats} runs each, {args.threads} threads)"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": res,
-                                         "table": table, "tokens_identical": same}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"args": vars(args) | {"json": str(args.json)}, "runs": res, "table": table, "tokens_identical": same},
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":
