@@ -5,7 +5,9 @@ integer ``#define`` of ``llama.h`` (and the ggml headers it includes), checked b
 The compiled parts load on first use, so pure-Python parts (``pyllamacpp.state``, ``models``)
 import without them.
 """
+
 import importlib as _importlib
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import (
@@ -23,22 +25,56 @@ from .errors import (
 )
 from .models import default_model_path
 
+if TYPE_CHECKING:  # the lazy names below, as mypy should see them
+    from ._lib import build_info as build_info
+    from ._lib import ffi as ffi
+    from ._lib import lib as lib
+    from ._log import sync_log_level as sync_log_level
+    from .batch import Batch as Batch
+    from .context import Context as Context
+    from .context_state import SeqState as SeqState
+    from .context_state import StateFlags as StateFlags
+    from .generation import Generation as Generation
+    from .generation import generate as generate
+    from .generation import generate_parallel as generate_parallel
+    from .memory import Memory as Memory
+    from .model import Model as Model
+    from .params import ContextParams as ContextParams
+    from .params import ModelParams as ModelParams
+    from .rpc import devices as devices
+    from .sampling import Sampler as Sampler
+    from .text import Completion as Completion
+    from .text import Detokenizer as Detokenizer
+    from .text import TextStream as TextStream
+
 # name -> module that defines it; imported on first access (PEP 562).
 _LAZY = {
-    "ffi": "._lib", "lib": "._lib", "build_info": "._lib",
-    "ContextParams": ".params", "ModelParams": ".params",
-    "Model": ".model", "Batch": ".batch",
-    "Context": ".context", "Memory": ".memory", "SeqState": ".context_state", "StateFlags": ".context_state",
-    "devices": ".rpc", "sync_log_level": "._log",
-    "Sampler": ".sampling", "generate": ".generation", "generate_parallel": ".generation",
+    "ffi": "._lib",
+    "lib": "._lib",
+    "build_info": "._lib",
+    "ContextParams": ".params",
+    "ModelParams": ".params",
+    "Model": ".model",
+    "Batch": ".batch",
+    "Context": ".context",
+    "Memory": ".memory",
+    "SeqState": ".context_state",
+    "StateFlags": ".context_state",
+    "devices": ".rpc",
+    "sync_log_level": "._log",
+    "Sampler": ".sampling",
+    "generate": ".generation",
+    "generate_parallel": ".generation",
     "Generation": ".generation",
-    "Completion": ".text", "TextStream": ".text", "Detokenizer": ".text",
+    "Completion": ".text",
+    "TextStream": ".text",
+    "Detokenizer": ".text",
 }
 # public subpackages and modules, also imported on first access (``pyllamacpp.state.parse``)
 _SUBMODULES = ("state", "testing", "models", "experiments", "rpc", "cli")
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return _importlib.import_module("." + name, __name__)
     mod = _LAZY.get(name)
@@ -57,6 +93,19 @@ def __dir__() -> list[str]:
     return sorted({*__all__, *_SUBMODULES, *dunders})
 
 
-__all__ = ["__version__", "default_model_path", "LlamaError", "ModelLoadError", "ContextError",
-           "DecodeError", "InvalidBatchError", "KVCacheFullError", "DecodeAborted", "DecodeInterrupted", "StateError",
-           "ClosedError", "RPCError", *_LAZY]
+__all__ = [
+    "__version__",
+    "default_model_path",
+    "LlamaError",
+    "ModelLoadError",
+    "ContextError",
+    "DecodeError",
+    "InvalidBatchError",
+    "KVCacheFullError",
+    "DecodeAborted",
+    "DecodeInterrupted",
+    "StateError",
+    "ClosedError",
+    "RPCError",
+    *_LAZY,
+]

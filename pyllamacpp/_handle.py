@@ -9,7 +9,10 @@ A handle of an object that lives on RPC servers carries an ``rpc.Link``: every `
 whether a server is gone (RPCError instead of an abort in ggml), and ``__del__`` leaves the C
 object unfreed when one is, or at interpreter exit (freeing would go through the network).
 """
+
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -48,11 +51,13 @@ class Owner:
     """``ptr``, ``closed``, ``close()`` and the with-statement of an object that owns one
     :class:`Handle` in ``_h`` (Model, Context, Sampler). ``_what`` names it in the error, ``_free``
     is the C function that frees it."""
+
     _what = "object"
     _free = ""
+    _h: Handle | None
 
     @property
-    def ptr(self):
+    def ptr(self) -> Any:
         """The C pointer (raises :class:`~pyllamacpp.errors.ClosedError` after ``close()``, and
         :class:`~pyllamacpp.errors.RPCError` when an RPC server the object lives on is gone)."""
         h = self._h
@@ -80,11 +85,11 @@ class Owner:
 
 class _Mem:
     """What numpy sees as a view's base: the address, and the handle that keeps it valid."""
+
     __slots__ = ("__array_interface__", "owner", "__weakref__")
 
     def __init__(self, addr: int, shape: tuple, typestr: str, owner, readonly: bool):
-        self.__array_interface__ = {"data": (addr, readonly), "shape": shape, "typestr": typestr,
-                                    "version": 3}
+        self.__array_interface__ = {"data": (addr, readonly), "shape": shape, "typestr": typestr, "version": 3}
         self.owner = owner
 
 

@@ -4,6 +4,7 @@ Installed at import, before any model or context exists, so llama.cpp never prin
 Code that needs what llama.cpp said during one call (an error's reason, the buffer sizes logged
 when a context is created) wraps the call in :func:`capture`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,6 +37,7 @@ _PY_LEVEL = {
 @dataclass
 class Capture:
     """Log lines emitted on this thread while the ``capture()`` block ran: (level, text) pairs."""
+
     lines: list[tuple[int, str]] = field(default_factory=list)
 
     def reason(self) -> str | None:
@@ -90,6 +92,7 @@ class capture:
 
     A class, not a generator: it wraps every decode and sample, where a generator-based context
     manager's overhead shows in tokens/s."""
+
     __slots__ = ("cap",)
 
     def __enter__(self) -> Capture:

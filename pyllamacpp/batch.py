@@ -4,15 +4,21 @@
 (capacity x n_seq_max), the batch points each slot's ``seq_id[i]`` at a row of one contiguous
 array it owns, and puts llama.cpp's own pointers back before ``llama_batch_free``.
 """
+
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ._handle import view
 from ._lib import ffi, lib
 from .errors import ClosedError
+
+if TYPE_CHECKING:
+    from .model import Model
 
 _I32 = np.iinfo(np.int32)
 
@@ -32,6 +38,7 @@ def _as_int_array(values, what: str) -> np.ndarray:
 
 class _BatchMem:
     """Owns the ``llama_batch``: views hold it, so the arrays outlive ``close()`` while viewed."""
+
     __slots__ = ("p", "cap", "orig", "seq", "__weakref__")
 
     def __init__(self, p, cap):
@@ -64,16 +71,19 @@ class Batch:
             repeated seq id, a token outside the model's vocabulary.
     """
 
-    def __init__(self, capacity: int, n_seq_max: int = 1, embd: int = 0, *, model=None):
+    def __init__(self, capacity: int, n_seq_max: int = 1, embd: int = 0, *, model: Model | None = None) -> None:
         if capacity <= 0 or n_seq_max <= 0 or embd < 0:
-            raise ValueError(f"Batch(capacity={capacity}, n_seq_max={n_seq_max}, embd={embd}): "
-                             "capacity and n_seq_max must be positive, embd >= 0")
+            raise ValueError(
+                f"Batch(capacity={capacity}, n_seq_max={n_seq_max}, embd={embd}): "
+                "capacity and n_seq_max must be positive, embd >= 0"
+            )
         self.capacity, self.n_seq_max, self.n_embd = int(capacity), int(n_seq_max), int(embd)
         self._n_vocab = model.n_vocab if model is not None else None
         p = ffi.new("struct llama_batch *")
         p[0] = lib.llama_batch_init(self.capacity, self.n_embd, self.n_seq_max)
         self._p = p
-        mem = self._mem = _BatchMem(p, self.capacity)
+        mem = _BatchMem(p, self.capacity)
+        self._mem: _BatchMem | None = mem
         cap = self.capacity
         # numpy views over llama.cpp's arrays, full capacity; the public ones are sliced to n.
         self._token = view(p.token, (cap,), np.int32, mem) if not embd else None
@@ -97,14 +107,14 @@ class Batch:
     def closed(self) -> bool:
         return self._mem is None
 
-    def __enter__(self):
+    def __enter__(self) -> Batch:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
-    def struct(self):
+    def struct(self) -> Any:
         """The ``struct llama_batch`` to pass to ``llama_decode`` (by value)."""
         if self._mem is None:
             raise ClosedError("the batch is closed", func="llama_batch_free")
@@ -177,7 +187,7 @@ class Batch:
             bad = tokens[(tokens < 0) | (tokens >= self._n_vocab)][0]
             raise ValueError(f"token {int(bad)} is outside the vocabulary [0, {self._n_vocab})")
 
-    def add(self, token: int, pos: int, seq_ids=0, logits: bool = False) -> int:
+    def add(self, token: int, pos: int, seq_ids: npt.ArrayLike = 0, logits: bool = False) -> int:
         """Fill one slot; returns its index (the output index for ``ctx.logits`` when flagged)."""
         if self._token is None:
             raise TypeError("an embedding batch takes add_embd(), not add()")
@@ -214,7 +224,13 @@ class Batch:
         p.n_tokens = i + 1
         return i
 
-    def add_sequence(self, tokens, seq_ids=0, start_pos: int = 0, logits="last") -> slice:
+    def add_sequence(
+        self,
+        tokens: npt.ArrayLike,
+        seq_ids: npt.ArrayLike = 0,
+        start_pos: int = 0,
+        logits: str | npt.ArrayLike = "last",
+    ) -> slice:
         """Append ``tokens`` at positions ``start_pos, start_pos+1, ...`` for ``seq_ids``.
 
         ``seq_ids``: one id or several (a shared prefix: each token stored once, in every listed
@@ -248,7 +264,7 @@ class Batch:
         self._p.n_tokens = i1
         return slice(i0, i1)
 
-    def add_embd(self, embd, pos: int, seq_ids=0, logits: bool = False) -> int:
+    def add_embd(self, embd: npt.ArrayLike, pos: int, seq_ids: npt.ArrayLike = 0, logits: bool = False) -> int:
         """Fill one slot of an embedding batch with a vector of size ``embd``."""
         if self._embd is None:
             raise TypeError("a token batch (embd == 0) takes add(), not add_embd()")
@@ -265,5 +281,5 @@ class Batch:
         self._p.n_tokens = i + 1
         return i
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<Batch {len(self)}/{self.capacity} tokens, n_seq_max={self.n_seq_max}>"

@@ -1,4 +1,5 @@
 """The ``pyllamacpp`` command."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,14 @@ class _Parser(argparse.ArgumentParser):
 
     def _add_action(self, action):
         help_ = action.help or ""
-        if (action.option_strings and action.nargs != 0 and action.default not in (None, argparse.SUPPRESS)
-                and action.default != [] and help_ is not argparse.SUPPRESS and "default" not in help_):
+        if (
+            action.option_strings
+            and action.nargs != 0
+            and action.default not in (None, argparse.SUPPRESS)
+            and action.default != []
+            and help_ is not argparse.SUPPRESS
+            and "default" not in help_
+        ):
             action.help = f"{help_} (default: %(default)s)" if help_ else "default: %(default)s"
         return super()._add_action(action)
 
@@ -55,8 +62,10 @@ class _Version(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         from ._version import __version__
+
         try:
             from ._lib import EXTENSION_INFO
+
             llama = f"llama.cpp {EXTENSION_INFO.get('llama_cpp_commit', 'unknown')}"
             if EXTENSION_INFO.get("llama_cpp_source"):
                 llama += f", {EXTENSION_INFO['llama_cpp_source']}"
@@ -86,15 +95,34 @@ def _cmd_demo(args) -> int:
         del state
         text = model.complete(args.prompt, args.n_predict, ctx=ctx)  # greedy, sequence 0 afresh
         if args.json:
-            print(json.dumps({"model": str(path), "description": model.description, "n_params": model.n_params,
-                              "tokens": tokens.tolist(),
-                              "top": [{"token": int(t), "piece": model.token_to_piece(int(t)),
-                                       "logit": float(logits[t]), "p": float(probs[t])} for t in top],
-                              "seq_state_bytes": state_bytes, "generated": str(text),
-                              "generated_tokens": len(text.tokens), "finish_reason": text.finish_reason}))
+            print(
+                json.dumps(
+                    {
+                        "model": str(path),
+                        "description": model.description,
+                        "n_params": model.n_params,
+                        "tokens": tokens.tolist(),
+                        "top": [
+                            {
+                                "token": int(t),
+                                "piece": model.token_to_piece(int(t)),
+                                "logit": float(logits[t]),
+                                "p": float(probs[t]),
+                            }
+                            for t in top
+                        ],
+                        "seq_state_bytes": state_bytes,
+                        "generated": str(text),
+                        "generated_tokens": len(text.tokens),
+                        "finish_reason": text.finish_reason,
+                    }
+                )
+            )
             return 0
-        print(f"model   {path.name}: {model.n_params / 1e6:.1f}M params, {model.n_layer} layers, "
-              f"n_vocab {model.n_vocab} (llama.cpp's description: {model.description})")
+        print(
+            f"model   {path.name}: {model.n_params / 1e6:.1f}M params, {model.n_layer} layers, "
+            f"n_vocab {model.n_vocab} (llama.cpp's description: {model.description})"
+        )
         print(f"prompt  {args.prompt!r} -> {len(tokens)} tokens {tokens.tolist()}")
         print("top next tokens:")
         for t in top:
@@ -115,6 +143,7 @@ def _context_kwargs(args) -> dict:
 def _sampler(model, args):
     """Greedy, or with --temp > 0 llama.cpp's chain: top-k, top-p, min-p, temperature, dist(seed)."""
     from .sampling import Sampler
+
     if args.temp <= 0:
         return Sampler.greedy()
     s = Sampler(model).top_k(args.top_k).top_p(args.top_p).min_p(args.min_p).temp(args.temp)
@@ -130,8 +159,10 @@ def _stream_out(stream) -> None:
     sys.stdout.write("\n")
     sys.stdout.flush()
     if stream.finish_reason == "ctx_full":
-        print(f"[context full after {len(stream.tokens)} tokens: n_ctx={stream.ctx.n_ctx}; give a larger -c]",
-              file=sys.stderr)
+        print(
+            f"[context full after {len(stream.tokens)} tokens: n_ctx={stream.ctx.n_ctx}; give a larger -c]",
+            file=sys.stderr,
+        )
 
 
 def _cmd_generate(args) -> int:
@@ -139,10 +170,14 @@ def _cmd_generate(args) -> int:
     from . import default_model_path
     from .model import Model
 
-    with Model(args.model or default_model_path()) as model, model.context(**_context_kwargs(args)) as ctx, \
-            _sampler(model, args) as sampler:
-        stream = model.complete(args.prompt, args.n_predict, sampler=sampler, ctx=ctx, stream=True,
-                                parse_special=args.special)
+    with (
+        Model(args.model or default_model_path()) as model,
+        model.context(**_context_kwargs(args)) as ctx,
+        _sampler(model, args) as sampler,
+    ):
+        stream = model.complete(
+            args.prompt, args.n_predict, sampler=sampler, ctx=ctx, stream=True, parse_special=args.special
+        )
         if args.display_prompt:
             sys.stdout.write(args.prompt)
         _stream_out(stream)
@@ -157,8 +192,11 @@ def _cmd_chat(args) -> int:
 
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
-    with Model(args.model or default_model_path()) as model, model.context(**_context_kwargs(args)) as ctx, \
-            _sampler(model, args) as sampler:
+    with (
+        Model(args.model or default_model_path()) as model,
+        model.context(**_context_kwargs(args)) as ctx,
+        _sampler(model, args) as sampler,
+    ):
         while True:
             if interactive:
                 print("> ", end="", file=sys.stderr, flush=True)
@@ -182,22 +220,31 @@ def _cmd_chat(args) -> int:
 
 def _cmd_rpc_server(args) -> int:
     import ipaddress
+
     from .rpc import start_server
+
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
     except ValueError:
         loopback = args.host == "localhost"
     if not loopback:
         if not args.allow_remote:
-            print(f"pyllamacpp rpc-server: refusing to bind {args.host}: pass --allow-remote "
-                  "(the RPC protocol has no authentication)", file=sys.stderr)
+            print(
+                f"pyllamacpp rpc-server: refusing to bind {args.host}: pass --allow-remote "
+                "(the RPC protocol has no authentication)",
+                file=sys.stderr,
+            )
             return 2
-        print(f"WARNING: serving on {args.host}:{args.port} without authentication: anyone who can reach "
-              "it can run computations and read or write its memory buffers", file=sys.stderr)
+        print(
+            f"WARNING: serving on {args.host}:{args.port} without authentication: anyone who can reach "
+            "it can run computations and read or write its memory buffers",
+            file=sys.stderr,
+        )
     sys.stdout.flush()
     # ggml's server never returns, and a SIGINT may land on one of its compute threads and leave
     # accept() blocked: serve from a daemon thread, and wait here, where Ctrl-C is seen
     import threading
+
     failed: list[BaseException] = []
 
     def serve() -> None:
@@ -217,27 +264,32 @@ def _cmd_rpc_server(args) -> int:
 
 def _cmd_devices(args) -> int:
     from .rpc import add_servers, devices
+
     if args.rpc:
         add_servers(args.rpc)
     for d in devices():
-        print(f"{d['index']}: {d['name']:10} {d['type']:5} {d['backend']:5} {d['description']}  "
-              f"{d['memory_free'] / 2**20:,.0f} MiB free of {d['memory_total'] / 2**20:,.0f} MiB")
+        print(
+            f"{d['index']}: {d['name']:10} {d['type']:5} {d['backend']:5} {d['description']}  "
+            f"{d['memory_free'] / 2**20:,.0f} MiB free of {d['memory_total'] / 2**20:,.0f} MiB"
+        )
     return 0
 
 
 def _cmd_info(args) -> int:
     from . import build_info
+
     print(json.dumps(build_info(), indent=2))
     return 0
 
 
 def _doc(name: str) -> str:
-    return importlib.import_module(f".experiments.{name}", __package__).__doc__
+    return importlib.import_module(f".experiments.{name}", __package__).__doc__ or ""  # None under -OO
 
 
 def _experiment(name: str):
     def run(args) -> int:
         from .experiments.common import emit
+
         mod = importlib.import_module(f".experiments.{name}", __package__)
         data = mod.run(args)
         emit(args, data, mod.print_report)
@@ -245,6 +297,7 @@ def _experiment(name: str):
             mod.plot(data, args.output)
             print(f"wrote {args.output}", file=sys.stderr)
         return 0 if data.get("ok", True) else 1
+
     return run
 
 
@@ -255,33 +308,52 @@ def build_parser() -> argparse.ArgumentParser:
         The parser ``main()`` parses with.
     """
     ap = _Parser(prog="pyllamacpp", description=DESCRIPTION)
-    ap.add_argument("-v", "--verbose", action="count", default=0,
-                    help="show the log: -v pyllamacpp's info and llama.cpp's warnings, -vv also llama.cpp's "
-                         "info lines (model load, buffers), -vvv also its debug lines")
+    ap.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="show the log: -v pyllamacpp's info and llama.cpp's warnings, -vv also llama.cpp's "
+        "info lines (model load, buffers), -vvv also its debug lines",
+    )
     ap.add_argument("--version", action=_Version, help="print the version and llama.cpp's commit, and exit")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help=_cmd_demo.__doc__)
-    p.add_argument("-m", "--model", type=Path,
-                   help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
+    p.add_argument("-m", "--model", type=Path, help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
     p.add_argument("-p", "--prompt", default="The cat sat on the mat.")
     p.add_argument("-c", "--n-ctx", type=int, default=512)
-    p.add_argument("-t", "--threads", type=int, default=default_n_threads(),
-                   help="n_threads and n_threads_batch (default %(default)s: the physical cores)")
+    p.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=default_n_threads(),
+        help="n_threads and n_threads_batch (default %(default)s: the physical cores)",
+    )
     p.add_argument("--top", type=int, default=5)
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate after the prompt")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_demo)
 
     def text_flags(p, n_predict: int) -> None:  # generate and chat
-        p.add_argument("-m", "--model", type=Path,
-                       help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
-        p.add_argument("-n", "--n-predict", type=int, default=n_predict,
-                       help="most tokens to generate (-1: until an end token or a full context)")
-        p.add_argument("-c", "--ctx-size", type=int, default=None,
-                       help="n_ctx (default: the library's, min(n_ctx_train, 4096))")
-        p.add_argument("-t", "--threads", type=int, default=default_n_threads(),
-                       help="n_threads and n_threads_batch (default %(default)s: the physical cores)")
+        p.add_argument("-m", "--model", type=Path, help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
+        p.add_argument(
+            "-n",
+            "--n-predict",
+            type=int,
+            default=n_predict,
+            help="most tokens to generate (-1: until an end token or a full context)",
+        )
+        p.add_argument(
+            "-c", "--ctx-size", type=int, default=None, help="n_ctx (default: the library's, min(n_ctx_train, 4096))"
+        )
+        p.add_argument(
+            "-t",
+            "--threads",
+            type=int,
+            default=default_n_threads(),
+            help="n_threads and n_threads_batch (default %(default)s: the physical cores)",
+        )
         p.add_argument("--temp", type=float, default=0.0, help="temperature; 0: greedy")
         p.add_argument("--top-k", type=int, default=40, help="with --temp > 0")
         p.add_argument("--top-p", type=float, default=0.95, help="with --temp > 0")
@@ -292,11 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", required=True, help="the text to continue")
     text_flags(p, 128)
     p.add_argument("--special", action="store_true", help="parse special tokens in the prompt (<|im_start|>...)")
-    p.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
-                   help="print the generated text only, not the prompt before it")
+    p.add_argument(
+        "--no-display-prompt",
+        dest="display_prompt",
+        action="store_false",
+        help="print the generated text only, not the prompt before it",
+    )
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("chat", help=_cmd_chat.__doc__.split(":")[0], description=_cmd_chat.__doc__)
+    p = sub.add_parser("chat", help=(_cmd_chat.__doc__ or "").split(":")[0], description=_cmd_chat.__doc__)
     text_flags(p, 256)
     p.add_argument("--system", help="a system message to start the conversation with")
     p.set_defaults(func=_cmd_chat)
@@ -304,11 +380,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rpc-server", help="serve this machine's CPU to ggml RPC clients")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=50052)
-    p.add_argument("-t", "--threads", type=int, default=default_n_threads(),
-                   help="CPU threads of the server (default %(default)s: the physical cores)")
+    p.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=default_n_threads(),
+        help="CPU threads of the server (default %(default)s: the physical cores)",
+    )
     p.add_argument("--cache", help="local cache folder for tensors sent by clients")
-    p.add_argument("--allow-remote", action="store_true",
-                   help="allow a non-loopback --host (the RPC protocol has no authentication)")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a non-loopback --host (the RPC protocol has no authentication)",
+    )
     p.set_defaults(func=_cmd_rpc_server)
 
     p = sub.add_parser("devices", help="the devices this process sees (CPU, CUDA, RPC), with memory")
@@ -328,8 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="GGUF that made the dump (for the KV head count)")
     g.add_argument("--heads", type=int, help="n_head_kv (otherwise from --model or a sidecar)")
     p.add_argument("--hex", action="store_true", help="also print the first bytes of each row")
-    p.add_argument("--partial", action="store_true",
-                   help="the dump was made with StateFlags.PARTIAL_ONLY (otherwise from its sidecar)")
+    p.add_argument(
+        "--partial",
+        action="store_true",
+        help="the dump was made with StateFlags.PARTIAL_ONLY (otherwise from its sidecar)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lambda a: importlib.import_module(".state._cli", __package__).parse_state(a))
 
@@ -343,14 +430,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=lambda a: importlib.import_module(".state._cli", __package__).plot_state(a))
 
     from .experiments.common import add_model_flags
-    p = sub.add_parser("kvprobe", help="scripted sequence and state ops",
-                       description=_doc("kvprobe"), formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = sub.add_parser(
+        "kvprobe",
+        help="scripted sequence and state ops",
+        description=_doc("kvprobe"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_flags(p, ctx=4096)
     p.add_argument("--ops", required=True, help="ops separated by ';' (see above)")
     p.set_defaults(func=_experiment("kvprobe"))
 
-    p = sub.add_parser("ubatch-sweep", help="buffers and speed against -ub",
-                       description=_doc("sweep"))
+    p = sub.add_parser("ubatch-sweep", help="buffers and speed against -ub", description=_doc("sweep"))
     add_model_flags(p)
     p.add_argument("--ubatch-list", default="512,256,128,64", help="the -ub values (default %(default)s)")
     p.add_argument("--clamp-b", type=int, default=0, help="-b of the clamp row (default: smallest ub / 2)")
@@ -360,8 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write a two-panel plot (PNG)")
     p.set_defaults(func=_experiment("sweep"))
 
-    p = sub.add_parser("prefix-sharing", help="a shared prompt for -np sequences: cells, time, outputs",
-                       description=_doc("prefix"))
+    p = sub.add_parser(
+        "prefix-sharing", help="a shared prompt for -np sequences: cells, time, outputs", description=_doc("prefix")
+    )
     add_model_flags(p, n_parallel=4)
     p.add_argument("--modes", default="unified,split", help="unified and/or split (default %(default)s)")
     p.add_argument("--prompt-text", default=None, help="the shared prompt (default: a built-in story opening)")
@@ -369,8 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-gen", type=int, default=16)
     p.set_defaults(func=_experiment("prefix"))
 
-    p = sub.add_parser("batch-isolation", help="do rows of different sequences leak?",
-                       description=_doc("isolation"))
+    p = sub.add_parser("batch-isolation", help="do rows of different sequences leak?", description=_doc("isolation"))
     add_model_flags(p)
     p.add_argument("--ubatch-list", default="512,16,4")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: 4 built-in)")
@@ -378,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_experiment("isolation"))
 
     from .experiments import placement, splits, trace
+
     splits.add_parser(sub)
     trace.add_parser(sub)
     placement.add_parser(sub)
@@ -405,10 +497,13 @@ def _run(argv: list[str] | None) -> int:
     args = ap.parse_args(argv)
     if args.verbose:
         import logging
+
         from ._log import TRACE
+
         level = (logging.INFO, logging.DEBUG, TRACE)[min(args.verbose, 3) - 1]
         logging.basicConfig(level=level, format="%(name)s %(levelname)s %(message)s")
     from .errors import LlamaError
+
     try:
         return args.func(args)
     except BrokenPipeError:

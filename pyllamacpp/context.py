@@ -1,31 +1,52 @@
 """``Context``: a ``llama_context`` — decode and outputs; its sequences are ``Memory``
 (memory.py), its state methods ``StateMethods`` (context_state.py)."""
+
 from __future__ import annotations
 
 import dataclasses
 import signal
 import threading
 import weakref
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _log
 from ._handle import Handle, Owner, view
 from ._lib import ffi, lib
 from .batch import Batch
 from .context_state import SeqState, StateFlags, StateMethods  # noqa: F401 (SeqState, StateFlags: re-exported)
-from .errors import (ContextError, DecodeAborted, DecodeInterrupted, InvalidBatchError, LlamaError, check_decode,
-                     check_ptr)
+from .errors import (
+    ContextError,
+    DecodeAborted,
+    DecodeInterrupted,
+    InvalidBatchError,
+    LlamaError,
+    check_decode,
+    check_ptr,
+)
 from .memory import Memory
 from .model import Model, parse_buffer_sizes
 from .params import ContextParams, context_params, default_n_ctx
 
-
 _MAIN_THREAD = threading.main_thread().ident
 
-PerfContextData = dataclasses.make_dataclass(
-    "PerfContextData", [(n, float if f.type.cname == "double" else int)
-                        for n, f in ffi.typeof("struct llama_perf_context_data").fields])
+if TYPE_CHECKING:
+
+    class PerfContextData:  # fields from the C struct at import: to mypy, attributes of any type
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+        def __init__(self, **kwargs: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    PerfContextData = dataclasses.make_dataclass(
+        "PerfContextData",
+        [
+            (n, float if f.type.cname == "double" else int)
+            for n, f in ffi.typeof("struct llama_perf_context_data").fields
+        ],
+    )
 PerfContextData.__doc__ = "Every field of ``llama_perf_context_data`` (times in ms)."
 PerfContextData.__module__ = __name__
 
@@ -52,8 +73,9 @@ class Context(StateMethods, Owner):
         ValueError, TypeError: a bad or unknown parameter, before anything reaches C.
     """
 
-    def __init__(self, model: Model, params: ContextParams | None = None, *, handle_sigint: bool = True,
-                 **kwargs):
+    def __init__(
+        self, model: Model, params: ContextParams | None = None, *, handle_sigint: bool = True, **kwargs: Any
+    ) -> None:
         self.model = model
         self.params = context_params(params, **kwargs)
         if self.params.n_ctx is None:  # the default: what the model was trained for, capped
@@ -68,9 +90,13 @@ class Context(StateMethods, Owner):
         with _log.capture() as cap:
             ptr = lib.llama_init_from_model(model.ptr, cparams[0])
         check_ptr(ptr, "llama_init_from_model", error=ContextError, reason=cap.reason())
-        rpc = model._h.rpc
-        self._h = Handle(ptr, lib.llama_free, deps=(model._h, self._abort_state),
-                         rpc=rpc.child("context") if rpc is not None else None)
+        rpc = cast(Handle, model._h).rpc  # model.ptr above raised if the model is closed
+        self._h = Handle(
+            ptr,
+            lib.llama_free,
+            deps=(model._h, self._abort_state),
+            rpc=rpc.child("context") if rpc is not None else None,
+        )
         self.buffers: dict[str, dict[str, float]] = {**model.load_buffers}
         for backend, kinds in parse_buffer_sizes(cap.lines).items():
             self.buffers.setdefault(backend, {}).update(kinds)
@@ -87,12 +113,13 @@ class Context(StateMethods, Owner):
         # save only, and aborts on a load whose cells do not add up to them
         self._device_saved: dict[int, bytes] = {}
         self._device_flags_by_seq: dict[int, int] = {}  # seq -> flags of that save (PARTIAL_ONLY must match)
-        self._memory_layers_cache: tuple | None = None  # see StateMethods._memory_layers
+        self._memory_layers_cache = None  # see StateMethods._memory_layers
         self._state_token = object()  # marks the SeqStates this context made (SeqState._made)
-        self._kv_row_bytes: tuple[int, int] | None = None  # see _cells_held
+        self._kv_row_bytes = None  # see _cells_held
         # one plain KV cache (not iSWA, recurrent or hybrid): see _load_fits
-        self._plain_kv = not (model.n_swa or lib.llama_model_is_recurrent(model.ptr)
-                              or lib.llama_model_is_hybrid(model.ptr))
+        self._plain_kv = not (
+            model.n_swa or lib.llama_model_is_recurrent(model.ptr) or lib.llama_model_is_hybrid(model.ptr)
+        )
         model._contexts.add(self)
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -103,10 +130,12 @@ class Context(StateMethods, Owner):
         self._h = None
         self._batch = None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self.closed:
             return "<Context closed>"
-        return f"<Context n_ctx={self.n_ctx} n_batch={self.n_batch} n_ubatch={self.n_ubatch} n_seq_max={self.n_seq_max}>"
+        return (
+            f"<Context n_ctx={self.n_ctx} n_batch={self.n_batch} n_ubatch={self.n_ubatch} n_seq_max={self.n_seq_max}>"
+        )
 
     # -- effective sizes (after llama.cpp's clamps) --------------------------------------------
     @property
@@ -167,7 +196,8 @@ class Context(StateMethods, Owner):
                 f"{len(self._views)} output view(s) of an earlier decode are still alive and this batch "
                 f"asks for {n_out} outputs (more than the {self._out_reserved} reserved so far), which "
                 "makes llama.cpp reallocate the buffer they point into; copy or delete them first",
-                func=fn.__name__ if hasattr(fn, "__name__") else "llama_decode")
+                func=fn.__name__ if hasattr(fn, "__name__") else "llama_decode",
+            )
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("this context is being used by another thread; use one context per thread")
         watch = self.handle_sigint and threading.get_ident() == _MAIN_THREAD
@@ -187,7 +217,9 @@ class Context(StateMethods, Owner):
         if rc == 0:
             self._decoded(n_outputs, sigint)
             return
-        self._decode_failed(rc, sigint, cap.reason(), batch, "llama_decode" if fn is lib.llama_decode else "llama_encode")
+        self._decode_failed(
+            rc, sigint, cap.reason(), batch, "llama_decode" if fn is lib.llama_decode else "llama_encode"
+        )
 
     def _decoded(self, n_outputs: int, sigint: int) -> None:
         if self._pending_stream_copies:
@@ -209,8 +241,10 @@ class Context(StateMethods, Owner):
             check_decode(rc, func, reason=reason)
         except (DecodeAborted, DecodeInterrupted) as e:
             # Which positions made it into memory: ubatches that finished before the abort stay.
-            e.seq_pos_max = {int(sq): self.memory.seq_pos_max(int(sq)) for sq in np.unique(
-                batch.seq_id[np.arange(batch.n_seq_max) < batch.n_seq_id[:, None]])}
+            e.seq_pos_max = {
+                int(sq): self.memory.seq_pos_max(int(sq))
+                for sq in np.unique(batch.seq_id[np.arange(batch.n_seq_max) < batch.n_seq_id[:, None]])
+            }
             raise
 
     def _generation_step(self, sampler, seq_id: int):
@@ -237,8 +271,18 @@ class Context(StateMethods, Owner):
             if not lock.acquire(False):
                 raise RuntimeError("this context is being used by another thread; use one context per thread")
             try:
-                fn(ptr, pbatch, sampler.ptr if sample_next else null, state,
-                   self.handle_sigint and get_ident() == _MAIN_THREAD, token, pos, seq_id, vocab, out)
+                fn(
+                    ptr,
+                    pbatch,
+                    sampler.ptr if sample_next else null,
+                    state,
+                    self.handle_sigint and get_ident() == _MAIN_THREAD,
+                    token,
+                    pos,
+                    seq_id,
+                    vocab,
+                    out,
+                )
             finally:
                 lock.release()
             if out.rc:
@@ -309,7 +353,7 @@ class Context(StateMethods, Owner):
             self._batch = Batch(self.n_batch, 1, model=self.model)  # prefill: one seq id per token
         return self._batch
 
-    def prefill(self, tokens, seq_id: int = 0, start_pos: int | None = None) -> int:
+    def prefill(self, tokens: npt.ArrayLike, seq_id: int = 0, start_pos: int | None = None) -> int:
         """Feed ``tokens`` to ``seq_id`` as consecutive ``llama_decode`` calls of at most
         ``n_batch`` tokens (5000 at n_batch 2048: 2048, 2048, 904), logits for the last token only.
 
@@ -322,7 +366,7 @@ class Context(StateMethods, Owner):
         batch = self._prefill_batch()
         n_batch = self.n_batch
         for i0 in range(0, toks.size, n_batch):
-            chunk = toks[i0:i0 + n_batch]
+            chunk = toks[i0 : i0 + n_batch]
             batch.clear()
             last = i0 + n_batch >= toks.size
             batch.add_sequence(chunk, seq_id, start_pos + i0, logits="last" if last else "none")

@@ -1,13 +1,16 @@
 """Sequence and whole-context state of a :class:`~pyllamacpp.context.Context`: get, check, load,
 files, and the sidecars that make dumps self-describing. ``StateMethods`` is a base of Context;
 its methods use the context's pointer, memory and parameters."""
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import enum
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -15,9 +18,17 @@ from . import _log
 from ._lib import ffi, lib
 from .errors import LlamaError, StateError
 
+if TYPE_CHECKING:
+    import weakref
+
+    from .memory import Memory
+    from .model import Model
+    from .params import ContextParams
+
 
 class StateFlags(enum.IntFlag):
     """``LLAMA_STATE_SEQ_FLAGS_*`` (values from the header of this build)."""
+
     NONE = lib.LLAMA_STATE_SEQ_FLAGS_NONE
     PARTIAL_ONLY = lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # == SWA_ONLY (its old name)
     SWA_ONLY = lib.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
@@ -29,6 +40,7 @@ class SeqState:
     """One sequence's state as ``llama_state_seq_get_data_ext`` wrote it: bytes you own.
 
     Picklable; restore with ``ctx.set_seq_state(seq_id, state)``."""
+
     data: np.ndarray  # uint8
     seq_id: int
     flags: int = 0
@@ -63,7 +75,7 @@ def _replacing(path: Path):
 # size -> writable uint8 array replaces that: tools/bench/bench_core.py places the dump at chosen page
 # offsets with it, since llama.cpp's copy runs ~15% faster or slower with where the dump sits
 # relative to the KV tensors it copies from.
-_new_state_buffer = None
+_new_state_buffer: Callable[[int], np.ndarray] | None = None
 
 
 _ON_DEVICE = lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
@@ -86,6 +98,7 @@ def _model_memory(m) -> tuple[str | None, dict | None]:
     from .state import layer_map, memory_of
     from .state._layers import arch_keys, rule_keys
     from .state._sidecar import gguf_field
+
     arch = m.arch
 
     def num(key: str) -> int | None:
@@ -107,6 +120,32 @@ def _model_memory(m) -> tuple[str | None, dict | None]:
 
 class StateMethods:
     """State get/set/check/files for Context (see the module docstring)."""
+
+    if TYPE_CHECKING:  # what Context (context.py) sets or defines, and these methods use
+        model: Model
+        params: ContextParams
+        memory: Memory
+        creation_log: list[tuple[int, str]]
+        _views: weakref.WeakSet
+        _out_reserved: int
+        _pending_stream_copies: set[int]
+        _device_saved: dict[int, bytes]
+        _device_flags_by_seq: dict[int, int]
+        _memory_layers_cache: tuple[str | None, dict | None] | None
+        _state_token: object
+        _kv_row_bytes: tuple[int, int] | None
+        _plain_kv: bool
+
+        @property
+        def ptr(self) -> Any: ...
+        @property
+        def n_ctx(self) -> int: ...
+        @property
+        def n_ctx_seq(self) -> int: ...
+        @property
+        def n_batch(self) -> int: ...
+        @property
+        def n_seq_max(self) -> int: ...
 
     def seq_state(self, seq_id: int, flags: int = 0, *, out: np.ndarray | None = None) -> SeqState:
         """``llama_state_seq_get_size_ext`` + ``llama_state_seq_get_data_ext``: one copy into
@@ -151,8 +190,8 @@ class StateMethods:
             reason = _log.c_reason
         else:
             size = lib.llama_state_seq_get_size_ext(ptr, seq_id, flags)
-            if own:
-                buf = _new_state_buffer(size)
+            if out is None:  # own: the hook is set (the other branch took the default path)
+                buf = cast(Callable[[int], np.ndarray], _new_state_buffer)(size)
             else:
                 if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
                     raise ValueError("out must be a writable, contiguous 1-D uint8 array")
@@ -164,11 +203,15 @@ class StateMethods:
             reason = cap.reason
         _log.raise_pending()
         if not size:  # a dump holds at least its magic and seq_id: 0 is llama.cpp's failure
-            raise StateError("llama_state_seq_get_size_ext() returned 0", func="llama_state_seq_get_size_ext",
-                             reason=reason())
+            raise StateError(
+                "llama_state_seq_get_size_ext() returned 0", func="llama_state_seq_get_size_ext", reason=reason()
+            )
         if n != size:
-            raise StateError(f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
-                             func="llama_state_seq_get_data_ext", reason=reason())
+            raise StateError(
+                f"llama_state_seq_get_data_ext() wrote {n} of {size} bytes",
+                func="llama_state_seq_get_data_ext",
+                reason=reason(),
+            )
         if flags & _ON_DEVICE:
             self._device_saved[seq_id] = buf.tobytes()  # headers only: a few KB
             self._device_flags_by_seq[seq_id] = flags
@@ -179,8 +222,9 @@ class StateMethods:
         st._made = (self._state_token, buf)
         return st
 
-    def set_seq_state(self, seq_id: int, data, flags: int = 0, *, validate: bool = True,
-                      keep_on_error: bool = True) -> int:
+    def set_seq_state(
+        self, seq_id: int, data, flags: int = 0, *, validate: bool = True, keep_on_error: bool = True
+    ) -> int:
         """``llama_state_seq_set_data_ext``: load a sequence state into ``seq_id``.
 
         The blob is first parsed and checked against this context (:meth:`check_state`; skip with
@@ -217,17 +261,21 @@ class StateMethods:
             self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
         flags = int(flags)
         made = data._made if isinstance(data, SeqState) else None
-        own = (made is not None and made[0] is self._state_token and made[1] is data.data
-               and not data.data.flags.writeable)
+        own = (
+            made is not None and made[0] is self._state_token and made[1] is data.data and not data.data.flags.writeable
+        )
         if own:
             buf = data.data
             if (data.flags ^ flags) & _PARTIAL_ONLY:
                 own = False  # made with the other PARTIAL_ONLY setting: checked like any blob
             if (data.flags ^ flags) & _ON_DEVICE:
-                raise StateError("state does not fit this context: a metadata-only dump (seq_state(seq, ON_DEVICE))"
-                                 " loads with flags=StateFlags.ON_DEVICE only" if data.flags & _ON_DEVICE
-                                 else "a full dump loads without StateFlags.ON_DEVICE",
-                                 func="llama_state_seq_set_data_ext")
+                raise StateError(
+                    "state does not fit this context: a metadata-only dump (seq_state(seq, ON_DEVICE))"
+                    " loads with flags=StateFlags.ON_DEVICE only"
+                    if data.flags & _ON_DEVICE
+                    else "a full dump loads without StateFlags.ON_DEVICE",
+                    func="llama_state_seq_set_data_ext",
+                )
         else:
             buf = _as_uint8(data)
         if buf.size == 0:
@@ -238,18 +286,25 @@ class StateMethods:
             # ("memory buffer mismatch", llama_io_read_device) when the blob's cells do not add up
             # to the rows of that sequence's latest save: only that blob, unchanged, is safe.
             src = int(np.frombuffer(buf[4:8].tobytes(), "<i4")[0]) if buf.size >= 8 else None
-            if self._device_saved.get(src) != buf.tobytes():
-                why = ("it is not the blob of that sequence's latest seq_state(seq, ON_DEVICE)"
-                       if src in self._device_saved else f"it names seq {src}, saved on device here: "
-                       f"{sorted(self._device_saved)}")
-                raise StateError("an ON_DEVICE state loads only as the latest seq_state(seq, ON_DEVICE) "
-                                 f"of this context returned it; {why}", func="llama_state_seq_set_data_ext")
+            if src is None or self._device_saved.get(src) != buf.tobytes():
+                why = (
+                    "it is not the blob of that sequence's latest seq_state(seq, ON_DEVICE)"
+                    if src in self._device_saved
+                    else f"it names seq {src}, saved on device here: {sorted(self._device_saved)}"
+                )
+                raise StateError(
+                    "an ON_DEVICE state loads only as the latest seq_state(seq, ON_DEVICE) "
+                    f"of this context returned it; {why}",
+                    func="llama_state_seq_set_data_ext",
+                )
             saved = self._device_flags_by_seq.get(src, flags)
             if (saved ^ flags) & _PARTIAL_ONLY and self._partial_differs():
                 # the device reader would take the saved chunks for other parts: an abort
                 # ("memory buffer mismatch", llama_io_read_device)
-                raise StateError(f"this ON_DEVICE state was saved with flags={saved}: load it with the same "
-                                 "PARTIAL_ONLY setting", func="llama_state_seq_set_data_ext")
+                raise StateError(
+                    f"this ON_DEVICE state was saved with flags={saved}: load it with the same PARTIAL_ONLY setting",
+                    func="llama_state_seq_set_data_ext",
+                )
         elif validate and not own:
             self.check_state(buf, kind="sequence", flags=flags)
         trusted = own or validate or bool(flags & _ON_DEVICE)
@@ -266,11 +321,18 @@ class StateMethods:
             if backup is not None:
                 lib.pyl_state_seq_set(ptr, ffi.from_buffer(backup.data), len(backup), seq_id, 0)
             _log.raise_pending()  # a logging handler's exception, once the sequence is back
-            raise StateError("llama_state_seq_set_data_ext() read 0 bytes; the sequence is "
-                             + ("unchanged" if backup is not None or occupied is False else
-                                "now empty" if not keep_on_error else
-                                "now empty (no copy was kept: by llama.cpp's rules this load could not fail)"),
-                             func="llama_state_seq_set_data_ext", reason=reason)
+            raise StateError(
+                "llama_state_seq_set_data_ext() read 0 bytes; the sequence is "
+                + (
+                    "unchanged"
+                    if backup is not None or occupied is False
+                    else "now empty"
+                    if not keep_on_error
+                    else "now empty (no copy was kept: by llama.cpp's rules this load could not fail)"
+                ),
+                func="llama_state_seq_set_data_ext",
+                reason=reason,
+            )
         _log.raise_pending()
         return int(n)
 
@@ -280,14 +342,20 @@ class StateMethods:
         ggml_element_size(tensor)`` values, which for a block-quantized cache type is the number
         of blocks, so only 1/32 of a q8_0 chunk is kept and a load puts garbage in the cache
         (measured: next-token logits off by up to 29, argmax changed; tests/test_context.py)."""
-        quantized = [n for n, t in (("type_k", self.params.type_k), ("type_v", self.params.type_v))
-                     if lib.ggml_blck_size(t) > 1]
+        quantized = [
+            n for n, t in (("type_k", self.params.type_k), ("type_v", self.params.type_v)) if lib.ggml_blck_size(t) > 1
+        ]
         if quantized:
             from .params import ggml_type_name
-            raise StateError(f"an ON_DEVICE save of a quantized cache ({', '.join(f'{n}={ggml_type_name(getattr(self.params, n))}' for n in quantized)}) "
-                             "would load back wrong: llama.cpp's device writer keeps only size / ggml_element_size "
-                             "values of each chunk (1/32 of a q8_0 one); save without ON_DEVICE",
-                             func="llama_state_seq_get_data_ext")
+
+            raise StateError(
+                "an ON_DEVICE save of a quantized cache ("
+                + ", ".join(f"{n}={ggml_type_name(getattr(self.params, n))}" for n in quantized)
+                + ") "
+                "would load back wrong: llama.cpp's device writer keeps only size / ggml_element_size "
+                "values of each chunk (1/32 of a q8_0 one); save without ON_DEVICE",
+                func="llama_state_seq_get_data_ext",
+            )
 
     def _occupied(self, seq_id: int) -> bool:
         # a hybrid memory whose attention part is empty has seq_pos_max -1 (the min of its
@@ -313,7 +381,7 @@ class StateMethods:
             return False
         # u32 cell_count of stream 0, then its cells...: only a leading run of empty streams
         # reads as counts, and a checked sequence blob has cells in one stream
-        counts = buf[12:12 + 4 * n_stream].view("<u4")
+        counts = buf[12 : 12 + 4 * n_stream].view("<u4")
         nz = np.flatnonzero(counts)
         cell_count = int(counts[nz[0]]) if nz.size else 0
         room = self.n_ctx_seq  # of the one stream the other sequences share
@@ -365,6 +433,7 @@ class StateMethods:
         if memory is None:
             return not self._plain_kv
         from .state import written_parts  # what each memory writes with and without the flag
+
         return written_parts(memory, True) != written_parts(memory, False)
 
     def check_state(self, data, *, kind: str = "sequence", flags: int = 0) -> None:
@@ -376,6 +445,7 @@ class StateMethods:
         not match. (Used by ``set_seq_state`` and ``set_state``.)"""
         from . import state as st
         from .params import ggml_type_name
+
         try:
             parsed = st.parse(_as_uint8(data))  # rows stay flat: a dump of another model still parses
         except st.StateFormatError as e:
@@ -388,14 +458,16 @@ class StateMethods:
             raise StateError(f"state does not fit this context: {what}", func="pyllamacpp.state.parse")
 
         if parsed.metadata_only:
-            bad("a metadata-only dump (seq_state(seq, ON_DEVICE): the rows stayed in llama.cpp); load it "
-                "with flags=StateFlags.ON_DEVICE into the context that made it")
+            bad(
+                "a metadata-only dump (seq_state(seq, ON_DEVICE): the rows stayed in llama.cpp); load it "
+                "with flags=StateFlags.ON_DEVICE into the context that made it"
+            )
         # llama_context::state_read_data (whole states) reads with flags 0
         partial = kind == "sequence" and bool(int(flags) & lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
         memory, layers = self._memory_layers()
         m = self.model
         # the parts llama.cpp will read, each with its model layers (None: unknown architecture)
-        expect = [None] * len(parsed.parts)
+        expect: list[tuple[str, Any] | None] = [None] * len(parsed.parts)
         if memory is not None:
             reads = st.written_parts(memory, partial)
             got = tuple(p.kind for p in parsed.parts)
@@ -403,13 +475,18 @@ class StateMethods:
                 other = st.written_parts(memory, not partial)
                 names, others = [n for _, n in reads], [n for _, n in other]
                 if kind == "sequence" and got == tuple(k for k, _ in other) and other != reads:
-                    bad(f"a full dump (parts {others}) loaded with PARTIAL_ONLY, with which this context's "
-                        f"{memory} memory reads only {names}" if partial else
-                        f"a PARTIAL_ONLY dump (parts {others} of this context's {memory} memory); load it "
-                        "with flags=StateFlags.PARTIAL_ONLY")
-                bad(f"memory parts {[p.kind for p in parsed.parts]}, this context's {memory} memory reads "
-                    f"{[f'{k} ({n})' for k, n in reads]}" + (" with PARTIAL_ONLY" if partial else ""))
-            expect = [(n, layers[n]) for _, n in reads]
+                    bad(
+                        f"a full dump (parts {others}) loaded with PARTIAL_ONLY, with which this context's "
+                        f"{memory} memory reads only {names}"
+                        if partial
+                        else f"a PARTIAL_ONLY dump (parts {others} of this context's {memory} memory); load it "
+                        "with flags=StateFlags.PARTIAL_ONLY"
+                    )
+                bad(
+                    f"memory parts {[p.kind for p in parsed.parts]}, this context's {memory} memory reads "
+                    f"{[f'{k} ({n})' for k, n in reads]}" + (" with PARTIAL_ONLY" if partial else "")
+                )
+            expect = [(n, cast(dict, layers)[n]) for _, n in reads]  # a known memory has its layer map
         # llama_kv_cache_dsv4 (every deepseek4 context) builds its caches non-unified whatever
         # kv_unified says (unified_raw in its constructor)
         dsv4 = memory == "dsv4" or m.arch == "deepseek4"
@@ -427,8 +504,12 @@ class StateMethods:
         heads = m.kv_head_counts()
         # without a layer map: a lone "kv" part holds every attention layer, in order, unless a
         # PARTIAL_ONLY load into a non-plain memory reads it (then which layers is unknown)
-        plain = (len(kv_parts) == 1 and kv_parts[0][0].name == "kv" and kv_parts[0][1] is None
-                 and (self._plain_kv or not partial))
+        plain = (
+            len(kv_parts) == 1
+            and kv_parts[0][0].name == "kv"
+            and kv_parts[0][1] is None
+            and (self._plain_kv or not partial)
+        )
         for part, exp in kv_parts:
             # no map: a plain part's records are the attention layers in order
             ils = exp[1] if exp is not None else ([il for il, n in enumerate(heads) if n > 0] if plain else None)
@@ -438,8 +519,10 @@ class StateMethods:
             # indexer_head_size values) nor in an MLA one (dsa's mla, dsa-iswa's, dsv4's caches)
             widths = label in ("kv", "base", "swa") and memory not in ("dsa", "dsa-iswa") and not dsv4
             if part.n_stream != n_stream:
-                bad(f"{part.n_stream} KV stream(s), this context has {n_stream} "
-                    f"(kv_unified={bool(self.params.kv_unified)}, n_seq_max={self.n_seq_max})")
+                bad(
+                    f"{part.n_stream} KV stream(s), this context has {n_stream} "
+                    f"(kv_unified={bool(self.params.kv_unified)}, n_seq_max={self.n_seq_max})"
+                )
             for s in part.streams:
                 if not s.cell_count:
                     continue
@@ -448,20 +531,28 @@ class StateMethods:
                 if s.v_trans != (0 if self.flash_attn else 1):
                     bad(f"v_trans={s.v_trans}, this context has flash attention {'on' if self.flash_attn else 'off'}")
                 if ils is not None and s.n_layer != len(ils):
-                    bad(f"{s.n_layer} layers in the {label} part, the model's has {len(ils)}"
-                        if exp is not None else f"{s.n_layer} layers, the model has {len(ils)}")
+                    bad(
+                        f"{s.n_layer} layers in the {label} part, the model's has {len(ils)}"
+                        if exp is not None
+                        else f"{s.n_layer} layers, the model has {len(ils)}"
+                    )
                 for r in s.records:
                     want_t = self.params.type_k if r.kind == "K" else self.params.type_v
                     if r.type.id != want_t:
                         bad(f"{r.kind}[{r.layer}] is {r.type.name}, this context's cache is {ggml_type_name(want_t)}")
                     if widths and ils is not None and r.layer < len(ils):
                         il = ils[r.layer]
-                        size = (k_swa if r.kind == "K" else v_swa) if il in swa_layers else \
-                            (k_len if r.kind == "K" else v_len)
+                        size = (
+                            (k_swa if r.kind == "K" else v_swa)
+                            if il in swa_layers
+                            else (k_len if r.kind == "K" else v_len)
+                        )
                         n_embd = size * heads[il]
                         if r.n_embd != n_embd:
-                            bad(f"{r.kind}[{r.layer}] rows hold {r.n_embd} values, "
-                                f"the model's (layer {il}) hold {n_embd}")
+                            bad(
+                                f"{r.kind}[{r.layer}] rows hold {r.n_embd} values, "
+                                f"the model's (layer {il}) hold {n_embd}"
+                            )
                 ids = s.cells["seq_id"]
                 if ids.size and ((ids >= self.n_seq_max) | (ids < -1)).any():
                     bad(f"a cell of stream {s.index} names a sequence outside [0, {self.n_seq_max})")
@@ -470,13 +561,17 @@ class StateMethods:
                     bad(f"a cell of stream {s.index} has a negative position")
                 if kind == "sequence" and (s.cells["n_seq_id"] != 1).any():
                     # llama_kv_cache::state_read_meta: "invalid seq_id-agnostic kv cell"
-                    bad(f"a cell of stream {s.index} lists {int(s.cells['n_seq_id'].max())} sequences; "
-                        "a sequence dump's cells list exactly one")
+                    bad(
+                        f"a cell of stream {s.index} lists {int(s.cells['n_seq_id'].max())} sequences; "
+                        "a sequence dump's cells list exactly one"
+                    )
             if kind == "sequence" and sum(1 for s in part.streams if s.cell_count) > 1:
                 # llama.cpp writes one sequence's cells from its one stream; loading several would
                 # put each into the same stream, the later ones removing the earlier
-                bad(f"cells in {sum(1 for s in part.streams if s.cell_count)} streams of {part.name}; "
-                    "a sequence dump has them in one")
+                bad(
+                    f"cells in {sum(1 for s in part.streams if s.cell_count)} streams of {part.name}; "
+                    "a sequence dump has them in one"
+                )
         for part in parsed.parts:
             # llama_memory_recurrent::state_write_data writes n_layer = hparams.n_layer()
             if part.kind == "recurrent" and part.streams[0].n_layer != m.n_layer:
@@ -485,9 +580,11 @@ class StateMethods:
     def _check_no_pending_copy(self, seq_id, func: str) -> None:
         if self._pending_stream_copies and (seq_id is None or seq_id in self._pending_stream_copies):
             which = sorted(self._pending_stream_copies) if seq_id is None else [seq_id]
-            raise StateError(f"a cross-stream seq_cp into seq {which} is still queued in llama.cpp (kv_unified=False): "
-                             "it runs at the next decode and would overwrite what is loaded now; decode first",
-                             func=func)
+            raise StateError(
+                f"a cross-stream seq_cp into seq {which} is still queued in llama.cpp (kv_unified=False): "
+                "it runs at the next decode and would overwrite what is loaded now; decode first",
+                func=func,
+            )
 
     def save_seq_state(self, path, seq_id: int, tokens=(), *, sidecar: bool = False) -> int:
         """``llama_state_seq_save_file`` (written to a temporary file, then renamed); with
@@ -498,12 +595,14 @@ class StateMethods:
         path = Path(path)
         with _replacing(path) as tmp:
             with _log.capture() as cap:
-                n = lib.llama_state_seq_save_file(ptr, os.fsencode(tmp), seq_id,
-                                                  ffi.from_buffer("llama_token[]", toks), toks.size)
+                n = lib.llama_state_seq_save_file(
+                    ptr, os.fsencode(tmp), seq_id, ffi.from_buffer("llama_token[]", toks), toks.size
+                )
             if n == 0:
                 raise OSError(f"llama_state_seq_save_file() could not write {path}: {cap.reason() or 'failed'}")
         if sidecar:
             from .state import write_sidecar
+
             write_sidecar(path, **self.sidecar_facts(toks, flags=0))  # the file holds a flags-0 dump
         return int(n)
 
@@ -518,11 +617,15 @@ class StateMethods:
         if not Path(path).is_file():
             raise FileNotFoundError(path)
         with _log.capture() as cap:
-            n = lib.llama_state_seq_load_file(ptr, os.fsencode(path), seq_id,
-                                              ffi.from_buffer("llama_token[]", toks), cap_tokens, count)
+            n = lib.llama_state_seq_load_file(
+                ptr, os.fsencode(path), seq_id, ffi.from_buffer("llama_token[]", toks), cap_tokens, count
+            )
         if n == 0:
-            raise StateError(f"llama_state_seq_load_file() could not load {path}",
-                             func="llama_state_seq_load_file", reason=cap.reason())
+            raise StateError(
+                f"llama_state_seq_load_file() could not load {path}",
+                func="llama_state_seq_load_file",
+                reason=cap.reason(),
+            )
         return toks[: count[0]].copy()
 
     def state(self) -> np.ndarray:
@@ -542,13 +645,15 @@ class StateMethods:
         buf = _as_uint8(data)
         self.check_state(buf, kind="context")
         if len(self._views):
-            raise LlamaError("output views are alive: loading a whole state may reallocate the output "
-                             "buffer they point into; copy or delete them first", func="llama_state_set_data")
+            raise LlamaError(
+                "output views are alive: loading a whole state may reallocate the output "
+                "buffer they point into; copy or delete them first",
+                func="llama_state_set_data",
+            )
         with _log.capture() as cap:
             n = lib.llama_state_set_data(ptr, ffi.from_buffer(buf), buf.size)
         if n == 0:
-            raise StateError("llama_state_set_data() read 0 bytes", func="llama_state_set_data",
-                             reason=cap.reason())
+            raise StateError("llama_state_set_data() read 0 bytes", func="llama_state_set_data", reason=cap.reason())
         self._out_reserved = max(self._out_reserved, self.n_batch)
         return int(n)
 
@@ -570,17 +675,20 @@ class StateMethods:
             raise FileNotFoundError(path)
         self._check_no_pending_copy(None, "llama_state_load_file")
         if len(self._views):
-            raise LlamaError("output views are alive; copy or delete them before loading a whole state",
-                             func="llama_state_load_file")
+            raise LlamaError(
+                "output views are alive; copy or delete them before loading a whole state", func="llama_state_load_file"
+            )
         cap_tokens = max_tokens if max_tokens is not None else self.n_ctx
         toks = np.empty(cap_tokens, dtype=np.int32)
         count = ffi.new("size_t *")
         with _log.capture() as cap:
-            ok = lib.llama_state_load_file(ptr, os.fsencode(path), ffi.from_buffer("llama_token[]", toks),
-                                           cap_tokens, count)
+            ok = lib.llama_state_load_file(
+                ptr, os.fsencode(path), ffi.from_buffer("llama_token[]", toks), cap_tokens, count
+            )
         if not ok:
-            raise StateError(f"llama_state_load_file() could not load {path}", func="llama_state_load_file",
-                             reason=cap.reason())
+            raise StateError(
+                f"llama_state_load_file() could not load {path}", func="llama_state_load_file", reason=cap.reason()
+            )
         self._out_reserved = max(self._out_reserved, self.n_batch)
         return toks[: count[0]].copy()
 
@@ -601,6 +709,7 @@ class StateMethods:
         from ._lib import EXTENSION_INFO
         from .params import ggml_type_name
         from .state import model_facts
+
         m = self.model
         if getattr(m, "_sha256_prefix", None) is None:
             m._sha256_prefix = model_facts(str(m.path), sha256=True)["model_sha256"]
@@ -609,13 +718,21 @@ class StateMethods:
         # attention layers' count when they agree, and the layer map the parser uses for il
         heads = {n for n in m.kv_head_counts() if n > 0}
         facts = {
-            "model": m.path.name, "model_sha256": m._sha256_prefix, "arch": m.arch, "n_layer": m.n_layer,
+            "model": m.path.name,
+            "model_sha256": m._sha256_prefix,
+            "arch": m.arch,
+            "n_layer": m.n_layer,
             "n_head_kv": heads.pop() if len(heads) == 1 else None,
             "layers": self._memory_layers()[1],  # the map check_state uses
-            "n_embd_head_k": k_len, "n_embd_head_v": v_len,
-            "type_k": ggml_type_name(self.params.type_k), "type_v": ggml_type_name(self.params.type_v),
-            "flash_attn": self.flash_attn, "kv_unified": bool(self.params.kv_unified), "n_ctx": self.n_ctx,
-            "llama_cpp_commit": EXTENSION_INFO.get("llama_cpp_commit"), "flags": int(flags),
+            "n_embd_head_k": k_len,
+            "n_embd_head_v": v_len,
+            "type_k": ggml_type_name(self.params.type_k),
+            "type_v": ggml_type_name(self.params.type_v),
+            "flash_attn": self.flash_attn,
+            "kv_unified": bool(self.params.kv_unified),
+            "n_ctx": self.n_ctx,
+            "llama_cpp_commit": EXTENSION_INFO.get("llama_cpp_commit"),
+            "flags": int(flags),
         }
         if tokens is not None:
             facts["tokens"] = [int(t) for t in np.asarray(tokens).reshape(-1)]
@@ -627,8 +744,9 @@ class StateMethods:
         ``parse`` reads a PARTIAL_ONLY dump as one) unless ``sidecar=False``."""
         state = self.seq_state(seq_id, flags)
         with _replacing(Path(path)) as tmp, open(tmp, "wb") as f:
-            f.write(memoryview(state.data))
+            f.write(memoryview(state.data))  # type: ignore[arg-type]  # numpy types __buffer__ for 3.12+ only
         if sidecar:
             from .state import write_sidecar
+
             write_sidecar(path, **self.sidecar_facts(tokens, flags=flags))
         return len(state)

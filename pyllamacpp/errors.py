@@ -1,4 +1,5 @@
 """The LlamaError hierarchy and the few helpers every C return code and pointer passes through."""
+
 from __future__ import annotations
 
 
@@ -9,8 +10,7 @@ class LlamaError(RuntimeError):
     last error or warning line llama.cpp logged during the call (when it logged one).
     """
 
-    def __init__(self, message: str, *, func: str | None = None, code: int | None = None,
-                 reason: str | None = None):
+    def __init__(self, message: str, *, func: str | None = None, code: int | None = None, reason: str | None = None):
         self.func, self.code, self.reason = func, code, reason
         if reason:
             message = f"{message}: {reason}"
@@ -45,6 +45,9 @@ class DecodeAborted(DecodeError):
     computed before the abort stay); from ``Context.prefill``, ``resume_from`` is the index of the
     first token to feed again."""
 
+    seq_pos_max: dict[int, int]  # set by the Context that raises it
+    resume_from: int  # set by Context.prefill only
+
 
 class DecodeInterrupted(KeyboardInterrupt):
     """Ctrl-C (SIGINT) stopped ``llama_decode``/``llama_encode`` (it returned 2 through the abort
@@ -53,6 +56,8 @@ class DecodeInterrupted(KeyboardInterrupt):
 
     Carries what a DecodeAborted carries: ``func``, ``code`` (2), ``seq_pos_max`` and, from
     ``Context.prefill``, ``resume_from``. The context stays usable."""
+
+    resume_from: int  # set by Context.prefill only
 
     def __init__(self, message: str, *, func: str | None = None, code: int | None = None):
         self.func, self.code, self.reason = func, code, None
@@ -75,14 +80,18 @@ class RPCError(LlamaError):
 def check_ptr(ptr, func: str, *, error=LlamaError, reason: str | None = None, what: str = ""):
     """Return ``ptr``, or raise ``error`` naming ``func`` when it is NULL."""
     from ._lib import ffi
+
     if ptr == ffi.NULL:
         raise error(f"{func}() returned NULL{(' ' + what) if what else ''}", func=func, reason=reason)
     return ptr
 
 
 _DECODE_ERRORS = {1: KVCacheFullError, 2: DecodeAborted, -1: InvalidBatchError}
-_DECODE_TEXT = {1: "no KV cache slot for the batch (KV cache full)", 2: "aborted by the abort callback",
-                -1: "invalid batch"}
+_DECODE_TEXT = {
+    1: "no KV cache slot for the batch (KV cache full)",
+    2: "aborted by the abort callback",
+    -1: "invalid batch",
+}
 
 
 def check_decode(rc: int, func: str = "llama_decode", *, reason: str | None = None) -> int:
@@ -95,4 +104,3 @@ def check_decode(rc: int, func: str = "llama_decode", *, reason: str | None = No
         raise DecodeError(f"{func}() returned {rc}", func=func, code=rc, reason=reason)
     # Positive codes other than 1 and 2 are warnings in llama.h; keep them visible.
     raise DecodeError(f"{func}() returned {rc} (a warning code)", func=func, code=rc, reason=reason)
-

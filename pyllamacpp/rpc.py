@@ -28,6 +28,7 @@ about it:
   aborts inside that call. Run such work with :func:`run_in_subprocess` when this process must
   survive it.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -38,6 +39,7 @@ import signal
 import socket
 import stat
 import sys
+from typing import Any
 
 from ._lib import EXTENSION_INFO, backend_function, ffi, lib
 from .errors import RPCError
@@ -46,8 +48,11 @@ __all__ = ["RPCError", "add_servers", "check_reachable", "devices", "run_in_subp
 
 log = logging.getLogger(__name__)
 
-_DEV_TYPES = {getattr(lib, f"GGML_BACKEND_DEVICE_TYPE_{n}"): n.lower()
-              for n in ("CPU", "GPU", "IGPU", "ACCEL") if hasattr(lib, f"GGML_BACKEND_DEVICE_TYPE_{n}")}
+_DEV_TYPES = {
+    getattr(lib, f"GGML_BACKEND_DEVICE_TYPE_{n}"): n.lower()
+    for n in ("CPU", "GPU", "IGPU", "ACCEL")
+    if hasattr(lib, f"GGML_BACKEND_DEVICE_TYPE_{n}")
+}
 # The peer closed or reset the connection (POLLHUP and POLLERR are always reported).
 _GONE = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 _exiting = [False]  # set by atexit: a Link reads it during finalization, when module globals may be gone
@@ -243,8 +248,11 @@ class Link:
         """Raise :class:`RPCError` when one of the servers is known to be gone."""
         srv = self.down()
         if srv is not None:
-            raise RPCError(f"RPC server {srv.endpoint} is gone ({srv.down}); the {self.what} on it can only "
-                           "be closed (its memory there went with the server)", func="ggml_backend_rpc")
+            raise RPCError(
+                f"RPC server {srv.endpoint} is gone ({srv.down}); the {self.what} on it can only "
+                "be closed (its memory there went with the server)",
+                func="ggml_backend_rpc",
+            )
 
     def must_leak(self) -> bool:
         """True when freeing the object must not call into ggml: at interpreter exit, or when a
@@ -264,9 +272,14 @@ class Link:
             return False
         if not self._warned:
             self._warned = True
-            log.warning("RPC server %s is gone (%s): the %s on it is left unfreed, since freeing it through "
-                        "ggml-rpc would abort or hang this process; its memory here stays allocated, and on "
-                        "servers still up until this process exits", srv.endpoint, srv.down, self.what)
+            log.warning(
+                "RPC server %s is gone (%s): the %s on it is left unfreed, since freeing it through "
+                "ggml-rpc would abort or hang this process; its memory here stays allocated, and on "
+                "servers still up until this process exits",
+                srv.endpoint,
+                srv.down,
+                self.what,
+            )
         return True
 
 
@@ -307,12 +320,17 @@ def devices() -> list[dict]:
         known = srv is None or ok[id(srv)]
         if known:
             lib.ggml_backend_dev_memory(dev, free, total)
-        out.append({"index": i, "name": _s(lib.ggml_backend_dev_name(dev)),
-                    "description": srv.endpoint if srv is not None else _s(lib.ggml_backend_dev_description(dev)),
-                    "type": _DEV_TYPES.get(lib.ggml_backend_dev_type(dev), str(lib.ggml_backend_dev_type(dev))),
-                    "backend": _s(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))),
-                    "memory_free": int(free[0]) if known else None,
-                    "memory_total": int(total[0]) if known else None})
+        out.append(
+            {
+                "index": i,
+                "name": _s(lib.ggml_backend_dev_name(dev)),
+                "description": srv.endpoint if srv is not None else _s(lib.ggml_backend_dev_description(dev)),
+                "type": _DEV_TYPES.get(lib.ggml_backend_dev_type(dev), str(lib.ggml_backend_dev_type(dev))),
+                "backend": _s(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))),
+                "memory_free": int(free[0]) if known else None,
+                "memory_total": int(total[0]) if known else None,
+            }
+        )
     return out
 
 
@@ -340,7 +358,7 @@ def add_servers(endpoints, timeout: float = 3.0) -> list:
     """
     if "rpc" not in EXTENSION_INFO["backends"]:
         raise RPCError("this build has no RPC backend (build with -DGGML_RPC=ON)")
-    devs = []
+    devs: list[Any] = []  # ggml_backend_dev_t
     for ep in endpoints:
         srv = _server(ep)
         alive = srv.conn.down is None and srv.connected()
@@ -368,14 +386,20 @@ def _rpc_add_server():  # linked, or a GGML_BACKEND_DL module's (release profile
 
 
 def _rpc_start_server():
-    return backend_function("RPC", "ggml_backend_rpc_start_server",
-                            "void (*)(const char *, const char *, size_t, size_t, ggml_backend_dev_t *)")
+    return backend_function(
+        "RPC",
+        "ggml_backend_rpc_start_server",
+        "void (*)(const char *, const char *, size_t, size_t, ggml_backend_dev_t *)",
+    )
 
 
 def start_server(host: str = "127.0.0.1", port: int = 50052, *, threads: int = 2, cache_dir: str | None = None) -> None:
     """``ggml_backend_rpc_start_server`` on this process's CPU device; blocks until the process ends."""
-    cpu = [lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count())
-           if lib.ggml_backend_dev_type(lib.ggml_backend_dev_get(i)) == lib.GGML_BACKEND_DEVICE_TYPE_CPU]
+    cpu = [
+        lib.ggml_backend_dev_get(i)
+        for i in range(lib.ggml_backend_dev_count())
+        if lib.ggml_backend_dev_type(lib.ggml_backend_dev_get(i)) == lib.GGML_BACKEND_DEVICE_TYPE_CPU
+    ]
     if not cpu:
         raise RPCError("no CPU device to serve")
     arr = ffi.new("ggml_backend_dev_t[]", cpu[:1])
@@ -411,6 +435,7 @@ def run_in_subprocess(fn, /, *args, timeout: float | None = None, **kwargs):
         Exception: whatever ``fn`` raised in the child, re-raised here.
     """
     import multiprocessing
+
     mp = multiprocessing.get_context("spawn")  # fork would copy ggml's locks without its threads
     recv, send = mp.Pipe(duplex=False)
     proc = mp.Process(target=_child, args=(send, fn, args, kwargs), daemon=True)
@@ -427,8 +452,10 @@ def run_in_subprocess(fn, /, *args, timeout: float | None = None, **kwargs):
             proc.join()
             code = proc.exitcode
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-            err = RPCError(f"{name}'s child process died ({how}) without a result; an RPC server going away "
-                           "during a call aborts the process that made it (ggml-rpc's GGML_ABORT)")
+            err = RPCError(
+                f"{name}'s child process died ({how}) without a result; an RPC server going away "
+                "during a call aborts the process that made it (ggml-rpc's GGML_ABORT)"
+            )
             err.exitcode = code  # type: ignore[attr-defined]
             raise err from None
     finally:

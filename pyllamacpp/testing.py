@@ -13,12 +13,14 @@ llama.cpp aborts the process on ``llama_tokenize`` and token-attribute calls for
 
 Imports only numpy and ``gguf``: nothing here needs the compiled extension.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -30,24 +32,34 @@ _ATTENTION_ARCHS = ("llama", "qwen3", "gemma2", "gemma3")
 _SWA_DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6}  # load_swa_pattern(ml, n) in models/gemma{2,3}.cpp
 
 # arch_specific keywords per arch, with defaults (None: computed from the other sizes)
-_OPTIONS = {
+_OPTIONS: dict[str, dict[str, Any]] = {
     "llama": {"rope_freq_base": 10000.0, "norm_rms_eps": 1e-5},
     "qwen3": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-6},
     "gemma2": {"rope_freq_base": 10000.0, "norm_rms_eps": 1e-6, "n_swa": 4096, "swa_pattern": None},
     "gemma3": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-6, "n_swa": 4096, "swa_pattern": None},
-    "mamba": {"norm_rms_eps": 1e-5, "ssm_d_conv": 4, "ssm_d_state": 16, "ssm_dt_rank": None,
-              "ssm_d_inner": None},
-    "lfm2": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-5, "conv_l_cache": 3, "attn_layers": None,
-             "n_swa": 0},
+    "mamba": {"norm_rms_eps": 1e-5, "ssm_d_conv": 4, "ssm_d_state": 16, "ssm_dt_rank": None, "ssm_d_inner": None},
+    "lfm2": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-5, "conv_l_cache": 3, "attn_layers": None, "n_swa": 0},
 }
 
 _STD = 0.02
 
 
-def make_model(path: str | os.PathLike, arch: str = "llama", *, n_layer: int, n_embd: int,
-               n_head: int | None = None, n_head_kv: int | None = None, head_dim: int | None = None,
-               n_vocab: int, n_ff: int | None = None, n_ctx_train: int = 4096, seed: int = 0,
-               dtype: str = "f32", **arch_specific) -> Path:
+def make_model(
+    path: str | os.PathLike,
+    arch: str = "llama",
+    *,
+    n_layer: int,
+    n_embd: int,
+    n_head: int | None = None,
+    n_head_kv: int | None = None,
+    head_dim: int | None = None,
+    n_vocab: int,
+    n_ff: int | None = None,
+    n_ctx_train: int = 4096,
+    seed: int = 0,
+    dtype: str = "f32",
+    **arch_specific,
+) -> Path:
     """Write a random-weight GGUF of ``arch`` to ``path`` (atomically) and return the path.
 
     Matrices are ``normal(0, 0.02)`` from ``numpy.random.default_rng(seed)``; norms are 1 and
@@ -98,13 +110,13 @@ def make_model(path: str | os.PathLike, arch: str = "llama", *, n_layer: int, n_
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     unknown = set(arch_specific) - set(_OPTIONS[arch])
     if unknown:
-        raise TypeError(f"make_model({arch!r}) got unexpected keywords {sorted(unknown)}; "
-                        f"it takes {sorted(_OPTIONS[arch])}")
+        raise TypeError(
+            f"make_model({arch!r}) got unexpected keywords {sorted(unknown)}; it takes {sorted(_OPTIONS[arch])}"
+        )
     opt = {**_OPTIONS[arch], **arch_specific}
     if dtype not in ("f32", "f16"):
         raise ValueError(f"dtype must be 'f32' or 'f16', got {dtype!r}")
-    for name, value in (("n_layer", n_layer), ("n_embd", n_embd), ("n_vocab", n_vocab),
-                        ("n_ctx_train", n_ctx_train)):
+    for name, value in (("n_layer", n_layer), ("n_embd", n_embd), ("n_vocab", n_vocab), ("n_ctx_train", n_ctx_train)):
         if int(value) < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
@@ -123,8 +135,17 @@ def make_model(path: str | os.PathLike, arch: str = "llama", *, n_layer: int, n_
     ]  # no output.weight: every arch here falls back to token_embd (TENSOR_DUPLICATED)
 
     if arch == "lfm2":
-        n_ff = _lfm2(kv, tensors, opt, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
-                     head_dim=head_dim, n_ff=n_ff)
+        n_ff = _lfm2(
+            kv,
+            tensors,
+            opt,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim=head_dim,
+            n_ff=n_ff,
+        )
     elif arch in _ATTENTION_ARCHS:
         if not n_head or n_head < 1:
             raise ValueError(f"{arch} needs n_head >= 1")
@@ -169,11 +190,12 @@ def make_model(path: str | os.PathLike, arch: str = "llama", *, n_layer: int, n_
                 (b + "attn_output.weight", (hd * n_head, n_embd), "w"),
             ]
             if arch in ("qwen3", "gemma3"):
-                tensors += [(b + "attn_q_norm.weight", (hd,), "norm"),
-                            (b + "attn_k_norm.weight", (hd,), "norm")]
+                tensors += [(b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm")]
             if arch in ("gemma2", "gemma3"):
-                tensors += [(b + "post_attention_norm.weight", (n_embd,), "norm"),
-                            (b + "post_ffw_norm.weight", (n_embd,), "norm")]
+                tensors += [
+                    (b + "post_attention_norm.weight", (n_embd,), "norm"),
+                    (b + "post_ffw_norm.weight", (n_embd,), "norm"),
+                ]
             tensors += [
                 (b + "ffn_norm.weight", (n_embd,), "norm"),
                 (b + "ffn_gate.weight", (n_embd, n_ff), "w"),
@@ -182,12 +204,15 @@ def make_model(path: str | os.PathLike, arch: str = "llama", *, n_layer: int, n_
             ]
     else:  # mamba: models/mamba.cpp
         if n_head or n_head_kv or head_dim or n_ff:
-            raise ValueError("mamba has no attention heads or feed-forward: leave n_head, n_head_kv, "
-                             "head_dim and n_ff unset")
+            raise ValueError(
+                "mamba has no attention heads or feed-forward: leave n_head, n_head_kv, head_dim and n_ff unset"
+            )
         d_inner = 2 * n_embd if opt["ssm_d_inner"] is None else int(opt["ssm_d_inner"])
         if d_inner != 2 * n_embd:
-            raise ValueError(f"ssm_d_inner must be 2 * n_embd = {2 * n_embd} (llama.cpp's mamba "
-                             f"supports only an expansion factor of 2), got {d_inner}")
+            raise ValueError(
+                f"ssm_d_inner must be 2 * n_embd = {2 * n_embd} (llama.cpp's mamba "
+                f"supports only an expansion factor of 2), got {d_inner}"
+            )
         d_conv, d_state = int(opt["ssm_d_conv"]), int(opt["ssm_d_state"])
         dt_rank = math.ceil(n_embd / 16) if opt["ssm_dt_rank"] is None else int(opt["ssm_dt_rank"])
         kv[f"{arch}.ssm.conv_kernel"] = u32(d_conv)
@@ -239,8 +264,7 @@ def make_model(path: str | os.PathLike, arch: str = "llama", *, n_layer: int, n_
     return path
 
 
-def _lfm2(kv: dict, tensors: list, opt: dict, *, n_layer: int, n_embd: int, n_head, n_head_kv, head_dim,
-          n_ff) -> int:
+def _lfm2(kv: dict, tensors: list, opt: dict, *, n_layer: int, n_embd: int, n_head, n_head_kv, head_dim, n_ff) -> int:
     """Metadata and tensors of models/lfm2.cpp (load_arch_hparams, load_arch_tensors), dense FFN only
     (``n_layer_dense_lead = n_layer``: no MoE layer)."""
     T = gguf.GGUFValueType

@@ -16,6 +16,7 @@ the context; afterwards the sequence holds the prompt and every sampled token bu
 convention of :mod:`pyllamacpp.generation`). To continue a sequence instead, use
 :func:`pyllamacpp.generate`.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -81,6 +82,7 @@ class Completion(str):
 class _StreamState:
     """What a TextStream's generator uses and writes (the stream object itself stays out of its
     reach, so dropping the stream closes the generator and frees the context at once)."""
+
     model: Model
     ctx: Context
     own_ctx: bool
@@ -117,8 +119,15 @@ class TextStream:
             the context was full).
     """
 
-    def __init__(self, model: Model, tokens: np.ndarray, n_predict: int, sampler: Sampler | None,
-                 ctx: Context | None, seq_id: int):
+    def __init__(
+        self,
+        model: Model,
+        tokens: np.ndarray,
+        n_predict: int,
+        sampler: Sampler | None,
+        ctx: Context | None,
+        seq_id: int,
+    ):
         if tokens.size == 0:
             raise ValueError("the prompt gave no tokens")
         if not isinstance(seq_id, int) or seq_id < 0:
@@ -134,8 +143,9 @@ class TextStream:
         if tokens.size > ctx.n_ctx_seq:
             if own_ctx:
                 ctx.close()
-            raise ValueError(f"the prompt is {tokens.size} tokens, more than the context holds "
-                             f"(n_ctx_seq={ctx.n_ctx_seq})")
+            raise ValueError(
+                f"the prompt is {tokens.size} tokens, more than the context holds (n_ctx_seq={ctx.n_ctx_seq})"
+            )
         self._st = _StreamState(model, ctx, own_ctx, sampler or Sampler.greedy(), sampler is None, seq_id)
         self.n_prompt = int(tokens.size)
         self._it = _stream(self._st, tokens, n_predict)
@@ -221,20 +231,62 @@ def _finish(stream: TextStream) -> Completion:
 
 
 @overload
-def complete(model: Model, prompt: str, n_predict: int = ..., *, sampler: Sampler | None = ...,
-             ctx: Context | None = ..., stream: Literal[False] = ..., add_special: bool = ...,
-             parse_special: bool = ..., seq_id: int = ...) -> Completion: ...
+def complete(
+    model: Model,
+    prompt: str,
+    n_predict: int = ...,
+    *,
+    sampler: Sampler | None = ...,
+    ctx: Context | None = ...,
+    stream: Literal[False] = ...,
+    add_special: bool = ...,
+    parse_special: bool = ...,
+    seq_id: int = ...,
+) -> Completion: ...
 
 
 @overload
-def complete(model: Model, prompt: str, n_predict: int = ..., *, sampler: Sampler | None = ...,
-             ctx: Context | None = ..., stream: Literal[True], add_special: bool = ...,
-             parse_special: bool = ..., seq_id: int = ...) -> TextStream: ...
+def complete(
+    model: Model,
+    prompt: str,
+    n_predict: int = ...,
+    *,
+    sampler: Sampler | None = ...,
+    ctx: Context | None = ...,
+    stream: Literal[True],
+    add_special: bool = ...,
+    parse_special: bool = ...,
+    seq_id: int = ...,
+) -> TextStream: ...
 
 
-def complete(model: Model, prompt: str, n_predict: int = 128, *, sampler: Sampler | None = None,
-             ctx: Context | None = None, stream: bool = False, add_special: bool = True,
-             parse_special: bool = False, seq_id: int = 0) -> Completion | TextStream:
+@overload
+def complete(
+    model: Model,
+    prompt: str,
+    n_predict: int = ...,
+    *,
+    sampler: Sampler | None = ...,
+    ctx: Context | None = ...,
+    stream: bool,
+    add_special: bool = ...,
+    parse_special: bool = ...,
+    seq_id: int = ...,
+) -> Completion | TextStream: ...
+
+
+def complete(
+    model: Model,
+    prompt: str,
+    n_predict: int = 128,
+    *,
+    sampler: Sampler | None = None,
+    ctx: Context | None = None,
+    stream: bool = False,
+    add_special: bool = True,
+    parse_special: bool = False,
+    seq_id: int = 0,
+) -> Completion | TextStream:
     """Generate text after ``prompt``: ``llama_tokenize``, then :func:`pyllamacpp.generate`, then
     :class:`Detokenizer` (``llama_token_to_piece`` per token).
 
@@ -284,20 +336,58 @@ def chat_tokens(model: Model, messages: list[dict[str, str]], template: str | No
 
 
 @overload
-def chat(model: Model, messages: list[dict[str, str]], n_predict: int = ..., *,
-         sampler: Sampler | None = ..., ctx: Context | None = ..., stream: Literal[False] = ...,
-         template: str | None = ..., seq_id: int = ...) -> Completion: ...
+def chat(
+    model: Model,
+    messages: list[dict[str, str]],
+    n_predict: int = ...,
+    *,
+    sampler: Sampler | None = ...,
+    ctx: Context | None = ...,
+    stream: Literal[False] = ...,
+    template: str | None = ...,
+    seq_id: int = ...,
+) -> Completion: ...
 
 
 @overload
-def chat(model: Model, messages: list[dict[str, str]], n_predict: int = ..., *,
-         sampler: Sampler | None = ..., ctx: Context | None = ..., stream: Literal[True],
-         template: str | None = ..., seq_id: int = ...) -> TextStream: ...
+def chat(
+    model: Model,
+    messages: list[dict[str, str]],
+    n_predict: int = ...,
+    *,
+    sampler: Sampler | None = ...,
+    ctx: Context | None = ...,
+    stream: Literal[True],
+    template: str | None = ...,
+    seq_id: int = ...,
+) -> TextStream: ...
 
 
-def chat(model: Model, messages: list[dict[str, str]], n_predict: int = 256, *,
-         sampler: Sampler | None = None, ctx: Context | None = None, stream: bool = False,
-         template: str | None = None, seq_id: int = 0) -> Completion | TextStream:
+@overload
+def chat(
+    model: Model,
+    messages: list[dict[str, str]],
+    n_predict: int = ...,
+    *,
+    sampler: Sampler | None = ...,
+    ctx: Context | None = ...,
+    stream: bool,
+    template: str | None = ...,
+    seq_id: int = ...,
+) -> Completion | TextStream: ...
+
+
+def chat(
+    model: Model,
+    messages: list[dict[str, str]],
+    n_predict: int = 256,
+    *,
+    sampler: Sampler | None = None,
+    ctx: Context | None = None,
+    stream: bool = False,
+    template: str | None = None,
+    seq_id: int = 0,
+) -> Completion | TextStream:
     """The assistant's answer to ``messages``, through the GGUF's chat template
     (``llama_chat_apply_template``; see :func:`chat_tokens`), then as :func:`complete`.
 

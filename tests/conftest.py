@@ -1,4 +1,5 @@
 """Shared fixtures: the real compiled library and the real default model (no mocks)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def llama_cpp_dir() -> Path:
     """The llama.cpp source the extension was built from (vendored, or LLAMA_CPP_DIR)."""
     import pyllamacpp
+
     source = pyllamacpp.build_info()["llama_cpp_source"]
     if source.startswith("LLAMA_CPP_DIR="):
         return Path(source.split("=", 1)[1])
@@ -20,12 +22,14 @@ def llama_cpp_dir() -> Path:
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     import pyllamacpp
+
     return pyllamacpp.default_model_path()
 
 
 @pytest.fixture(scope="session")
 def model(model_path):
     import pyllamacpp
+
     m = pyllamacpp.Model(model_path)
     yield m
     m.close()

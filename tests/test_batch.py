@@ -1,4 +1,5 @@
 """Batch: numpy views over llama_batch, vectorized filling, errors at the call that causes them."""
+
 from __future__ import annotations
 
 import time

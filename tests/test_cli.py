@@ -4,6 +4,7 @@ with no traceback, quiet on a closed pipe, plain help text with its defaults, pr
 Each runs the real command in a subprocess, from a temporary folder (so the installed package is
 imported, not the source folder: see test_import_from_a_source_tree_says_so for that case).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,14 @@ CMD = [sys.executable, "-m", "pyllamacpp"]
 
 # A background job (CI, `pytest &`) starts with SIGINT ignored, children inherit that, and Python
 # then installs no handler: the command runs through an exec that puts the default back first.
-WITH_SIGINT = [sys.executable, "-c", ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                                      "os.execv(sys.executable, [sys.executable, '-m', 'pyllamacpp', *sys.argv[1:]])")]
+WITH_SIGINT = [
+    sys.executable,
+    "-c",
+    (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execv(sys.executable, [sys.executable, '-m', 'pyllamacpp', *sys.argv[1:]])"
+    ),
+]
 
 
 def _popen(args, **kw):
@@ -37,8 +44,9 @@ def _popen(args, **kw):
 
 
 def _run(args, **kw):
-    return subprocess.run(args, check=False, capture_output=True, text=True, cwd=tempfile.gettempdir(),
-                          timeout=120, **kw)
+    return subprocess.run(
+        args, check=False, capture_output=True, text=True, cwd=tempfile.gettempdir(), timeout=120, **kw
+    )
 
 
 def test_version_and_python_dash_m():
@@ -95,8 +103,9 @@ def dump(tmp_path_factory, model):
     return f
 
 
-@pytest.mark.parametrize("args", [["info"], ["demo"], ["split-plan", "--tokens", "100"],
-                                  ["parse-state", "DUMP", "--heads", "3"]])
+@pytest.mark.parametrize(
+    "args", [["info"], ["demo"], ["split-plan", "--tokens", "100"], ["parse-state", "DUMP", "--heads", "3"]]
+)
 def test_a_closed_pipe_ends_quietly(args, dump):
     """The reader is gone before the command writes: exit 141 (128 + SIGPIPE, as a C tool killed
     by the signal), nothing on stderr but what the command says before writing."""
@@ -110,8 +119,10 @@ def test_a_closed_pipe_ends_quietly(args, dump):
 
 
 def test_piped_into_head():
-    script = (f"{' '.join(CMD)} split-plan --tokens 5000 --seqs 8 | head -1; "
-              f"{' '.join(CMD)} info | head -1; echo \"status ${{PIPESTATUS[0]}}\"")
+    script = (
+        f"{' '.join(CMD)} split-plan --tokens 5000 --seqs 8 | head -1; "
+        f'{" ".join(CMD)} info | head -1; echo "status ${{PIPESTATUS[0]}}"'
+    )
     proc = _run(["bash", "-c", script])
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("8 sequence(s)") and lines[1] == "{", proc.stdout
@@ -121,8 +132,11 @@ def test_piped_into_head():
 
 def test_ctrl_c_exits_130_without_traceback_and_progress_shows_when_piped():
     """SIGINT while ubatch-sweep runs (piped: its progress comes as lines on stderr)."""
-    proc = _popen(["ubatch-sweep", "-c", "1024", "-p", "512", "-n", "256", "-r", "3", "-t", "2"],
-                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = _popen(
+        ["ubatch-sweep", "-c", "1024", "-p", "512", "-n", "256", "-r", "3", "-t", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     err = []
     for line in proc.stderr:  # the first step's line: it is running now
         err.append(line)
@@ -167,6 +181,7 @@ def test_rpc_server_ctrl_c_exits_130_without_traceback():
 
 def test_progress_is_one_line_per_step_when_stderr_is_not_a_terminal(capsys):
     from pyllamacpp.experiments.common import progress
+
     assert list(progress(["a", "b", "c"], "demo-steps")) == ["a", "b", "c"]
     err = capsys.readouterr().err.splitlines()
     assert [e.split(" (")[0] for e in err[:3]] == [f"demo-steps: step {i}/3" for i in (1, 2, 3)]
@@ -184,20 +199,37 @@ def test_import_from_a_source_tree_says_so(tmp_path):
     Python files beside a pyproject.toml is such a tree; the editable finder of this venv is taken
     out of sys.meta_path, as a non-editable install has none."""
     src = ROOT / "pyllamacpp"
-    shutil.copytree(src, tmp_path / "pyllamacpp", ignore=shutil.ignore_patterns(
-        "*.so", "*.pyd", "*.dll", "*.dylib", "*.json", "__pycache__"))
+    shutil.copytree(
+        src,
+        tmp_path / "pyllamacpp",
+        ignore=shutil.ignore_patterns("*.so", "*.pyd", "*.dll", "*.dylib", "*.json", "__pycache__"),
+    )
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'pyllamacpp'\n")
-    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Redirect' not in type(f).__name__]; "
-            "import pyllamacpp; assert pyllamacpp.__file__.startswith(sys.argv[1]), pyllamacpp.__file__; "
-            "pyllamacpp.Model()")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False, capture_output=True, text=True,
-                          cwd=tmp_path, timeout=60)
+    code = (
+        "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Redirect' not in type(f).__name__]; "
+        "import pyllamacpp; assert pyllamacpp.__file__.startswith(sys.argv[1]), pyllamacpp.__file__; "
+        "pyllamacpp.Model()"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: pyllamacpp was imported from the source tree at "), proc.stderr
     assert str(tmp_path / "pyllamacpp") in last and "no compiled extension" in last
     assert "run from another folder, or install with `pip install -e .`" in last
     # the checkout this venv's editable install builds is not "shadowing": it imports fine
-    ok = subprocess.run([sys.executable, "-c", "import pyllamacpp; pyllamacpp.lib"], check=False, capture_output=True,
-                        text=True, cwd=ROOT, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-c", "import pyllamacpp; pyllamacpp.lib"],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stderr

@@ -1,4 +1,5 @@
 """Context: decode and its errors, outputs as views, memory, state, abort, buffers, lifetimes."""
+
 from __future__ import annotations
 
 import os
@@ -8,10 +9,10 @@ import time
 
 import numpy as np
 import pytest
+from conftest import PROMPT
 
 import pyllamacpp as pl
 from pyllamacpp import ffi, lib
-from conftest import PROMPT
 
 
 def _greedy_next(ctx):
@@ -124,6 +125,7 @@ def test_seq_state_round_trip_and_failed_set(model, ctx):
     ctx.decode(b)
     np.testing.assert_array_equal(ctx.logits(), ref)
     import pickle
+
     again = pickle.loads(pickle.dumps(ref_state))
     assert bytes(again) == bytes(ref_state) and again.seq_id == 0
 
@@ -132,6 +134,7 @@ def test_seq_state_is_a_view_and_trust_follows_its_array(model, ctx):
     import dataclasses
     import gc
     import pickle
+
     ctx.prefill(model.tokenize(PROMPT))
     st = ctx.seq_state(0)
     # a read-only view over the buffer pyl_state_seq_get malloc'd; a slice keeps it alive
@@ -165,6 +168,7 @@ def test_seq_state_is_a_view_and_trust_follows_its_array(model, ctx):
 
 def test_failed_state_load_reason_and_raising_log_handler(model, ctx):
     import logging
+
     ctx.prefill(model.tokenize(PROMPT))
     good = ctx.seq_state(0)
     bad = good.data.copy()
@@ -192,7 +196,7 @@ def test_failed_state_load_reason_and_raising_log_handler(model, ctx):
 
 def test_on_device_save_of_a_quantized_cache_is_refused(model):
     toks = model.tokenize("The cat sat on the mat. The dog sat on the log, and then")
-    other = model.tokenize("Completely different text that fills other rows here ok")[:toks.size - 1]
+    other = model.tokenize("Completely different text that fills other rows here ok")[: toks.size - 1]
     ON_DEVICE = int(pl.StateFlags.ON_DEVICE)
     for type_kv in ("f16", "q8_0"):
         with model.context(n_ctx=256, type_k=type_kv, type_v=type_kv, flash_attn="on") as c:
@@ -243,8 +247,10 @@ def test_state_files(model, ctx, tmp_path):
 
 
 def test_buffers_are_captured_from_the_log(model):
-    with model.context(n_ctx=512, n_ubatch=512, n_threads=2) as big, \
-         model.context(n_ctx=512, n_ubatch=64, n_threads=2) as small:
+    with (
+        model.context(n_ctx=512, n_ubatch=512, n_threads=2) as big,
+        model.context(n_ctx=512, n_ubatch=64, n_threads=2) as small,
+    ):
         kv = big.buffers["CPU"]["KV"]
         assert kv == pytest.approx(512 * model.kv_bytes_per_token() / 2**20, abs=0.01)
         assert big.buffers["CPU"]["compute"] > small.buffers["CPU"]["compute"] > 0
@@ -329,6 +335,7 @@ def test_ctrl_c_with_the_programs_own_handler_runs_that_handler(model):
 
 def test_default_context_fits_the_model_and_the_machine(model):
     from pyllamacpp.params import default_n_threads
+
     with model.context() as ctx:
         assert ctx.n_ctx == min(model.n_ctx_train, 4096) == ctx.params.n_ctx
         assert ctx.n_threads == default_n_threads() == lib.llama_n_threads_batch(ctx.ptr)
@@ -382,8 +389,13 @@ def test_use_after_close_raises(model):
     ctx = model.context(n_ctx=128, n_threads=2)
     ctx.close()
     ctx.close()
-    for call in (lambda: ctx.n_ctx, lambda: ctx.prefill([1, 2]), lambda: ctx.seq_state(0),
-                 lambda: ctx.memory.clear(), lambda: ctx.perf()):
+    for call in (
+        lambda: ctx.n_ctx,
+        lambda: ctx.prefill([1, 2]),
+        lambda: ctx.seq_state(0),
+        lambda: ctx.memory.clear(),
+        lambda: ctx.perf(),
+    ):
         with pytest.raises(pl.ClosedError):
             call()
 
@@ -420,6 +432,7 @@ def test_guards_for_what_would_abort_llama_cpp(model):
 
 def test_sidecar_written_with_dumps(model, tmp_path):
     import pyllamacpp.state as st
+
     with model.context(n_ctx=256, n_threads=2) as ctx:
         toks = model.tokenize(PROMPT)
         ctx.prefill(toks)
@@ -491,6 +504,7 @@ def test_a_handle_frees_its_pointer_before_its_dependencies():
     # A context's handle holds its model's: llama_free must run before llama_model_free, whatever
     # order CPython clears the handle's slots in (AddressSanitizer caught the wrong order once).
     from pyllamacpp._handle import Handle
+
     order = []
 
     @ffi.callback("void(void *)")

@@ -9,6 +9,7 @@
 - ``mkdocs build --strict`` must pass: a broken link, a missing reference or a docstring warning
   fails, and the generated API pages must hold every public name.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,10 +31,10 @@ SKIP = re.compile(r"^<!--\s*docs:\s*skip\s+(.+?)\s*-->\s*$")
 @dataclass
 class Block:
     path: Path
-    line: int          # 1-based line of the opening fence
+    line: int  # 1-based line of the opening fence
     lang: str
     code: str
-    skip: str | None   # the reason, when marked
+    skip: str | None  # the reason, when marked
 
 
 def blocks(path: Path) -> list[Block]:
@@ -79,8 +80,9 @@ def run_console(block: Block, cwd: Path) -> None:
         argv = shlex.split(cmd, comments=True)
         if not argv or argv[0] != "pyllamacpp":
             continue  # pip, python ...: setup lines, not examples
-        r = subprocess.run([sys.executable, "-m", "pyllamacpp.cli", *argv[1:]], cwd=cwd,
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-m", "pyllamacpp.cli", *argv[1:]], cwd=cwd, capture_output=True, text=True, timeout=300
+        )
         where = f"{_id(block.path)}:{block.line}: `{cmd}`"
         assert r.returncode == 0, f"{where} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
         printed = " ".join((r.stdout + r.stderr).split())
@@ -113,8 +115,9 @@ def test_every_python_block_is_run_or_marked():
     # a typo in the fence (```py, ```Python) would silently skip an example
     for page in PAGES:
         for b in blocks(page):
-            assert b.lang not in ("py", "Python", "python3", "pycon", "shell-session"), \
+            assert b.lang not in ("py", "Python", "python3", "pycon", "shell-session"), (
                 f"{_id(page)}:{b.line}: use ```python or ```console"
+            )
 
 
 def test_readme_front_page():
@@ -124,8 +127,9 @@ def test_readme_front_page():
     assert "pip install . && pyllamacpp demo" in head
     test_cmd = 'pip install ".[test]" && pytest'
     assert test_cmd in head
-    assert (ROOT / ".ci/run").read_text().rstrip().splitlines()[-1] == test_cmd, \
+    assert (ROOT / ".ci/run").read_text().rstrip().splitlines()[-1] == test_cmd, (
         ".ci/run must run exactly the README's test command"
+    )
 
 
 def test_site_builds_strict(tmp_path):
@@ -133,14 +137,19 @@ def test_site_builds_strict(tmp_path):
     site = tmp_path / "site"
     # run from tmp: from the repository root, `python -m` would put the source folder (no compiled
     # extension) first on sys.path and the hook's import of pyllamacpp would fail
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
-                        "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout}\n{r.stderr}"
 
     import pyllamacpp
     import pyllamacpp.state
+
     api = (site / "reference/api/pyllamacpp/index.html").read_text()
     for name in pyllamacpp.__all__:
         if name in ("ffi", "lib", "__version__"):
@@ -157,6 +166,7 @@ def test_site_builds_strict(tmp_path):
     sys.path.insert(0, str(ROOT / "docs/hooks"))
     try:
         import generate
+
         mods = generate.experiment_modules()
     finally:
         sys.path.remove(str(ROOT / "docs/hooks"))

@@ -1,4 +1,5 @@
 """The experiment commands run end to end on the default model, and their output has substance."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,10 @@ def _json(capsys, argv):
 
 
 def test_ubatch_sweep_buffers_fall_with_ub_and_clamp(capsys, tmp_path):
-    data = _json(capsys, ["ubatch-sweep", "-c", "512", "-p", "64", "-n", "2", "-r", "1", "-t", "2",
-                          "--ubatch-list", "256,128,64"])
+    data = _json(
+        capsys,
+        ["ubatch-sweep", "-c", "512", "-p", "64", "-n", "2", "-r", "1", "-t", "2", "--ubatch-list", "256,128,64"],
+    )
     rows = [r for r in data["rows"] if not r["clamp_row"]]
     assert [r["n_ubatch"] for r in rows] == [256, 128, 64]
     compute = [r["compute_mib"]["CPU"] for r in rows]
@@ -29,8 +32,10 @@ def test_ubatch_sweep_buffers_fall_with_ub_and_clamp(capsys, tmp_path):
     assert all(r["prefill_tps"] > 0 and r["decode_tps"] > 0 for r in data["rows"])
     pytest.importorskip("matplotlib")
     png = tmp_path / "sweep.png"
-    assert main(["ubatch-sweep", "-c", "256", "-p", "16", "-n", "1", "-r", "1", "--ubatch-list", "64,32",
-                 "-o", str(png)]) == 0
+    assert (
+        main(["ubatch-sweep", "-c", "256", "-p", "16", "-n", "1", "-r", "1", "--ubatch-list", "64,32", "-o", str(png)])
+        == 0
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -47,10 +52,22 @@ def test_batch_isolation_holds_and_its_control_breaks(capsys):
 
 def test_kvprobe_save_parses_and_cells_equal_the_prompt(capsys, tmp_path, model):
     import pyllamacpp.state as st
+
     f = tmp_path / "state-f16.bin"
-    data = _json(capsys, ["kvprobe", "-c", "512", "-np", "2", "--kv-unified", "--ops",
-                          f"text:0:The cat sat on the mat.;save:0:{f};show:0;gen:0:3;cp:0:1;rm:1:2:-1;show:1;"
-                          f"shift:1:4;show:1;clear;load:1:{f};gen:1:2;show:1"])
+    data = _json(
+        capsys,
+        [
+            "kvprobe",
+            "-c",
+            "512",
+            "-np",
+            "2",
+            "--kv-unified",
+            "--ops",
+            f"text:0:The cat sat on the mat.;save:0:{f};show:0;gen:0:3;cp:0:1;rm:1:2:-1;show:1;"
+            f"shift:1:4;show:1;clear;load:1:{f};gen:1:2;show:1",
+        ],
+    )
     assert "error" not in data
     ops = data["ops"]
     assert ops[0]["tokens"] == model.tokenize("The cat sat on the mat.").tolist()
@@ -66,10 +83,17 @@ def test_kvprobe_save_parses_and_cells_equal_the_prompt(capsys, tmp_path, model)
     assert ops[12]["cells"] == 9
 
 
-@pytest.mark.parametrize("ops, why", [
-    ("text:0:hi;bogus:1", "unknown op"), ("text:3:hi", "outside"), ("gen:0:x", "invalid literal"),
-    ("load:0:/nonexistent/file.bin", "no such file"), ("rm:0:1", "field"), ("", "no ops"),
-])
+@pytest.mark.parametrize(
+    "ops, why",
+    [
+        ("text:0:hi;bogus:1", "unknown op"),
+        ("text:3:hi", "outside"),
+        ("gen:0:x", "invalid literal"),
+        ("load:0:/nonexistent/file.bin", "no such file"),
+        ("rm:0:1", "field"),
+        ("", "no ops"),
+    ],
+)
 def test_kvprobe_refuses_bad_ops_before_running(capsys, ops, why):
     assert main(["kvprobe", "-np", "2", "--ops", ops]) == 2
     err = capsys.readouterr().err
@@ -80,8 +104,24 @@ def test_kvprobe_stops_at_a_queued_cross_stream_copy(capsys, tmp_path):
     # llama.cpp queues seq_cp between streams until the next decode: a load before it would be
     # overwritten, so the load is refused, with the ops before it reported.
     f = tmp_path / "s.bin"
-    data = json.loads((main(["kvprobe", "-c", "512", "-np", "2", "--no-kv-unified", "--json", "--ops",
-                             f"text:0:The cat;save:0:{f};cp:0:1;clear;load:1:{f}"]), capsys.readouterr().out)[1])
+    data = json.loads(
+        (
+            main(
+                [
+                    "kvprobe",
+                    "-c",
+                    "512",
+                    "-np",
+                    "2",
+                    "--no-kv-unified",
+                    "--json",
+                    "--ops",
+                    f"text:0:The cat;save:0:{f};cp:0:1;clear;load:1:{f}",
+                ]
+            ),
+            capsys.readouterr().out,
+        )[1]
+    )
     assert len(data["ops"]) == 4 and "queued" in data["error"]
 
 

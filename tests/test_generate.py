@@ -1,12 +1,13 @@
 """Sampler, generate and generate_parallel against the raw binding and against each other."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import PROMPT
 
 import pyllamacpp as pl
 from pyllamacpp import ffi, lib
-from conftest import PROMPT
 
 
 def _raw_greedy(model, tokens, n):
@@ -94,7 +95,7 @@ def test_generate_stops_when_the_context_is_full_and_the_context_goes_on(model):
         assert isinstance(g.error, pl.KVCacheFullError) and g.error.reason  # llama.cpp's reason, kept in C
         # cells 0..255 hold the prompt and every generated token but the last, which found no cell
         assert ctx.memory.seq_pos_max(0) == 255
-        assert len(got) == 256 - toks.size + 1 and got == want[:len(got)]
+        assert len(got) == 256 - toks.size + 1 and got == want[: len(got)]
         ctx.memory.clear()
         g = pl.generate(ctx, toks, -1)  # no limit: runs until the context is full too
         assert list(g) == got and g.finish_reason == "ctx_full"
@@ -112,8 +113,10 @@ def test_generate_says_how_it_ended(model):
         g = pl.generate(ctx, toks, 0)  # prefill only
         assert list(g) == [] and g.finish_reason == "n_predict" and ctx.memory.seq_pos_max(0) == toks.size - 1
         ctx.memory.clear()
-        chat = model.tokenize(model.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
-                              parse_special=True)
+        chat = model.tokenize(
+            model.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+            parse_special=True,
+        )
         g = pl.generate(ctx, chat, 200)
         out = list(g)
         assert g.finish_reason == "eog" and model.is_eog(out[-1]) and len(out) < 200
@@ -127,7 +130,9 @@ def test_generate_says_how_it_ended(model):
 
 def test_a_raising_log_handler_during_a_failed_step_surfaces_there(tmp_path):
     import logging
+
     from pyllamacpp.testing import make_model
+
     path = make_model(tmp_path / "m.gguf", "llama", n_layer=2, n_embd=64, n_head=4, n_vocab=128)
 
     class Boom(logging.Handler):
@@ -191,6 +196,7 @@ def test_ctrl_c_stops_generate_and_the_context_goes_on(model):
     import os
     import signal
     import threading
+
     toks = model.tokenize("Once upon a time")
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -206,13 +212,14 @@ def test_ctrl_c_stops_generate_and_the_context_goes_on(model):
                 assert "SIGINT" in str(info.value)
             assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
             ctx.memory.clear()
-            assert list(pl.generate(ctx, toks, 3))[:len(got)] == got[:3]  # got may hold 1 token on a busy machine
+            assert list(pl.generate(ctx, toks, 3))[: len(got)] == got[:3]  # got may hold 1 token on a busy machine
     finally:
         signal.signal(signal.SIGINT, before)
 
 
 def test_public_names_are_not_shadowed_by_submodules():
     import importlib
+
     importlib.import_module("pyllamacpp.generation")
     importlib.import_module("pyllamacpp.experiments.prefix")
     assert callable(pl.generate) and callable(pl.generate_parallel) and isinstance(pl.Sampler, type)

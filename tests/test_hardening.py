@@ -2,6 +2,7 @@
 
 Fuzzers run in a subprocess: a crash (SIGFPE, SIGABRT, SIGSEGV) fails the test instead of pytest.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,11 +14,11 @@ import threading
 
 import numpy as np
 import pytest
-
-import pyllamacpp as pl
 from conftest import PROMPT
 
-BATCH_FUZZ = textwrap.dedent('''
+import pyllamacpp as pl
+
+BATCH_FUZZ = textwrap.dedent("""
     import sys, numpy as np, pyllamacpp as pl
     m = pl.Model()
     ctx = m.context(n_ctx=256, n_batch=64, n_ubatch=32, n_seq_max=4, n_threads=1, n_threads_batch=1)
@@ -49,13 +50,18 @@ BATCH_FUZZ = textwrap.dedent('''
     ctx.prefill(m.tokenize("The cat sat on the mat."))
     assert int(np.argmax(ctx.logits())) == 198
     print("SURVIVED", counts["ok"], counts["refused"])
-''')
+""")
 
 
 def _run_fuzz(code: str, *args, timeout=600) -> str:
     # outside the checkout, so the installed package (not the source folder) is imported
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=tempfile.gettempdir())
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tempfile.gettempdir(),
+    )
     assert proc.returncode == 0, f"fuzz process died with {proc.returncode}: {proc.stderr[-1500:]}"
     return proc.stdout
 
@@ -70,6 +76,7 @@ def test_adversarial_batches_raise_or_decode_never_crash(seed):
 
 def test_model_load_errors_carry_llama_cpp_reason(tmp_path, model_path):
     from pyllamacpp.testing import make_model
+
     good = make_model(tmp_path / "tiny.gguf", "llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_vocab=64)
     data = good.read_bytes()
     trunc = tmp_path / "truncated.gguf"
@@ -80,13 +87,14 @@ def test_model_load_errors_carry_llama_cpp_reason(tmp_path, model_path):
     # tensors whose shapes disagree with the metadata: change feed_forward_length in place (same
     # byte size, so every offset stays valid) and the ffn tensors have the wrong shape
     import gguf
+
     r = gguf.GGUFReader(good)
     part = r.fields["llama.feed_forward_length"].parts[-1]
     off = part.ctypes.data - r.data.ctypes.data
     n_ff = int(part[0])
     del r, part
     shaped = bytearray(data)
-    shaped[off:off + 4] = (2 * n_ff).to_bytes(4, "little")
+    shaped[off : off + 4] = (2 * n_ff).to_bytes(4, "little")
     bad = tmp_path / "wrong-shape.gguf"
     bad.write_bytes(bytes(shaped))
     with pytest.raises(pl.ModelLoadError) as e:
@@ -101,6 +109,7 @@ def test_context_keeps_its_model_alive(model_path):
 
     ctx = make()
     import gc
+
     gc.collect()
     ctx.prefill([504, 2644, 2643])
     assert np.isfinite(ctx.logits()).all()
@@ -167,7 +176,9 @@ def test_one_context_from_two_threads_raises(model):
 
 def test_failed_save_keeps_the_earlier_file(model, tmp_path, monkeypatch):
     import errno
+
     import pyllamacpp.context_state as context_mod  # where save_seq_dump opens its file
+
     with model.context(n_ctx=256, n_threads=2) as ctx:
         ctx.prefill(model.tokenize(PROMPT))
         with pytest.raises(OSError):
@@ -197,7 +208,7 @@ def test_failed_save_keeps_the_earlier_file(model, tmp_path, monkeypatch):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin", "s.bin.json"]  # no temp left
 
 
-STATE_FUZZ = textwrap.dedent('''
+STATE_FUZZ = textwrap.dedent("""
     import sys, numpy as np, pyllamacpp as pl
     m = pl.Model()
     ctx = m.context(n_ctx=256, n_threads=1, n_threads_batch=1)
@@ -227,7 +238,7 @@ STATE_FUZZ = textwrap.dedent('''
     bt = pl.Batch(1, model=m); bt.add(int(toks[-1]), 6, 0, logits=True); ctx.decode(bt)
     assert np.array_equal(ctx.logits(), ref), "the context decodes differently after the fuzz"
     print("SURVIVED", loaded, refused)
-''')
+""")
 
 
 def test_fuzzed_state_blobs_never_crash_and_leave_the_sequence(tmp_path):
@@ -239,10 +250,14 @@ def test_fuzzed_state_blobs_never_crash_and_leave_the_sequence(tmp_path):
 
 def test_states_from_elsewhere_are_refused_before_c(model, tmp_path):
     from pyllamacpp.testing import make_model
+
     toks = model.tokenize(PROMPT)
     blobs = {}
-    for name, kw in {"q8_0 cache": dict(type_k="q8_0", type_v="q8_0"), "4 streams": dict(n_seq_max=4),
-                     "flash attention off": dict(flash_attn="off")}.items():
+    for name, kw in {
+        "q8_0 cache": dict(type_k="q8_0", type_v="q8_0"),
+        "4 streams": dict(n_seq_max=4),
+        "flash attention off": dict(flash_attn="off"),
+    }.items():
         with model.context(n_ctx=256, n_threads=2, **kw) as c:
             c.prefill(toks)
             blobs[name] = c.seq_state(0)
@@ -266,7 +281,6 @@ def test_states_from_elsewhere_are_refused_before_c(model, tmp_path):
 
 def test_resource_use_stays_flat_over_cycles(model_path):
     # model + context + batch + decode + state round trip, over and over: RSS must not grow.
-    import resource
 
     def rss_kb():
         with open("/proc/self/status") as f:

@@ -1,4 +1,5 @@
 """pyllamacpp.Memory (``llama_memory_*``): its repr."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,7 +24,7 @@ def test_memory_repr_names_the_cache_and_the_sequences(model):
 
 def test_memory_repr_of_an_iswa_cache(tmp_path):
     from pyllamacpp.testing import make_model
-    path = make_model(tmp_path / "g2.gguf", "gemma2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_vocab=64,
-                      n_swa=4)
+
+    path = make_model(tmp_path / "g2.gguf", "gemma2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_vocab=64, n_swa=4)
     with pl.Model(path) as model, model.context(n_ctx=64, n_threads=1) as ctx:
         assert repr(ctx.memory).startswith("<Memory llama_kv_cache_iswa n_seq_max=1 ")

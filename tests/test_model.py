@@ -1,11 +1,12 @@
 """Model: properties from the library, vocabulary, lifetimes, load errors."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import PROMPT
 
 import pyllamacpp as pl
-from conftest import PROMPT
 
 
 def test_properties_come_from_the_library(model):

@@ -1,4 +1,5 @@
 """The package as Python's tools see it: dir(), help() and pkgutil show the public API only."""
+
 from __future__ import annotations
 
 import pkgutil
@@ -22,8 +23,10 @@ def test_dir_shows_the_public_api_and_dunders_only():
         getattr(pyllamacpp, n)
 
 
-@pytest.mark.xfail(reason="libllama/libggml* are installed beside the extension, where pkgutil takes any *.so "
-                          "for a module: the packaging (CMakeLists install, _lib) moves them into a subfolder")
+@pytest.mark.xfail(
+    reason="libllama/libggml* are installed beside the extension, where pkgutil takes any *.so "
+    "for a module: the packaging (CMakeLists install, _lib) moves them into a subfolder"
+)
 def test_package_contents_list_no_shared_library():
     # help(pyllamacpp) lists pkgutil.iter_modules(__path__) as PACKAGE CONTENTS
     names = [m.name for m in pkgutil.iter_modules(pyllamacpp.__path__)]

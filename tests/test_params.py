@@ -1,4 +1,5 @@
 """ContextParams: every field, defaults from the library, validation before C, effective values."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,12 +35,19 @@ def test_names_for_types_and_flash_attention():
     assert pl.ContextParams(pooling_type="mean").pooling_type == lib.LLAMA_POOLING_TYPE_MEAN
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(type_k="q9_9"), "type_k"), (dict(type_v=10_000), "type_v"),
-    (dict(n_seq_max=100_000), "n_seq_max"), (dict(n_ctx=-1), "n_ctx"), (dict(n_batch=-5), "n_batch"),
-    (dict(flash_attn_type="maybe"), "flash_attn_type"), (dict(n_threads=0), "n_threads"),
-    (dict(kv_unified="yes"), "kv_unified"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(type_k="q9_9"), "type_k"),
+        (dict(type_v=10_000), "type_v"),
+        (dict(n_seq_max=100_000), "n_seq_max"),
+        (dict(n_ctx=-1), "n_ctx"),
+        (dict(n_batch=-5), "n_batch"),
+        (dict(flash_attn_type="maybe"), "flash_attn_type"),
+        (dict(n_threads=0), "n_threads"),
+        (dict(kv_unified="yes"), "kv_unified"),
+    ],
+)
 def test_bad_values_raise_naming_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         pl.ContextParams(**bad)
@@ -75,15 +83,20 @@ def test_threads_default_to_the_physical_cores():
     assert pl.ContextParams(n_threads=1).n_threads_batch == n  # each field has its own default
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs a CPU affinity of at least 2 CPUs to narrow")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs a CPU affinity of at least 2 CPUs to narrow",
+)
 def test_threads_default_follows_the_cpu_affinity():
     """`taskset -c 0 python ...`: one allowed CPU is one thread, whatever the machine has."""
     one = min(os.sched_getaffinity(0))
-    code = f"import os; os.sched_setaffinity(0, {{{one}}}); from pyllamacpp._cpu import default_n_threads; " \
-           "print(default_n_threads())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=tempfile.gettempdir()).stdout
+    code = (
+        f"import os; os.sched_setaffinity(0, {{{one}}}); from pyllamacpp._cpu import default_n_threads; "
+        "print(default_n_threads())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tempfile.gettempdir()
+    ).stdout
     assert out.strip() == "1"
 
 

@@ -1,4 +1,5 @@
 """ggml's RPC backend: two rpc-server processes on loopback, a model split across them."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,12 @@ def _free_port() -> int:
 
 
 def start_server(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "pyllamacpp.cli", "rpc-server", "--port", str(port), "-t", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyllamacpp.cli", "rpc-server", "--port", str(port), "-t", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=tempfile.gettempdir(),
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -33,7 +38,7 @@ def start_server(port: int) -> subprocess.Popen:
             return proc
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(f"rpc-server exited: {proc.stdout.read().decode()}")
+                raise RuntimeError(f"rpc-server exited: {proc.stdout.read().decode()}") from None
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError("rpc-server did not start listening")
@@ -70,6 +75,7 @@ def test_split_across_two_servers_equals_local(model_path, servers):
 
 def test_unreachable_server_is_a_clear_exception_in_bounded_time(model_path):
     from pyllamacpp.rpc import RPCError
+
     port = _free_port()  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(RPCError, match="not reachable"):
@@ -81,6 +87,7 @@ def test_unreachable_server_is_a_clear_exception_in_bounded_time(model_path):
 
 def test_rpc_server_binds_loopback_unless_told(capsys):
     from pyllamacpp.cli import main
+
     assert main(["rpc-server", "--host", "0.0.0.0"]) == 2
     assert "no authentication" in capsys.readouterr().err
 
@@ -100,8 +107,14 @@ for _ in range(50):
     ctx.memory.clear(); ctx.prefill(toks)
 print("SURVIVED")
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
-                          cwd=tempfile.gettempdir())
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tempfile.gettempdir(),
+    )
     assert "SURVIVED" not in proc.stdout
     assert proc.returncode != 0
     assert "Remote RPC server crashed" in proc.stderr
@@ -146,9 +159,15 @@ def refused(what, fn):
 
 def _scenario(body: str, timeout: float = 240) -> tuple[str, str]:
     env = dict(os.environ, GGML_NO_BACKTRACE="1")  # an abort fails fast instead of attaching gdb
-    proc = subprocess.Popen([sys.executable, "-c", _PRELUDE + body], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir(), env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PRELUDE + body],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tempfile.gettempdir(),
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -295,18 +314,22 @@ def test_one_server_under_two_names_is_one_connection(servers):
     # ggml-rpc keeps a connection per endpoint string and an rpc-server serves one connection at a
     # time: "localhost:p" while "127.0.0.1:p" was held waited forever for the server's HELLO.
     port = servers[0].rpartition(":")[2]  # idle: a server serves one process, and this one holds none
-    out, _ = _scenario(f"""
+    out, _ = _scenario(
+        f"""
 m = pl.Model(rpc=["127.0.0.1:{port}"], n_gpu_layers=5)
 m2 = pl.Model(rpc=["localhost:{port}", "127.0.0.1:{port}"], n_gpu_layers=5)
 print("LOADED", sum(d["backend"] == "RPC" for d in pl.devices()), flush=True)
 m2.close(); m.close()
-""", timeout=120)
+""",
+        timeout=120,
+    )
     assert "LOADED 1" in out
 
 
 def _worker(kill_mid_call: bool):
     """run_in_subprocess's test: a server of its own, killed during a prefill or not."""
     import threading
+
     os.environ["GGML_NO_BACKTRACE"] = "1"
     port = _free_port()
     srv = start_server(port)
@@ -331,6 +354,7 @@ def _raises():
 
 def test_run_in_subprocess_survives_a_server_dying_mid_call():
     from pyllamacpp.rpc import RPCError, run_in_subprocess
+
     tokens = run_in_subprocess(_worker, False, timeout=240)
     assert len(tokens) == 4 and all(isinstance(t, int) for t in tokens)
     with pytest.raises(RPCError, match="died") as e:

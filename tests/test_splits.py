@@ -1,4 +1,5 @@
 """split-plan (pure planner, no model) and trace-ubatches (planner against the real engine)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,7 @@ def _rows(p):
 
 
 # -- planner: the issue's examples ------------------------------------------------------------
+
 
 def test_one_sequence_1500_at_ub_512():
     p = plan(1500, n_batch=2048, n_ubatch=512)
@@ -36,8 +38,8 @@ def test_5000_tokens_make_three_decode_calls_and_ten_passes():
 
 def test_n_kv_is_padded_to_256():
     assert [u.n_kv for u in plan(300, 512, 128, n_ctx=1024).ubatches] == [256, 256, 512]
-    assert plan(1, n_past=255).ubatches[0].n_kv == 256        # 256 cells used
-    assert plan(1, n_past=256).ubatches[0].n_kv == 512        # 257 -> 512
+    assert plan(1, n_past=255).ubatches[0].n_kv == 256  # 256 cells used
+    assert plan(1, n_past=256).ubatches[0].n_kv == 512  # 257 -> 512
     u = plan(1, n_past=600, n_ctx=700).ubatches[0]
     assert u.n_kv == 768 and u.mask_shape == (768, 1, 1, 1)
 
@@ -156,8 +158,7 @@ def test_engine_eight_sequences_one_step_unified(model):
 
 
 def test_engine_non_unified_split_equal(model):
-    data = trace.trace(model, dict(tokens=[12, 6, 4, 2]), n_ctx=1000, n_ubatch=32, n_seq_max=4,
-                       kv_unified=False, **CTX)
+    data = trace.trace(model, dict(tokens=[12, 6, 4, 2]), n_ctx=1000, n_ubatch=32, n_seq_max=4, kv_unified=False, **CTX)
     assert data["plan"]["split"] == "equal" and data["plan"]["n_ctx_seq"] == 256
     _check(data, [8, 6, 4, 6], streams=[4, 3, 2, 1])
 
@@ -165,13 +166,30 @@ def test_engine_non_unified_split_equal(model):
 def test_engine_disagreement_fails_loudly(capsys):
     ap = _parser(trace)
     # forcing split_simple on a one-stream-per-sequence cache: the engine does split_equal
-    args = ap.parse_args(["trace-ubatches", "--tokens", "16,16", "-np", "2", "--no-kv-unified", "-c", "512",
-                          "-ub", "8", "-t", "1", "--mode", "simple"])
+    args = ap.parse_args(
+        [
+            "trace-ubatches",
+            "--tokens",
+            "16,16",
+            "-np",
+            "2",
+            "--no-kv-unified",
+            "-c",
+            "512",
+            "-ub",
+            "8",
+            "-t",
+            "1",
+            "--mode",
+            "simple",
+        ]
+    )
     assert args.func(args) == 1
     cap = capsys.readouterr()
     assert "DISAGREE" in cap.err and "n_stream planner 1 engine 2" in cap.out
-    args = ap.parse_args(["trace-ubatches", "--tokens", "16,16", "-np", "2", "--no-kv-unified", "-c", "512",
-                          "-ub", "8", "-t", "1"])
+    args = ap.parse_args(
+        ["trace-ubatches", "--tokens", "16,16", "-np", "2", "--no-kv-unified", "-c", "512", "-ub", "8", "-t", "1"]
+    )
     assert args.func(args) == 0 and "planner and engine agree" in capsys.readouterr().out
 
 

@@ -3,6 +3,7 @@
 Dumps come from the real library through the raw binding (no mocks); small module-level
 helpers below do what the Pythonic Context API will do later.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,8 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from pyllamacpp import ffi, lib
-from pyllamacpp import state
+from pyllamacpp import ffi, lib, state
 from pyllamacpp.state import DumpKind, StateFormatError
 
 PROMPT = "The cat sat on the mat."
@@ -24,15 +24,22 @@ N_HEAD_KV, HEAD_DIM, N_LAYER = 3, 64, 30
 # One thread: with two, OpenMP's barrier spins, and on a busy 2-core machine a 7-token decode
 # went from 0.05 s to 3-12 s. The state format does not depend on the thread count.
 N_THREADS = 1
-TYPES = {"f16": lib.GGML_TYPE_F16, "q8_0": lib.GGML_TYPE_Q8_0, "q4_0": lib.GGML_TYPE_Q4_0,
-         "q4_1": lib.GGML_TYPE_Q4_1, "q5_0": lib.GGML_TYPE_Q5_0, "q5_1": lib.GGML_TYPE_Q5_1,
-         "iq4_nl": lib.GGML_TYPE_IQ4_NL}
+TYPES = {
+    "f16": lib.GGML_TYPE_F16,
+    "q8_0": lib.GGML_TYPE_Q8_0,
+    "q4_0": lib.GGML_TYPE_Q4_0,
+    "q4_1": lib.GGML_TYPE_Q4_1,
+    "q5_0": lib.GGML_TYPE_Q5_0,
+    "q5_1": lib.GGML_TYPE_Q5_1,
+    "iq4_nl": lib.GGML_TYPE_IQ4_NL,
+}
 # bytes per 32-value block (ggml-common.h: block_q8_0 ... block_iq4_nl): fp16 d (and m for the
 # _1 types), 4-bit or 8-bit quants, the 5th bits of q5 in a u32
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "iq4_nl": 18}
 
 
 # --- helpers over the raw binding ------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def context(model, *, flash_attn=True, type_k="f16", type_v="f16", kv_unified=True, n_seq_max=1, n_ctx=256):
@@ -120,6 +127,7 @@ def check_layout(st) -> None:
 
 # --- fixtures ----------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def model(model_path):
     m = lib.llama_model_load_from_file(str(model_path).encode(), lib.llama_model_default_params())
@@ -129,9 +137,9 @@ def model(model_path):
 
 
 CONFIGS = {
-    "f16-fa": dict(flash_attn=True),                                   # V not transposed
-    "f16-nofa": dict(flash_attn=False),                                # V transposed
-    "q8_0": dict(flash_attn=True, type_k="q8_0", type_v="q8_0"),       # quantized V needs FA
+    "f16-fa": dict(flash_attn=True),  # V not transposed
+    "f16-nofa": dict(flash_attn=False),  # V transposed
+    "q8_0": dict(flash_attn=True, type_k="q8_0", type_v="q8_0"),  # quantized V needs FA
     "q4_0": dict(flash_attn=True, type_k="q4_0", type_v="q4_0"),
     **{t: dict(flash_attn=True, type_k=t, type_v=t) for t in ("q4_1", "q5_0", "q5_1", "iq4_nl")},
 }
@@ -152,16 +160,20 @@ def runs(model):
                 decode(ctx, PROMPT_TOKENS)
                 cache[name] = {"seq": first, "seq2": seq_dump(ctx), "context": whole}
         return cache[name]
+
     return get
 
 
 # --- tests ---------------------------------------------------------------------------------------------
 
+
 def test_import_needs_no_compiled_extension():
-    code = ("import sys; sys.modules['pyllamacpp._pyllamacpp'] = None\n"  # any import of it fails
-            "import pyllamacpp.state as s\n"
-            "assert 'pyllamacpp._lib' not in sys.modules\n"
-            "try:\n    s.parse(b'\\x00' * 8)\nexcept s.StateFormatError as e:\n    print('OK', e)\n")
+    code = (
+        "import sys; sys.modules['pyllamacpp._pyllamacpp'] = None\n"  # any import of it fails
+        "import pyllamacpp.state as s\n"
+        "assert 'pyllamacpp._lib' not in sys.modules\n"
+        "try:\n    s.parse(b'\\x00' * 8)\nexcept s.StateFormatError as e:\n    print('OK', e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("OK at byte 0: magic")
@@ -216,7 +228,7 @@ def test_round_trip_layout_and_repeatability(runs, config):
     # the whole-context state holds the same memory after its arch string
     whole = state.parse(r["context"], n_head_kv=N_HEAD_KV)
     assert whole.kind is DumpKind.CONTEXT and whole.header.arch == "llama"
-    assert whole.to_bytes() == r["context"] and r["context"][whole.header.nbytes:] == r["seq"][8:]
+    assert whole.to_bytes() == r["context"] and r["context"][whole.header.nbytes :] == r["seq"][8:]
     check_layout(whole)
 
 
@@ -234,13 +246,15 @@ def test_transposed_v_is_an_untransposed_view(runs):
     rec = nofa.record("V", 5)
     addr = nofa.address("V", 5, cell=4, head=2, element=7)
     assert addr == rec.data_offset + ((2 * HEAD_DIM + 7) * 7 + 4) * 2
-    assert np.frombuffer(nofa.buffer[addr:addr + 2].tobytes(), "<f2")[0] == nofa.v[5][4, 2, 7]
+    assert np.frombuffer(nofa.buffer[addr : addr + 2].tobytes(), "<f2")[0] == nofa.v[5][4, 2, 7]
     nofa.v[5][4, 2, 7] = 1234.0
-    assert np.frombuffer(nofa.to_bytes()[addr:addr + 2], "<f2")[0] == 1234.0
+    assert np.frombuffer(nofa.to_bytes()[addr : addr + 2], "<f2")[0] == 1234.0
     # in the cache tensor, transposed V is value-major: element j of cell c at j * kv_size + c
     assert nofa.tensor_offset("V", 5, cell=4, head=2, element=7, kv_size=256) == ((2 * 64 + 7) * 256 + 4) * 2
     assert fa.tensor_offset("V", 5, cell=4, head=2, element=7, kv_size=256) == 4 * 384 + (2 * 64 + 7) * 2
-    assert fa.tensor_offset("K", 0, cell=3, head=1, element=5, kv_size=256, dest_stream=2) == (2 * 256 + 3) * 384 + 69 * 2
+    assert (
+        fa.tensor_offset("K", 0, cell=3, head=1, element=5, kv_size=256, dest_stream=2) == (2 * 256 + 3) * 384 + 69 * 2
+    )
     assert fa.address("K", 1, cell=2, head=1, element=5) == 2820 + 2 * 384 + 69 * 2
 
 
@@ -249,10 +263,10 @@ def test_transposed_v_is_an_untransposed_view(runs):
 # amax = max |x| of the block, span = max x - min x.
 QUANT_ERROR = {
     "q8_0": lambda amax, span: amax / 127,  # d = amax/127, round to nearest: d/2 (a step, for margin)
-    "q4_0": lambda amax, span: amax / 8,    # d = max/-8, q clamped to 15: the far end loses up to |d|
-    "q5_0": lambda amax, span: amax / 16,   # the same with d = max/-16, q clamped to 31
-    "q4_1": lambda amax, span: span / 30,   # d = span/15 above the block's min, round to nearest: d/2
-    "q5_1": lambda amax, span: span / 62,   # d = span/31: d/2
+    "q4_0": lambda amax, span: amax / 8,  # d = max/-8, q clamped to 15: the far end loses up to |d|
+    "q5_0": lambda amax, span: amax / 16,  # the same with d = max/-16, q clamped to 31
+    "q4_1": lambda amax, span: span / 30,  # d = span/15 above the block's min, round to nearest: d/2
+    "q5_1": lambda amax, span: span / 62,  # d = span/31: d/2
     # levels kvalues_iq4nl at d = max/-127: widest gap 24, top clamp 113, so <= 14 d = 0.110 amax
     # before quantize_row_iq4_nl_impl refits d by least squares; amax/8 leaves room for the refit
     "iq4_nl": lambda amax, span: amax / 8,
@@ -291,7 +305,7 @@ def test_quantized_cache_dequantizes_close_to_f16(runs, qtype):
         rotated = (exact.reshape(7, -1, 64) @ h).reshape(-1, 32)
         amax = np.abs(rotated).max(axis=1, keepdims=True)
         span = rotated.max(axis=1, keepdims=True) - rotated.min(axis=1, keepdims=True)
-        bound = QUANT_ERROR[qtype](amax, span) + amax * 2 ** -9 + 2e-3
+        bound = QUANT_ERROR[qtype](amax, span) + amax * 2**-9 + 2e-3
         err = np.abs(deq.reshape(-1, 32) - rotated)
         assert (err <= bound).all(), (kind, float((err - bound).max()))
         un = r.dequantize(unrotate=True)
@@ -305,6 +319,7 @@ def test_quantized_cache_dequantizes_close_to_f16(runs, qtype):
 @pytest.mark.parametrize("qtype", ["q4_1", "q5_0", "q5_1", "iq4_nl"])
 def test_quantized_v_without_flash_attention_is_a_clean_error(pl_model, qtype):
     import pyllamacpp as pl
+
     # llama_init_from_model refuses it ("quantized V cache requires flash_attn"): NULL, no abort
     with pytest.raises(pl.ContextError, match="requires flash_attn"):
         pl_model.context(n_ctx=256, n_threads=N_THREADS, type_k=qtype, type_v=qtype, flash_attn="off")
@@ -378,12 +393,12 @@ def test_seq_file_session_file_and_sidecar(model, model_path, tmp_path):
     assert (sq.header.magic, sq.header.version) == (0x67677371, lib.LLAMA_STATE_SEQ_VERSION) == (0x67677371, 3)
     assert sq.tokens.tolist() == PROMPT_TOKENS and isinstance(sq.buffer, np.memmap) and not sq.writable
     raw = seq_path.read_bytes()
-    assert sq.to_bytes() == raw and raw[12 + 4 * 7:] == dump[8:]  # no io magic, no seq_id in the file
+    assert sq.to_bytes() == raw and raw[12 + 4 * 7 :] == dump[8:]  # no io magic, no seq_id in the file
     check_layout(sq)
     se = state.parse(session_path)
     assert se.kind is DumpKind.SESSION_FILE and se.header.version == lib.LLAMA_SESSION_VERSION == 10
     assert se.header.arch == "llama" and se.tokens.tolist() == PROMPT_TOKENS
-    assert session_path.read_bytes()[12 + 4 * 7:] == whole and se.to_bytes() == session_path.read_bytes()
+    assert session_path.read_bytes()[12 + 4 * 7 :] == whole and se.to_bytes() == session_path.read_bytes()
     check_layout(se)
     # writable=True maps copy-on-write: edits show in to_bytes(), never in the file
     cow = state.parse(seq_path, writable=True, n_head_kv=N_HEAD_KV)
@@ -394,10 +409,21 @@ def test_seq_file_session_file_and_sidecar(model, model_path, tmp_path):
     facts = state.model_facts(model_path, sha256=True)  # what the GGUF says, and its hash prefix
     assert facts["arch"] == "llama" and facts["n_layer"] == N_LAYER and facts["n_head_kv"] == N_HEAD_KV
     assert facts["n_embd_head_k"] == facts["n_embd_head_v"] == HEAD_DIM and len(facts["model_sha256"]) == 16
-    side = state.write_sidecar(seq_path, **facts, type_k="f16", type_v="f16", flash_attn=True,
-                               kv_unified=True, n_ctx=256, tokens=np.array(PROMPT_TOKENS))
-    assert side == tmp_path / "seq.bin.json" and sorted(p.name for p in tmp_path.iterdir()) == \
-        ["seq.bin", "seq.bin.json", "session.bin"]  # the temp file was renamed, not left behind
+    side = state.write_sidecar(
+        seq_path,
+        **facts,
+        type_k="f16",
+        type_v="f16",
+        flash_attn=True,
+        kv_unified=True,
+        n_ctx=256,
+        tokens=np.array(PROMPT_TOKENS),
+    )
+    assert side == tmp_path / "seq.bin.json" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "seq.bin",
+        "seq.bin.json",
+        "session.bin",
+    ]  # the temp file was renamed, not left behind
     assert state.read_sidecar(seq_path)["tokens"] == PROMPT_TOKENS
     assert state.parse(seq_path).k[0].shape == (7, N_HEAD_KV, HEAD_DIM)
     with pytest.raises(TypeError, match="unknown sidecar fields"):
@@ -406,6 +432,7 @@ def test_seq_file_session_file_and_sidecar(model, model_path, tmp_path):
 
     class HasHeads:
         n_head_kv = 3
+
     assert state.parse(dump, model=HasHeads()).k[1].shape == (7, N_HEAD_KV, HEAD_DIM)
 
 
@@ -489,7 +516,7 @@ def test_select_cells_with_a_callable_over_streams(model):
 
 def _patched(data: bytes, offset: int, value: int, size: int = 4) -> bytes:
     b = bytearray(data)
-    b[offset:offset + size] = value.to_bytes(size, "little", signed=value < 0)
+    b[offset : offset + size] = value.to_bytes(size, "little", signed=value < 0)
     return bytes(b)
 
 
@@ -555,8 +582,9 @@ def test_fuzzed_dumps_raise_only_state_format_errors(runs, model):
         assert st.layout().total_bytes == len(blob) and st.to_bytes() == blob
 
     for base in (f16, nofa, shared):
-        meta = np.concatenate([np.arange(s.offset, s.offset + s.nbytes)
-                               for s in state.parse(base).layout().segments if not s.payload])
+        meta = np.concatenate(
+            [np.arange(s.offset, s.offset + s.nbytes) for s in state.parse(base).layout().segments if not s.payload]
+        )
         for n in range(0, 200):
             attempt(base[:n])
         for n in rng.integers(0, len(base), 300):
@@ -577,14 +605,21 @@ def _synthetic(tmp_path, arch, n_tokens=10, **kw):
     whole-context state, and the next logits."""
     import pyllamacpp as pl
     from pyllamacpp.testing import make_model
+
     path = make_model(tmp_path / f"{arch}.gguf", arch, n_vocab=128, seed=1, **kw)
     with pl.Model(path) as model, model.context(n_ctx=64, n_threads=1, n_threads_batch=1) as ctx:
         b = pl.Batch(32, model=model)
         b.add_sequence(np.arange(1, n_tokens + 1), 0, 0, logits="last")
         ctx.decode(b)
-        return {"one": ctx.seq_state(0).data, "two": ctx.seq_state(0).data,
-                "dev": ctx.seq_state(0, pl.StateFlags.ON_DEVICE).data, "whole": ctx.state(),
-                "logits": ctx.logits().copy(), "path": path, "n_head_kv": model.n_head_kv}
+        return {
+            "one": ctx.seq_state(0).data,
+            "two": ctx.seq_state(0).data,
+            "dev": ctx.seq_state(0, pl.StateFlags.ON_DEVICE).data,
+            "whole": ctx.state(),
+            "logits": ctx.logits().copy(),
+            "path": path,
+            "n_head_kv": model.n_head_kv,
+        }
 
 
 def _synthetic_dump(tmp_path, arch, **kw):
@@ -593,8 +628,9 @@ def _synthetic_dump(tmp_path, arch, **kw):
 
 
 def test_iswa_dump_parses_base_then_swa(tmp_path):
-    one, two, whole, n_kv = _synthetic_dump(tmp_path, "gemma2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2,
-                                            head_dim=32, n_swa=4)
+    one, two, whole, n_kv = _synthetic_dump(
+        tmp_path, "gemma2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_swa=4
+    )
     st = state.parse(one, n_head_kv=n_kv)
     assert [p.name for p in st.parts] == ["base", "swa"]
     base, swa = st.part("base").streams[0], st.part("swa").streams[0]
@@ -602,8 +638,10 @@ def test_iswa_dump_parses_base_then_swa(tmp_path):
     assert st.to_bytes() == one.tobytes()
     lay = st.layout()
     assert lay.metadata_bytes + lay.payload_bytes == one.size
-    np.testing.assert_array_equal(st.part("base").streams[0].records[0].rows[0],
-                                  state.parse(two, n_head_kv=n_kv).part("base").streams[0].records[0].rows[0])
+    np.testing.assert_array_equal(
+        st.part("base").streams[0].records[0].rows[0],
+        state.parse(two, n_head_kv=n_kv).part("base").streams[0].records[0].rows[0],
+    )
     w = state.parse(whole, n_head_kv=n_kv)
     assert w.kind == state.DumpKind.CONTEXT and [p.name for p in w.parts] == ["base", "swa"]
 
@@ -624,6 +662,7 @@ def test_recurrent_dump_parses(tmp_path):
 @pytest.fixture(scope="module")
 def pl_model(model_path):
     import pyllamacpp as pl
+
     with pl.Model(model_path) as m:
         yield m
 
@@ -636,11 +675,14 @@ def _same_headers(meta, full) -> None:
         for ms, fs in zip(mp.streams, fp.streams):
             assert ms.cell_count == fs.cell_count and (ms.v_trans, ms.n_layer) == (fs.v_trans, fs.n_layer)
             assert ms.cells[["pos", "n_seq_id"]].tolist() == fs.cells[["pos", "n_seq_id"]].tolist()
-            assert [(r.kind, r.type.id, r.row_size, r.n_embd, r.transposed, r.header_size) for r in ms.records] == \
-                [(r.kind, r.type.id, r.row_size, r.n_embd, r.transposed, r.header_size) for r in fs.records]
+            assert [(r.kind, r.type.id, r.row_size, r.n_embd, r.transposed, r.header_size) for r in ms.records] == [
+                (r.kind, r.type.id, r.row_size, r.n_embd, r.transposed, r.header_size) for r in fs.records
+            ]
             for mr, fr in zip(ms.records, fs.records):
-                assert meta.buffer[mr.header_offset:mr.data_offset].tobytes() == \
-                    full.buffer[fr.header_offset:fr.data_offset].tobytes()
+                assert (
+                    meta.buffer[mr.header_offset : mr.data_offset].tobytes()
+                    == full.buffer[fr.header_offset : fr.data_offset].tobytes()
+                )
     lay = meta.layout()
     assert lay.payload_bytes == 0 and lay.metadata_only and meta.nbytes == full.nbytes - full.layout().payload_bytes
     check_layout(meta)
@@ -650,17 +692,22 @@ def _same_headers(meta, full) -> None:
 @pytest.mark.parametrize("flash_attn", ["on", "off"])
 def test_on_device_dump_is_metadata_only(pl_model, flash_attn):
     import pyllamacpp as pl
+
     with pl_model.context(n_ctx=256, n_threads=N_THREADS, n_threads_batch=N_THREADS, flash_attn=flash_attn) as ctx:
         ctx.prefill(PROMPT_TOKENS)
-        ref = ctx.logits().copy()
         full, dev = ctx.seq_state(0), ctx.seq_state(0, pl.StateFlags.ON_DEVICE)
         # 7 cells x 12 bytes, 60 record headers of 12 bytes: what LLAMA_CPP_FACTS's 828-byte metadata is
         assert len(dev) == 828 == 108 + 60 * 12
         meta = state.parse(dev.data, n_head_kv=N_HEAD_KV)
         _same_headers(meta, state.parse(full.data, n_head_kv=N_HEAD_KV))
         assert meta.to_bytes() == dev.data.tobytes() and meta.stream().v_trans == (flash_attn == "off")
-        for get in (lambda: meta.k[0], lambda: meta.v[29], lambda: meta.record("K", 3).rows,
-                    lambda: meta.address("K", 0, cell=1), lambda: meta.record("V", 0).dequantize()):
+        for get in (
+            lambda: meta.k[0],
+            lambda: meta.v[29],
+            lambda: meta.record("K", 3).rows,
+            lambda: meta.address("K", 0, cell=1),
+            lambda: meta.record("V", 0).dequantize(),
+        ):
             with pytest.raises(state.MetadataOnlyError, match="metadata-only dump .*ON_DEVICE.* 2,688 bytes"):
                 get()
         # where the value lives in llama.cpp's tensor needs no rows
@@ -681,8 +728,10 @@ def test_on_device_dump_is_metadata_only(pl_model, flash_attn):
 
 def test_on_device_dump_with_several_streams(pl_model):
     import pyllamacpp as pl
-    with pl_model.context(n_ctx=256, n_seq_max=4, kv_unified=False, n_threads=N_THREADS,
-                          n_threads_batch=N_THREADS) as ctx:
+
+    with pl_model.context(
+        n_ctx=256, n_seq_max=4, kv_unified=False, n_threads=N_THREADS, n_threads_batch=N_THREADS
+    ) as ctx:
         b = pl.Batch(64, n_seq_max=4, model=pl_model)
         b.add_sequence(PROMPT_TOKENS, 0)
         b.add_sequence(PROMPT_TOKENS[:3], 2)
@@ -701,6 +750,7 @@ def test_on_device_dump_with_several_streams(pl_model):
 def test_metadata_only_cli(pl_model, tmp_path, capsys):
     import pyllamacpp as pl
     from pyllamacpp.cli import main
+
     f = tmp_path / "dev.bin"
     with pl_model.context(n_ctx=256, n_threads=N_THREADS, n_threads_batch=N_THREADS) as ctx:
         ctx.prefill(PROMPT_TOKENS)
@@ -714,9 +764,11 @@ def test_metadata_only_cli(pl_model, tmp_path, capsys):
 
 
 def test_synthetic_on_device_dumps(tmp_path):
-    for arch, kw in (("gemma2", dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_swa=4)),
-                     ("mamba", dict(n_layer=2, n_embd=32)),
-                     ("lfm2", dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2))):
+    for arch, kw in (
+        ("gemma2", dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_swa=4)),
+        ("mamba", dict(n_layer=2, n_embd=32)),
+        ("lfm2", dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2)),
+    ):
         d = _synthetic(tmp_path, arch, **kw)
         meta, full = state.parse(d["dev"], model=d["path"]), state.parse(d["one"], model=d["path"])
         _same_headers(meta, full)
@@ -770,9 +822,9 @@ def test_recurrent_ple_rows(tmp_path):
         blob = _with_ple(st, ple_layers)
         ple = state.parse(blob, layers={"recurrent": [0, 1, 2]})
         s = ple.stream()
-        assert [(r.kind, r.layer) for r in s.records] == \
-            [x for il in range(3) for x in [("R", il)] + ([("P", il)] if il in ple_layers else [])] + \
-            [("S", il) for il in range(3)]
+        assert [(r.kind, r.layer) for r in s.records] == [
+            x for il in range(3) for x in [("R", il)] + ([("P", il)] if il in ple_layers else [])
+        ] + [("S", il) for il in range(3)]
         assert s.p.layers == tuple(ple_layers) and [r.il for r in s.records if r.kind == "P"] == ple_layers
         p = s.p.record(ple_layers[0])
         assert (p.type.name, p.row_size, p.n_embd, p.header_size) == ("f32", 96, 24, 8)
@@ -801,6 +853,7 @@ def test_recurrent_ple_rows(tmp_path):
 # -- a hybrid model (lfm2: attention layers in a KV cache, conv layers in recurrent memory) -------
 def test_hybrid_dump(tmp_path):
     import pyllamacpp as pl
+
     kw = dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2)
     d = _synthetic(tmp_path, "lfm2", **kw)
     one = d["one"].tobytes()
@@ -817,7 +870,9 @@ def test_hybrid_dump(tmp_path):
     check_layout(st)
     # sizes, to the byte: header, KV part, recurrent part (R: (l_cache - 1) x n_embd f32; S: 0 values)
     kv_row = 2 * 16 * 2
-    assert st.nbytes == 8 + (4 + 4 + 10 * 12 + 8 + 4 * (12 + 10 * kv_row)) + (4 + 8 + 8 + 2 * (12 + 2 * 64 * 4) + 2 * 12)
+    assert st.nbytes == 8 + (4 + 4 + 10 * 12 + 8 + 4 * (12 + 10 * kv_row)) + (
+        4 + 8 + 8 + 2 * (12 + 2 * 64 * 4) + 2 * 12
+    )
     assert [r.row_size for r in rec.records] == [512, 512, 0, 0]
     two = state.parse(d["two"], model=d["path"])
     assert two.record("K", 1).rows[0].tobytes() == st.record("K", 1).rows[0].tobytes()
@@ -826,6 +881,7 @@ def test_hybrid_dump(tmp_path):
     assert whole.kind is DumpKind.CONTEXT and whole.options["memory"] == "hybrid"
     # edits load back and change the next logits: one KV head, then the conv state
     with pl.Model(d["path"]) as model, model.context(n_ctx=64, n_threads=1, n_threads_batch=1) as ctx:
+
         def step(blob):
             ctx.memory.clear()
             # checked first (per-layer head counts from the GGUF: llama.cpp's metadata API leaves
@@ -835,10 +891,13 @@ def test_hybrid_dump(tmp_path):
             b.add_sequence([5], 0, 10)
             ctx.decode(b)
             return ctx.logits().copy()
+
         base = step(one)
         np.testing.assert_allclose(base, step(one), rtol=0, atol=0)
-        for edit in (lambda s: s.k[1].__setitem__((slice(None), 0), 0),
-                     lambda s: s.stream("recurrent").r[2].__setitem__(slice(None), 0)):
+        for edit in (
+            lambda s: s.k[1].__setitem__((slice(None), 0), 0),
+            lambda s: s.stream("recurrent").r[2].__setitem__(slice(None), 0),
+        ):
             w = state.parse(one, model=d["path"], writable=True)
             edit(w)
             # tiny random weights (std 0.02) move logits by ~1e-4; the unedited reload moves them by 0
@@ -850,7 +909,7 @@ def test_hybrid_dump(tmp_path):
     errors = 0
     for i in range(600):
         if i % 3 == 0:
-            blob = one[:int(rng.integers(0, len(one)))]
+            blob = one[: int(rng.integers(0, len(one)))]
         else:
             m = arr.copy()
             m[rng.choice(meta, 2)] ^= (1 << rng.integers(0, 8, 2)).astype(np.uint8)
@@ -869,6 +928,7 @@ def test_hybrid_iswa_dump(tmp_path):
     # builds llama_memory_hybrid_iswa: an iSWA cache (base: no layers, swa: 1 and 3), then the
     # recurrent state of the conv layers (0 and 2)
     import pyllamacpp as pl
+
     kw = dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_swa=4)
     d = _synthetic(tmp_path, "lfm2", **kw)
     one = d["one"].tobytes()
@@ -892,6 +952,7 @@ def test_hybrid_iswa_dump(tmp_path):
     assert meta.metadata_only and meta.options["memory"] == "hybrid-iswa"
     _same_headers(meta, st)
     with pl.Model(d["path"]) as model, model.context(n_ctx=64, n_threads=1, n_threads_batch=1) as ctx:
+
         def step(blob, flags=0):
             if not flags:
                 ctx.memory.clear()
@@ -902,10 +963,13 @@ def test_hybrid_iswa_dump(tmp_path):
             logits = ctx.logits().copy()
             ctx.memory.seq_rm(0, 10, -1)
             return logits
+
         base_logits = step(one)
         np.testing.assert_array_equal(step(one), base_logits)
-        for edit in (lambda s: s.k[3].__setitem__((slice(None), 1), 0),
-                     lambda s: s.stream("recurrent").r[0].__setitem__(slice(None), 0)):
+        for edit in (
+            lambda s: s.k[3].__setitem__((slice(None), 1), 0),
+            lambda s: s.stream("recurrent").r[0].__setitem__(slice(None), 0),
+        ):
             w = state.parse(one, model=d["path"], writable=True)
             edit(w)
             assert np.abs(step(w.to_bytes()) - base_logits).max() > 1e-5
@@ -958,23 +1022,30 @@ def test_iswa_layers_are_the_models(tmp_path):
         state.parse(d["one"], layers={"base": [1, 2, 3], "swa": [0]})
     # the CLI shows il, and --layer takes it
     from pyllamacpp.cli import main
+
     assert main(["parse-state", str(f), "--layer", "3", "--cells", "1", "--json"]) == 0
 
 
 def test_layer_map_rules():
     def m(arch, n, **kv):
-        return state.layer_map({"general.architecture": arch, f"{arch}.block_count": n,
-                                **{f"{arch}.{k}": v for k, v in kv.items()}})
+        return state.layer_map(
+            {"general.architecture": arch, f"{arch}.block_count": n, **{f"{arch}.{k}": v for k, v in kv.items()}}
+        )
+
     assert m("llama", 3) == {"kv": [0, 1, 2]}
     assert m("gemma2", 4) == {"base": [1, 3], "swa": [0, 2]}
     assert m("gemma3", 7, **{"attention.sliding_window": 512}) == {"base": [5], "swa": [0, 1, 2, 3, 4, 6]}
     assert m("gemma3", 3) == {"kv": [0, 1, 2]}  # no sliding window: no SWA cache
-    assert m("gemma3", 3, **{"attention.sliding_window": 8, "attention.sliding_window_pattern": [True, False, True]}) == \
-        {"base": [1], "swa": [0, 2]}
+    assert m(
+        "gemma3", 3, **{"attention.sliding_window": 8, "attention.sliding_window_pattern": [True, False, True]}
+    ) == {"base": [1], "swa": [0, 2]}
     assert m("mamba", 2) == {"recurrent": [0, 1]}
     assert m("lfm2", 4, **{"attention.head_count_kv": [0, 2, 0, 2]}) == {"kv": [1, 3], "recurrent": [0, 2]}
-    assert m("lfm2", 4, **{"attention.head_count_kv": [0, 2, 0, 2], "attention.sliding_window": 8}) == \
-        {"base": [], "swa": [1, 3], "recurrent": [0, 2]}
+    assert m("lfm2", 4, **{"attention.head_count_kv": [0, 2, 0, 2], "attention.sliding_window": 8}) == {
+        "base": [],
+        "swa": [1, 3],
+        "recurrent": [0, 2],
+    }
     assert m("falcon-h1", 2) == {"kv": [0, 1], "recurrent": [0, 1]}
     assert m("deepseek4", 2) is None and m("llama", 2, nextn_predict_layers=1) is None
 
@@ -988,13 +1059,25 @@ def test_default_model_layers_from_model(pl_model, runs):
 # -- StateFlags.PARTIAL_ONLY: only the memory's partial part -----------------------------------------
 # model, keywords, its memory, its layer map, and the part a PARTIAL_ONLY dump holds
 PARTIAL_CASES = {
-    "gemma2": (dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_swa=4),
-               "iswa", {"base": [1, 3], "swa": [0, 2]}, "swa"),
+    "gemma2": (
+        dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_swa=4),
+        "iswa",
+        {"base": [1, 3], "swa": [0, 2]},
+        "swa",
+    ),
     # uneven parts (il % 3 < 2 is SWA): a layer count taken from the wrong part shows
-    "gemma3": (dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_swa=4, swa_pattern=3),
-               "iswa", {"base": [2], "swa": [0, 1, 3]}, "swa"),
-    "lfm2": (dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2), "hybrid", {"kv": [1, 3], "recurrent": [0, 2]},
-             "recurrent"),
+    "gemma3": (
+        dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_swa=4, swa_pattern=3),
+        "iswa",
+        {"base": [2], "swa": [0, 1, 3]},
+        "swa",
+    ),
+    "lfm2": (
+        dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2),
+        "hybrid",
+        {"kv": [1, 3], "recurrent": [0, 2]},
+        "recurrent",
+    ),
 }
 
 
@@ -1004,20 +1087,24 @@ def _partial_context(tmp_path, arch):
     PARTIAL_ONLY dump (SeqState), and helpers to decode more."""
     import pyllamacpp as pl
     from pyllamacpp.testing import make_model
+
     kw = PARTIAL_CASES[arch][0]
     path = make_model(tmp_path / f"{arch}.gguf", arch, n_vocab=128, seed=1, **kw)
     with pl.Model(path) as model, model.context(n_ctx=64, n_threads=1, n_threads_batch=1) as ctx:
+
         def decode_more(tokens, pos0):
             b = pl.Batch(32, model=model)
             b.add_sequence(np.asarray(tokens), 0, pos0, logits="last")
             ctx.decode(b)
             return ctx.logits().copy()
+
         decode_more(np.arange(1, 11), 0)
         yield path, ctx, ctx.seq_state(0), ctx.seq_state(0, pl.StateFlags.PARTIAL_ONLY), decode_more
 
 
 def test_partial_flags_match_llama_h():
     import pyllamacpp as pl
+
     assert state.PARTIAL_ONLY == lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY == lib.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
     assert state.ON_DEVICE == lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE == pl.StateFlags.ON_DEVICE
     # what each memory's state_write writes with the flag (llama-kv-cache-iswa.cpp,
@@ -1034,6 +1121,7 @@ def test_partial_flags_match_llama_h():
 def test_partial_dump_is_the_partial_part(tmp_path, arch, capsys):
     import pyllamacpp as pl
     from pyllamacpp.cli import main
+
     _, memory, layers, name = PARTIAL_CASES[arch]
     with _partial_context(tmp_path, arch) as (path, ctx, full, part, _):
         ctx.save_seq_dump(tmp_path / "p.bin", 0, flags=pl.StateFlags.PARTIAL_ONLY, tokens=np.arange(1, 11))
@@ -1045,7 +1133,7 @@ def test_partial_dump_is_the_partial_part(tmp_path, arch, capsys):
     assert [p.name for p in st.parts] == [name] and st.layers == {name: layers[name]}
     # sizes: the io header, then the full dump's part byte for byte
     fp = f.part(name)
-    assert st.nbytes == 8 + fp.end - fp.offset and part.data[8:].tobytes() == full.data[fp.offset:fp.end].tobytes()
+    assert st.nbytes == 8 + fp.end - fp.offset and part.data[8:].tobytes() == full.data[fp.offset : fp.end].tobytes()
     check_layout(st)
     assert st.to_bytes() == part.data.tobytes()
     # records carry the model's layers, and hold what the full dump holds for them
@@ -1098,6 +1186,7 @@ def test_partial_dump_is_the_partial_part(tmp_path, arch, capsys):
 @pytest.mark.parametrize("arch", list(PARTIAL_CASES))
 def test_partial_dump_loads_back_with_the_flag(tmp_path, arch):
     import pyllamacpp as pl
+
     P = pl.StateFlags.PARTIAL_ONLY
     _, memory, layers, name = PARTIAL_CASES[arch]
     other = next(n for n in layers if n != name)  # the part a PARTIAL_ONLY load leaves alone
@@ -1107,11 +1196,13 @@ def test_partial_dump_loads_back_with_the_flag(tmp_path, arch):
 
         def parts(blob):
             s = state.parse(np.asarray(blob), model=path)
-            return {p.name: s.buffer[p.offset:p.end].tobytes() for p in s.parts}, s
+            return {p.name: s.buffer[p.offset : p.end].tobytes() for p in s.parts}, s
 
         # the wrong flag is refused by the check, before llama.cpp; the sequence stays
-        for blob, flags, why in ((full, P, "full dump .* loaded with PARTIAL_ONLY"),
-                                 (part, 0, "PARTIAL_ONLY dump .* load it with flags=StateFlags.PARTIAL_ONLY")):
+        for blob, flags, why in (
+            (full, P, "full dump .* loaded with PARTIAL_ONLY"),
+            (part, 0, "PARTIAL_ONLY dump .* load it with flags=StateFlags.PARTIAL_ONLY"),
+        ):
             for b in (blob, bytes(blob)):  # the SeqState this context made, and bytes
                 with pytest.raises(pl.StateError, match=why) as e:
                     ctx.set_seq_state(0, b, flags)
@@ -1120,8 +1211,8 @@ def test_partial_dump_loads_back_with_the_flag(tmp_path, arch):
         # with it, llama.cpp reads the partial part only: the rest of the sequence stays
         assert ctx.set_seq_state(0, bytes(part), P) == len(part)
         now, _ = parts(ctx.seq_state(0).data)
-        assert now[other] == parts(advanced.data)[0][other]      # 15 tokens, untouched
-        assert now[name] == part.data[8:].tobytes()              # back at 10 tokens
+        assert now[other] == parts(advanced.data)[0][other]  # 15 tokens, untouched
+        assert now[name] == part.data[8:].tobytes()  # back at 10 tokens
         assert bytes(ctx.seq_state(0, P)) == bytes(part)
         # iSWA: llama_kv_cache_iswa::seq_pos_max is the swa cache's; hybrid: the min of its parts'
         assert ctx.memory.seq_pos_max(0) == 9
@@ -1147,7 +1238,7 @@ def test_partial_dump_loads_back_with_the_flag(tmp_path, arch):
             fb = state.parse(full.data, model=path).part("base")
             if len(layers["base"]) != len(layers["swa"]):
                 # the check compares a partial blob with the swa part's layers, not the model's
-                forged = full.data[:8].tobytes() + full.data[fb.offset:fb.end].tobytes()
+                forged = full.data[:8].tobytes() + full.data[fb.offset : fb.end].tobytes()
                 with pytest.raises(pl.StateError, match=r"1 layers in the swa part, the model's has 3"):
                     ctx.set_seq_state(0, forged, P)
             if len(layers["base"]) == len(layers["swa"]):
@@ -1172,6 +1263,7 @@ def test_partial_dump_loads_back_with_the_flag(tmp_path, arch):
 def test_partial_only_changes_nothing_for_plain_and_recurrent_memories(pl_model, tmp_path):
     import pyllamacpp as pl
     from pyllamacpp.testing import make_model
+
     P = pl.StateFlags.PARTIAL_ONLY
     mamba = make_model(tmp_path / "mamba.gguf", "mamba", n_layer=2, n_embd=32, n_vocab=128, seed=1)
     with pl.Model(mamba) as mm:
@@ -1216,22 +1308,29 @@ def composed_parts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("composed")
     lfm2 = _synthetic(tmp, "lfm2", n_layer=4, n_embd=64, n_head=4, n_head_kv=2)["one"].tobytes()
     llama = _synthetic(tmp, "llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2)["one"].tobytes()
-    gemma = _synthetic(tmp, "gemma2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32,
-                       n_swa=4)["one"].tobytes()
+    gemma = _synthetic(tmp, "gemma2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_swa=4)[
+        "one"
+    ].tobytes()
 
     def kv_part(blob, name=None, k_only=False):
         st = state.parse(blob)
         part = st.part(name)
         assert part.n_stream == 1  # one stream: K records, then V records, contiguous
         if not k_only:
-            return blob[part.offset:part.end]
+            return blob[part.offset : part.end]
         v0 = next(r for r in part.streams[0].records if r.kind == "V")
-        return blob[part.offset:v0.header_offset]
+        return blob[part.offset : v0.header_offset]
 
-    return {"hdr": llama[:8], "lfm2": lfm2, "rec": lfm2[state.parse(lfm2).part("recurrent").offset:],
-            "A": kv_part(llama), "Ak": kv_part(llama, k_only=True),
-            "B": kv_part(gemma, "swa"), "Bk": kv_part(gemma, "swa", k_only=True),
-            "Ck": kv_part(gemma, "base", k_only=True)}
+    return {
+        "hdr": llama[:8],
+        "lfm2": lfm2,
+        "rec": lfm2[state.parse(lfm2).part("recurrent").offset :],
+        "A": kv_part(llama),
+        "Ak": kv_part(llama, k_only=True),
+        "B": kv_part(gemma, "swa"),
+        "Bk": kv_part(gemma, "swa", k_only=True),
+        "Ck": kv_part(gemma, "base", k_only=True),
+    }
 
 
 def _check_composed(st, blob, names, *, memory, has_v):
@@ -1246,8 +1345,8 @@ def _check_composed(st, blob, names, *, memory, has_v):
 
 def test_composed_dsa_msa_look_like_iswa(composed_parts):
     c = composed_parts
-    dsa = c["hdr"] + c["Ak"] + c["Bk"]   # llama_kv_cache_dsa: kv_mla, kv_lid (MLA: no V)
-    msa = c["hdr"] + c["A"] + c["B"]     # llama_kv_cache_msa: kv_base, kv_idx
+    dsa = c["hdr"] + c["Ak"] + c["Bk"]  # llama_kv_cache_dsa: kv_mla, kv_lid (MLA: no V)
+    msa = c["hdr"] + c["A"] + c["B"]  # llama_kv_cache_msa: kv_base, kv_idx
     # no hint: today's reading, an iSWA cache
     _check_composed(state.parse(dsa), dsa, ["base", "swa"], memory="iswa", has_v=False)
     _check_composed(state.parse(msa), msa, ["base", "swa"], memory="iswa", has_v=True)
@@ -1273,9 +1372,9 @@ def test_composed_dsa_msa_look_like_iswa(composed_parts):
 
 def test_composed_dsa_iswa(composed_parts, tmp_path):
     c = composed_parts
-    full = c["hdr"] + c["Ak"] + c["Ck"] + c["Bk"]   # llama_kv_cache_dsa_iswa: mla, lid, then swa
+    full = c["hdr"] + c["Ak"] + c["Ck"] + c["Bk"]  # llama_kv_cache_dsa_iswa: mla, lid, then swa
     _check_composed(state.parse(full), full, ["mla", "lid", "swa"], memory="dsa-iswa", has_v=False)
-    part = c["hdr"] + c["Bk"]                       # PARTIAL_ONLY: kv_swa only
+    part = c["hdr"] + c["Bk"]  # PARTIAL_ONLY: kv_swa only
     st = state.parse(part, memory="dsa-iswa")
     _check_composed(st, part, ["swa"], memory="dsa-iswa", has_v=False)
     assert st.partial is True and "partial part" not in st.describe()
@@ -1327,7 +1426,7 @@ def test_composed_hybrid_idx_with_ple(composed_parts, tmp_path):
     # record of a layer with p_l[il], no type field), then the K-only indexer cache. The recurrent
     # part's end is not written: it is where the idx part then reads every byte.
     c = composed_parts
-    lfm2 = state.parse(c["lfm2"])   # kv il 1, 3; recurrent il 0, 2 (R rows 512 bytes, S rows 0)
+    lfm2 = state.parse(c["lfm2"])  # kv il 1, 3; recurrent il 0, 2 (R rows 512 bytes, S rows 0)
     rec = lfm2.stream("recurrent")
     idx_only = state.parse(c["hdr"] + c["Ak"])
     # qwen4exp's rule gives this dump's layers: full_attention_interval 2 over 4 layers
@@ -1347,8 +1446,9 @@ def test_composed_hybrid_idx_with_ple(composed_parts, tmp_path):
             assert st.part("kv").end == st.part("recurrent").offset == lfm2.part("recurrent").offset
             assert st.part("recurrent").end == st.part("idx").offset == len(c["lfm2"]) + added
             r = st.stream("recurrent")
-            assert [(x.kind, x.layer) for x in r.records] == \
-                [x for i in range(2) for x in [("R", i)] + ([("P", i)] if i in ple_layers else [])] + [("S", 0), ("S", 1)]
+            assert [(x.kind, x.layer) for x in r.records] == [
+                x for i in range(2) for x in [("R", i)] + ([("P", i)] if i in ple_layers else [])
+            ] + [("S", 0), ("S", 1)]
             for prev, x in zip(r.records, r.records[1:]):
                 if x.kind == "P":  # right after its layer's R rows, an 8-byte header, f32 rows
                     assert prev.kind == "R" and prev.layer == x.layer and x.il == prev.il
@@ -1360,20 +1460,21 @@ def test_composed_hybrid_idx_with_ple(composed_parts, tmp_path):
                 got = [x for x in r.records if x.kind == kind]
                 want = [x for x in rec.records if x.kind == kind]
                 assert [x.rows.tobytes() for x in got] == [x.rows.tobytes() for x in want]
-            assert [x.rows.tobytes() for x in st.stream("idx").k_records] == \
-                [x.rows.tobytes() for x in idx_only.stream().k_records]
+            assert [x.rows.tobytes() for x in st.stream("idx").k_records] == [
+                x.rows.tobytes() for x in idx_only.stream().k_records
+            ]
         assert st.layers == layers and st.stream("recurrent").p.layers == tuple([0, 2][i] for i in ple_layers)
         assert st.record("K", 3, part="idx").il == 3
         # the indexer's cells can be selected; the recurrent part, PLE rows included, stays as it was
         small = st.select_cells([0, 5], part="idx")
         assert small.stream("recurrent").p.layers == st.stream("recurrent").p.layers
-        assert small.to_bytes()[:st.part("idx").offset] == blob[:st.part("idx").offset]
+        assert small.to_bytes()[: st.part("idx").offset] == blob[: st.part("idx").offset]
         # truncated: no reading accounts for every byte
         for cut in (1, len(c["Ak"]), len(c["Ak"]) + 50):
             with pytest.raises(StateFormatError):
                 state.parse(blob[:-cut], memory="hybrid-idx")
     # PARTIAL_ONLY: the recurrent part alone, PLE rows and all
-    part = c["hdr"] + hybrid[lfm2.part("recurrent").offset:]
+    part = c["hdr"] + hybrid[lfm2.part("recurrent").offset :]
     st = state.parse(part, model=q)
     assert [p.name for p in st.parts] == ["recurrent"] and st.partial is True and st.to_bytes() == part
     assert [x.kind for x in st.stream().records] == ["R", "P", "R", "P", "S", "S"]
@@ -1383,16 +1484,25 @@ def test_composed_hybrid_idx_with_ple(composed_parts, tmp_path):
 def test_composed_layouts_fuzz(composed_parts):
     c = composed_parts
     rng = np.random.default_rng(7)
-    bases = [(c["lfm2"] + c["Ak"], None), (c["hdr"] + c["Ak"] + c["Ck"] + c["Bk"], None),
-             (c["hdr"] + c["Ak"] + c["Bk"], "dsa"), (c["lfm2"] + c["Ak"], "hybrid-idx")]
+    bases = [
+        (c["lfm2"] + c["Ak"], None),
+        (c["hdr"] + c["Ak"] + c["Ck"] + c["Bk"], None),
+        (c["hdr"] + c["Ak"] + c["Bk"], "dsa"),
+        (c["lfm2"] + c["Ak"], "hybrid-idx"),
+    ]
     outcomes = {"ok": 0, "error": 0}
     for base, memory in bases:
-        meta = np.concatenate([np.arange(s.offset, s.offset + s.nbytes) for s in
-                               state.parse(base, memory=memory).layout().segments if not s.payload])
+        meta = np.concatenate(
+            [
+                np.arange(s.offset, s.offset + s.nbytes)
+                for s in state.parse(base, memory=memory).layout().segments
+                if not s.payload
+            ]
+        )
         arr = np.frombuffer(base, np.uint8)
         for i in range(100):
             if i % 3 == 0:
-                blob = base[:int(rng.integers(0, len(base)))]
+                blob = base[: int(rng.integers(0, len(base)))]
             else:
                 mutated = arr.copy()
                 where = rng.choice(meta, rng.integers(1, 3))
@@ -1411,11 +1521,13 @@ def test_composed_layouts_fuzz(composed_parts):
 def test_composed_memory_rules():
     def facts(arch, n=4, **kv):
         return {"general.architecture": arch, f"{arch}.block_count": n, **{f"{arch}.{k}": v for k, v in kv.items()}}
+
     assert state.layer_map(facts("deepseek32")) == {"mla": [0, 1, 2, 3], "lid": [0, 1, 2, 3]}
     assert state.memory_of(state.layer_map(facts("deepseek32"))) == "dsa"
     assert state.layer_map(facts("minimax-m3", leading_dense_block_count=1)) == {"base": [0, 1, 2, 3], "idx": [1, 2, 3]}
     assert state.memory_of({"base": [0], "idx": [0]}) == "msa"
     from pyllamacpp.state._layers import memory_for
+
     assert memory_for(facts("glm5-next")) == memory_for(facts("qwen4exp")) == "hybrid-idx"
     assert memory_for(facts("dots3note")) == "dsa-iswa" and memory_for(facts("glm-dsa")) == "dsa"
     assert memory_for(facts("hy_v4", **{"attention.indexer.top_k": 64})) == "dsa"
@@ -1431,9 +1543,14 @@ def test_composed_memory_rules():
 # key is passed, None where the GGUF lacks it, as model_facts reads a GGUF
 def _arch_facts(arch, n, **kv):
     from pyllamacpp.state._layers import KEYED_RULES
+
     keys = ("nextn_predict_layers",) + KEYED_RULES[arch]
-    return {"general.architecture": arch, f"{arch}.block_count": n, **{f"{arch}.{k}": None for k in keys},
-            **{f"{arch}.{k}": v for k, v in kv.items()}}
+    return {
+        "general.architecture": arch,
+        f"{arch}.block_count": n,
+        **{f"{arch}.{k}": None for k in keys},
+        **{f"{arch}.{k}": v for k, v in kv.items()},
+    }
 
 
 def _arch_map(arch, n, **kv):
@@ -1447,16 +1564,22 @@ def test_glm_dsa_layer_map():
     # GLM 5.2 (1M context) without indexer.types: GLM_5_2_DEFAULT_INDEXER_TYPES, 0 past its 78 entries
     m = _arch_map("glm-dsa", 80, context_length=1048576)
     assert m["mla"] == list(range(80)) and m["lid"] == [0, 1] + list(range(2, 78, 4))
-    assert _arch_map("glm-dsa", 4, **{"context_length": 1048576, "attention.indexer.types": [1, 0, 1, 0]}) == \
-        {"mla": [0, 1, 2, 3], "lid": [0, 2]}                   # the key wins over the default
+    assert _arch_map("glm-dsa", 4, **{"context_length": 1048576, "attention.indexer.types": [1, 0, 1, 0]}) == {
+        "mla": [0, 1, 2, 3],
+        "lid": [0, 2],
+    }  # the key wins over the default
     assert _arch_map("glm-dsa", 3, **{"context_length": 4096, "attention.indexer.types": 0})["lid"] == []
     assert _arch_map("glm-dsa", 4, **{"context_length": 4096, "attention.indexer.types": [1, 0, 1]}) is None
-    assert _arch_map("glm-dsa", 4) is None                      # no context_length: no model loads
+    assert _arch_map("glm-dsa", 4) is None  # no context_length: no model loads
     # nextn layers: a main context's cache leaves them out, an MTP context's holds only them
     assert _arch_map("glm-dsa", 5, context_length=4096, nextn_predict_layers=1) is None
     # a caller that did not read indexer.types (context_state reads no array): no map
-    assert state.layer_map({"general.architecture": "glm-dsa", "glm-dsa.block_count": 4,
-                            "glm-dsa.context_length": 1048576}) is None
+    assert (
+        state.layer_map(
+            {"general.architecture": "glm-dsa", "glm-dsa.block_count": 4, "glm-dsa.context_length": 1048576}
+        )
+        is None
+    )
 
 
 def test_hy_v4_layer_map():
@@ -1470,25 +1593,48 @@ def test_hy_v4_layer_map():
     assert _arch_map("hy_v4", 4, **{"attention.indexer.top_k": 64, "attention.indexer.types": [0, 1, 1, 1]}) is None
     assert _arch_map("hy_v4", 4, **{"attention.indexer.top_k": 64}) is None
     # with nextn layers filter_lid asks is_indexer_full(il >= n_layer()): GGML_ABORT, no memory
-    assert _arch_map("hy_v4", 5, **{"attention.indexer.top_k": 64, "attention.indexer.types": 1,
-                                    "nextn_predict_layers": 1}) is None
+    assert (
+        _arch_map(
+            "hy_v4", 5, **{"attention.indexer.top_k": 64, "attention.indexer.types": 1, "nextn_predict_layers": 1}
+        )
+        is None
+    )
 
 
 def test_dots3note_layer_map():
     # llama_kv_cache_dsa_iswa: mla the non-SWA layers, lid is_indexer_full(il), swa the SWA layers
-    m = _arch_map("dots3note", 6, **{"attention.sliding_window_pattern": [False, True, True, False, True, True],
-                                     "attention.indexer.types": [1, 0, 0, 1, 0, 0]})
+    m = _arch_map(
+        "dots3note",
+        6,
+        **{
+            "attention.sliding_window_pattern": [False, True, True, False, True, True],
+            "attention.indexer.types": [1, 0, 0, 1, 0, 0],
+        },
+    )
     assert m == {"mla": [0, 3], "lid": [0, 3], "swa": [1, 2, 4, 5]} and state.memory_of(m) == "dsa-iswa"
     # get_arr takes shorter arrays (later layers stay 0: not SWA, no indexer), and filter_lid is not
     # chained with !is_swa: an indexer flag on a SWA layer puts it in lid as well as in swa
-    m = _arch_map("dots3note", 6, **{"attention.sliding_window_pattern": [True, True, False],
-                                     "attention.indexer.types": [0, 1]})
+    m = _arch_map(
+        "dots3note", 6, **{"attention.sliding_window_pattern": [True, True, False], "attention.indexer.types": [0, 1]}
+    )
     assert m == {"mla": [2, 3, 4, 5], "lid": [1], "swa": [0, 1]}
     # both are required arrays: a scalar or an absent key loads no model
-    assert _arch_map("dots3note", 2, **{"attention.sliding_window_pattern": 2, "attention.indexer.types": [1, 0]}) is None
+    assert (
+        _arch_map("dots3note", 2, **{"attention.sliding_window_pattern": 2, "attention.indexer.types": [1, 0]}) is None
+    )
     assert _arch_map("dots3note", 2, **{"attention.sliding_window_pattern": [False, True]}) is None
-    assert _arch_map("dots3note", 3, **{"attention.sliding_window_pattern": [False, True],
-                                        "attention.indexer.types": [1, 0], "nextn_predict_layers": 1}) is None
+    assert (
+        _arch_map(
+            "dots3note",
+            3,
+            **{
+                "attention.sliding_window_pattern": [False, True],
+                "attention.indexer.types": [1, 0],
+                "nextn_predict_layers": 1,
+            },
+        )
+        is None
+    )
 
 
 def test_glm5_next_layer_map():
@@ -1499,8 +1645,10 @@ def test_glm5_next_layer_map():
     m = _arch_map("glm5-next", 4, **{"attention.head_count_kv": [4, 0, 0, 4], "attention.indexer.types": [0, 1, 1, 1]})
     assert m == {"kv": [0, 3], "recurrent": [1, 2], "idx": [3]}  # starts with attention; layer 0 shares
     assert _arch_map("glm5-next", 2, **{"attention.head_count_kv": 4}) == {"kv": [0, 1], "recurrent": [], "idx": [0, 1]}
-    assert _arch_map("glm5-next", 4, **{"attention.head_count_kv": [4, 0, 0, 4],
-                                        "attention.indexer.types": [1, 1, 1]}) is None
+    assert (
+        _arch_map("glm5-next", 4, **{"attention.head_count_kv": [4, 0, 0, 4], "attention.indexer.types": [1, 1, 1]})
+        is None
+    )
     assert _arch_map("glm5-next", 4) is None  # no head counts: which layers are KDA is unknown
     assert _arch_map("glm5-next", 5, **{"attention.head_count_kv": [4, 0, 0, 4, 4], "nextn_predict_layers": 1}) is None
 
@@ -1515,9 +1663,13 @@ def test_qwen4exp_layer_map():
     assert _arch_map("qwen4exp", 9, nextn_predict_layers=1) == m
     # attention.recurrent_layers wins over the interval; here the pattern starts with attention,
     # and the MTP layer's 0 does not make it an attention layer of the trunk
-    assert _arch_map("qwen4exp", 5, full_attention_interval=2, nextn_predict_layers=1,
-                     **{"attention.recurrent_layers": [0, 1, 1, 0, 0]}) == \
-        {"kv": [0, 3], "recurrent": [1, 2], "idx": [0, 3]}
+    assert _arch_map(
+        "qwen4exp",
+        5,
+        full_attention_interval=2,
+        nextn_predict_layers=1,
+        **{"attention.recurrent_layers": [0, 1, 1, 0, 0]},
+    ) == {"kv": [0, 3], "recurrent": [1, 2], "idx": [0, 3]}
     assert _arch_map("qwen4exp", 4, **{"attention.recurrent_layers": [0, 1, 1]}) is None  # not n_layer_all entries
     assert _arch_map("qwen4exp", 4, full_attention_interval=0) is None  # load_arch_hparams refuses 0
     # not read by the caller: the default interval may not be the GGUF's
@@ -1527,6 +1679,7 @@ def test_qwen4exp_layer_map():
 def _metadata_gguf(path, arch, **kv):
     """A GGUF holding only metadata (no tensors: llama.cpp would not load it, gguf reads it)."""
     import gguf
+
     w = gguf.GGUFWriter(path, arch)
     for key, value in kv.items():
         if isinstance(value, list):
@@ -1544,9 +1697,15 @@ def test_keyed_layer_maps_from_a_gguf(tmp_path):
     # model_facts reads every key these rules need (arrays too), absent ones as None
     q = _metadata_gguf(tmp_path / "q.gguf", "qwen4exp", block_count=4, full_attention_interval=2)
     assert state.model_facts(q)["layers"] == {"kv": [1, 3], "recurrent": [0, 2], "idx": [1, 3]}
-    d = _metadata_gguf(tmp_path / "d.gguf", "dots3note", block_count=4,
-                       **{"attention.sliding_window_pattern": [False, True, True, False],
-                          "attention.indexer.types": [True, False, False, True]})
+    d = _metadata_gguf(
+        tmp_path / "d.gguf",
+        "dots3note",
+        block_count=4,
+        **{
+            "attention.sliding_window_pattern": [False, True, True, False],
+            "attention.indexer.types": [True, False, False, True],
+        },
+    )
     assert state.model_facts(d)["layers"] == {"mla": [0, 3], "lid": [0, 3], "swa": [1, 2]}
     g = _metadata_gguf(tmp_path / "g.gguf", "glm-dsa", block_count=4, context_length=1048576)
     assert state.model_facts(g)["layers"] == {"mla": [0, 1, 2, 3], "lid": [0, 1, 2]}
@@ -1559,12 +1718,15 @@ def test_keyed_layer_maps_from_a_gguf(tmp_path):
     # llama.cpp's metadata (llama_model_meta_val_str), arrays from the GGUF; here an object with
     # the Model attributes it reads, as no such model can be loaded
     from types import SimpleNamespace
+
     from pyllamacpp.context_state import _model_memory
+
     scalars = {"qwen4exp.block_count": "4", "qwen4exp.full_attention_interval": "2"}
     fake = SimpleNamespace(arch="qwen4exp", path=str(q), meta=scalars.get, kv_head_counts=lambda: [2, 2, 2, 2])
     assert _model_memory(fake) == ("hybrid-idx", {"kv": [1, 3], "recurrent": [0, 2], "idx": [1, 3]})
-    fake = SimpleNamespace(arch="dots3note", path=str(d), meta={"dots3note.block_count": "4"}.get,
-                           kv_head_counts=lambda: [2, 2, 2, 2])
+    fake = SimpleNamespace(
+        arch="dots3note", path=str(d), meta={"dots3note.block_count": "4"}.get, kv_head_counts=lambda: [2, 2, 2, 2]
+    )
     assert _model_memory(fake) == ("dsa-iswa", {"mla": [0, 3], "lid": [0, 3], "swa": [1, 2]})
 
 
@@ -1572,22 +1734,33 @@ def _fake_context(model, memory_layers, params, *, n_seq_max=1, plain_kv=False):
     """What check_state / _partial_differs read of a Context, for archs no model of which can be
     loaded here; ``model`` has what they read of a Model."""
     from types import SimpleNamespace
-    return SimpleNamespace(_memory_layers=lambda: memory_layers, model=model, params=params, n_seq_max=n_seq_max,
-                           n_ctx_seq=256, flash_attn=True, _plain_kv=plain_kv)
+
+    return SimpleNamespace(
+        _memory_layers=lambda: memory_layers,
+        model=model,
+        params=params,
+        n_seq_max=n_seq_max,
+        n_ctx_seq=256,
+        flash_attn=True,
+        _plain_kv=plain_kv,
+    )
 
 
 def test_context_checks_of_composed_memories(tmp_path, composed_parts):
     """check_state and _partial_differs for the memories of archs make_model cannot make."""
-    import pyllamacpp as pl
     from types import SimpleNamespace
+
+    import pyllamacpp as pl
     from pyllamacpp.context_state import StateMethods, _model_memory
     from pyllamacpp.testing import make_model
+
     # PARTIAL_ONLY changes what dsa-iswa, hybrid-idx and dsv4 write (and so which device chunks an
     # ON_DEVICE load takes); dsa and msa write all of themselves either way
     for arch, meta, heads, want in (
-            ("qwen4exp", {"qwen4exp.block_count": "4", "qwen4exp.full_attention_interval": "2"}, [2] * 4, True),
-            ("glm5-next", {"glm5-next.block_count": "4"}, [2, 0, 2, 0], True),
-            ("glm-dsa", {"glm-dsa.block_count": "2", "glm-dsa.context_length": "4096"}, [2, 2], False)):
+        ("qwen4exp", {"qwen4exp.block_count": "4", "qwen4exp.full_attention_interval": "2"}, [2] * 4, True),
+        ("glm5-next", {"glm5-next.block_count": "4"}, [2, 0, 2, 0], True),
+        ("glm-dsa", {"glm-dsa.block_count": "2", "glm-dsa.context_length": "4096"}, [2, 2], False),
+    ):
         fake = SimpleNamespace(arch=arch, path=None, meta=meta.get, kv_head_counts=lambda h=heads: h)
         mem = _model_memory(fake)
         assert StateMethods._partial_differs(_fake_context(fake, mem, None)) is want, arch
@@ -1595,22 +1768,35 @@ def test_context_checks_of_composed_memories(tmp_path, composed_parts):
     # not key_length x head_count_kv wide, as its MLA rows need not be either
     dumps = {}
     for n_kv in (2, 1):
-        path = make_model(tmp_path / f"l{n_kv}.gguf", "llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=n_kv,
-                          n_vocab=128)
+        path = make_model(
+            tmp_path / f"l{n_kv}.gguf", "llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=n_kv, n_vocab=128
+        )
         with pl.Model(path) as m, m.context(n_ctx=256, flash_attn="on", n_threads=1, n_threads_batch=1) as c:
             c.prefill(np.arange(1, 8))
             dumps[n_kv], params = c.seq_state(0).data.tobytes(), c.params
 
     def k_part(blob):
         part = state.parse(blob).part("kv")
-        return blob[part.offset:next(r for r in part.streams[0].records if r.kind == "V").header_offset]
+        return blob[part.offset : next(r for r in part.streams[0].records if r.kind == "V").header_offset]
 
     dsa = dumps[2][:8] + k_part(dumps[2]) + k_part(dumps[1])
-    meta = {"glm-dsa.block_count": "2", "glm-dsa.context_length": "4096", "glm-dsa.attention.indexer.types": "1",
-            "glm-dsa.attention.key_length": "16", "glm-dsa.attention.value_length": "16"}
+    meta = {
+        "glm-dsa.block_count": "2",
+        "glm-dsa.context_length": "4096",
+        "glm-dsa.attention.indexer.types": "1",
+        "glm-dsa.attention.key_length": "16",
+        "glm-dsa.attention.value_length": "16",
+    }
     with pl.Model(tmp_path / "l2.gguf") as m2:
-        glm = SimpleNamespace(arch="glm-dsa", path=None, meta=meta.get, kv_head_counts=lambda: [2, 2], ptr=m2.ptr,
-                              kv_head_sizes=lambda: (16, 16), n_layer=2)
+        glm = SimpleNamespace(
+            arch="glm-dsa",
+            path=None,
+            meta=meta.get,
+            kv_head_counts=lambda: [2, 2],
+            ptr=m2.ptr,
+            kv_head_sizes=lambda: (16, 16),
+            n_layer=2,
+        )
         mem = _model_memory(glm)
         assert mem == ("dsa", {"mla": [0, 1], "lid": [0, 1]})
         StateMethods.check_state(_fake_context(glm, mem, params), dsa)  # no width complaint
@@ -1625,8 +1811,15 @@ def test_context_checks_of_composed_memories(tmp_path, composed_parts):
     two = lambda part: _u32(2) + part[4:] + _u32(0)  # noqa: E731  (a second, empty stream)
     blocks, _ = _dsv4_blocks(2)
     seq = c["hdr"] + _u32(DSV4_MAGIC, 1, 0) + two(c["Ck"]) + two(c["Bk"]) + blocks
-    ds = SimpleNamespace(arch="deepseek4", path=None, meta={"deepseek4.block_count": "2"}.get,
-                         kv_head_counts=lambda: [2, 2], ptr=None, kv_head_sizes=lambda: (32, 32), n_layer=2)
+    ds = SimpleNamespace(
+        arch="deepseek4",
+        path=None,
+        meta={"deepseek4.block_count": "2"}.get,
+        kv_head_counts=lambda: [2, 2],
+        ptr=None,
+        kv_head_sizes=lambda: (32, 32),
+        n_layer=2,
+    )
     unified = SimpleNamespace(**{**vars(params), "kv_unified": True}) if hasattr(params, "__dict__") else params
     with pl.Model(tmp_path / "l2.gguf") as m2:
         ds.ptr = m2.ptr
@@ -1648,7 +1841,7 @@ def test_context_checks_of_composed_memories(tmp_path, composed_parts):
 DSV4_MAGIC = 0x34565344
 # a 4-layer model with compress ratios [4, 128, 4, 0]: csa and lid hold il 0 and 2, hca il 1
 DSV4_LAYERS = {"csa": [0, 2], "hca": [1], "lid": [0, 2]}
-DSV4_HEAD, DSV4_INDEXER = 8, 32   # n_embd_head_k, indexer_head_size
+DSV4_HEAD, DSV4_INDEXER = 8, 32  # n_embd_head_k, indexer_head_size
 
 
 def _u32(*values) -> bytes:
@@ -1660,15 +1853,18 @@ def _dsv4_tensor(type_name: str, values: np.ndarray, *, rows_out: bool = True) -
     stream's rows (``values``: (ns, rows, ne0)); ``rows_out=False``: as ON_DEVICE writes it."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
+
     from pyllamacpp.state._types import type_by_name
+
     t = type_by_name(type_name)
     ns, rows, ne0 = values.shape
     if t.quantized:
         raw = quantize(values.reshape(-1, ne0).astype(np.float32), GGMLQuantizationType(t.id)).tobytes()
     else:
         raw = values.astype(t.dtype).tobytes()
-    head = int(t.id).to_bytes(4, "little", signed=True) + b"".join(int(v).to_bytes(8, "little") for v in
-                                                                  (ne0, rows, ne0 // t.block_size * t.type_size))
+    head = int(t.id).to_bytes(4, "little", signed=True) + b"".join(
+        int(v).to_bytes(8, "little") for v in (ne0, rows, ne0 // t.block_size * t.type_size)
+    )
     return head + (raw if rows_out else b"")
 
 
@@ -1682,14 +1878,20 @@ def _dsv4_blocks(n_rows: int, ns: int = 1, *, partial: bool = False, rows_out: b
     values, out = {}, b""
     if not partial:
         # hca: one row per 128 positions, 32 times fewer than csa and lid
-        for name, (type_name, ne0, rows) in {"csa": ("f16", 16, n_rows), "hca": ("f32", 16, n_rows // 32),
-                                             "lid": ("q8_0", DSV4_INDEXER, n_rows)}.items():
+        for name, (type_name, ne0, rows) in {
+            "csa": ("f16", 16, n_rows),
+            "hca": ("f32", 16, n_rows // 32),
+            "lid": ("q8_0", DSV4_INDEXER, n_rows),
+        }.items():
             out += _u32(2, rows, ns, len(DSV4_LAYERS[name]))
             for il in DSV4_LAYERS[name]:
                 v = values[name, "K", il] = _dsv4_values(len(values), ns, rows, ne0)
                 out += _u32(il) + _dsv4_tensor(type_name, v, rows_out=rows_out)
-    for name, ratio, size, n_embd in (("csa-state", 4, 8, 2 * DSV4_HEAD), ("hca-state", 128, 128, DSV4_HEAD),
-                                      ("lid-state", 4, 8, 2 * DSV4_INDEXER)):
+    for name, ratio, size, n_embd in (
+        ("csa-state", 4, 8, 2 * DSV4_HEAD),
+        ("hca-state", 128, 128, DSV4_HEAD),
+        ("lid-state", 4, 8, 2 * DSV4_INDEXER),
+    ):
         ils = DSV4_LAYERS[name.split("-")[0]]
         n_embd = (n_embd_state or {}).get(name, n_embd)
         out += _u32(1, ratio, size, n_embd, ns, len(ils))
@@ -1712,14 +1914,22 @@ def dsv4(composed_parts):
     full = head + c["Ck"] + c["Bk"] + blocks
     pblocks, pvalues = _dsv4_blocks(n_rows, partial=True)
     partial = c["hdr"] + _u32(DSV4_MAGIC, 1, 1) + c["Bk"] + pblocks
-    return {"full": full, "values": values, "partial": partial, "pvalues": pvalues, "n_rows": n_rows,
-            "raw_end": len(head) + len(c["Ck"]) + len(c["Bk"]), "c": c}
+    return {
+        "full": full,
+        "values": values,
+        "partial": partial,
+        "pvalues": pvalues,
+        "n_rows": n_rows,
+        "raw_end": len(head) + len(c["Ck"]) + len(c["Bk"]),
+        "c": c,
+    }
 
 
 def _dsv4_checks(st, blob, values, names):
     """Parts, bytes, layout, and every value written, through records, views, address and layout."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
+
     assert [p.name for p in st.parts] == names and st.options["memory"] == "dsv4"
     assert st.options["has_v"] is False and st.to_bytes() == blob
     check_layout(st)
@@ -1728,8 +1938,9 @@ def _dsv4_checks(st, blob, values, names):
     assert lay.payload_bytes == sum(r.nbytes for r in st.records())
     blocks = [p for p in st.parts if p.kind in ("compressed", "compressor")]
     assert len(lay.rows) == sum(len(s.records) for p in st.parts for s in p.streams)
-    assert [(r.part, r.kind, r.il) for r in st.records() if r.part in [b.name for b in blocks]] == \
-        [(name, kind, il) for name, kind, il in values for _ in range(values[name, kind, il].shape[0])]
+    assert [(r.part, r.kind, r.il) for r in st.records() if r.part in [b.name for b in blocks]] == [
+        (name, kind, il) for name, kind, il in values for _ in range(values[name, kind, il].shape[0])
+    ]
     for (name, kind, il), v in values.items():
         for s in range(v.shape[0]):
             rec = st.record(kind, il, part=name, stream=s)
@@ -1752,7 +1963,7 @@ def _dsv4_checks(st, blob, values, names):
                 r_, j = v.shape[1] - 1, v.shape[2] - 1
                 at = st.address(kind, il, r_, 0, j, part=name, stream=s)
                 assert at == rec.data_offset + r_ * rec.row_size + j * rec.type.type_size
-                assert blob[at:at + rec.type.type_size] == v[s, r_, j].astype(rec.type.dtype).tobytes()
+                assert blob[at : at + rec.type.type_size] == v[s, r_, j].astype(rec.type.dtype).tobytes()
     return lay
 
 
@@ -1779,10 +1990,15 @@ def test_dsv4_round_trip_layout_and_views(dsv4):
     # every byte is metadata or payload; the payload is the raw K rows and the blocks' rows
     assert lay.metadata_bytes + lay.payload_bytes == len(blob)
     assert lay.payload_bytes == sum(r.nbytes for r in raw.records()) + sum(
-        v[0].size * {"csa": 2, "hca": 4, "lid": 34 / 32}.get(name, 4) for (name, _, _), v in dsv4["values"].items())
+        v[0].size * {"csa": 2, "hca": 4, "lid": 34 / 32}.get(name, 4) for (name, _, _), v in dsv4["values"].items()
+    )
     segs = {s.what for s in lay.segments}
-    assert {"dsv4: magic, version, mode", "csa: version, n_rows, ns, n_layer", "csa layer 1: il",
-            "hca-state: version, ratio, state_size, n_embd_state, ns, n_layer"} <= segs
+    assert {
+        "dsv4: magic, version, mode",
+        "csa: version, n_rows, ns, n_layer",
+        "csa layer 1: il",
+        "hca-state: version, ratio, state_size, n_embd_state, ns, n_layer",
+    } <= segs
     # the table and the text show the blocks
     assert "csa-state" in lay.table() and "SCORE" in lay.table()
     text = st.describe()
@@ -1797,7 +2013,7 @@ def test_dsv4_round_trip_layout_and_views(dsv4):
     r = w.record("KV", 2, part="lid-state")
     out = w.to_bytes()
     at = r.data_offset + 7 * r.row_size + 5 * 4
-    assert out[at:at + 4] == np.float32(42).tobytes() and out[:at] == blob[:at] and out[at + 4:] == blob[at + 4:]
+    assert out[at : at + 4] == np.float32(42).tobytes() and out[:at] == blob[:at] and out[at + 4 :] == blob[at + 4 :]
 
 
 def test_dsv4_partial_only(dsv4):
@@ -1805,10 +2021,16 @@ def test_dsv4_partial_only(dsv4):
     for st in (state.parse(blob), state.parse(blob, memory="dsv4"), state.parse(blob, flags=state.PARTIAL_ONLY)):
         _dsv4_checks(st, blob, dsv4["pvalues"], ["swa", "csa-state", "hca-state", "lid-state"])
         assert st.partial is True
-    assert "partial (PARTIAL_ONLY): only the swa and csa-state and hca-state and lid-state parts of a DeepSeek V4" \
+    assert (
+        "partial (PARTIAL_ONLY): only the swa and csa-state and hca-state and lid-state parts of a DeepSeek V4"
         in state.parse(blob).describe()
-    assert state.written_parts("dsv4", True) == (("kv", "swa"), ("compressor", "csa-state"),
-                                                 ("compressor", "hca-state"), ("compressor", "lid-state"))
+    )
+    assert state.written_parts("dsv4", True) == (
+        ("kv", "swa"),
+        ("compressor", "csa-state"),
+        ("compressor", "hca-state"),
+        ("compressor", "lid-state"),
+    )
     assert [n for _, n in state.written_parts("dsv4", False)][:5] == ["base", "swa", "csa", "hca", "lid"]
     # state_read refuses a mode that is not the load's flag ("DSV4 state flags mismatch")
     for data, kw in ((blob, {"partial": False}), (dsv4["full"], {"partial": True}), (blob, {"flags": 0})):
@@ -1825,20 +2047,24 @@ def test_dsv4_partial_only(dsv4):
 def test_dsv4_metadata_only(dsv4):
     # ON_DEVICE: llama_io_write_device::write_tensor writes nothing into the blob, write() every
     # header: the dump without its payload segments
-    for blob, values, names in ((dsv4["full"], dsv4["values"], 8), (dsv4["partial"], dsv4["pvalues"], 4)):
+    for blob, _values, names in ((dsv4["full"], dsv4["values"], 8), (dsv4["partial"], dsv4["pvalues"], 4)):
         full = state.parse(blob)
-        meta = b"".join(blob[s.offset:s.offset + s.nbytes] for s in full.layout().segments if not s.payload)
+        meta = b"".join(blob[s.offset : s.offset + s.nbytes] for s in full.layout().segments if not s.payload)
         # the blocks as the writer above writes them without rows
         blocks = _dsv4_blocks(dsv4["n_rows"], partial=names == 4, rows_out=False)[0]
         first = next(p for p in state.parse(meta).parts if p.kind in ("compressed", "compressor"))
-        assert meta[first.offset:] == blocks
-        for st in (state.parse(meta), state.parse(meta, flags=state.ON_DEVICE | (state.PARTIAL_ONLY if names == 4 else 0))):
+        assert meta[first.offset :] == blocks
+        for st in (
+            state.parse(meta),
+            state.parse(meta, flags=state.ON_DEVICE | (state.PARTIAL_ONLY if names == 4 else 0)),
+        ):
             assert st.metadata_only and len(st.parts) == names and st.to_bytes() == meta
             check_layout(st)
             lay = st.layout()
             assert lay.payload_bytes == 0 and lay.total_bytes == len(meta)
-            assert [(r.part, r.kind, r.il, r.type, r.row_size) for r in st.records()] == \
-                [(r.part, r.kind, r.il, r.type, r.row_size) for r in full.records()]
+            assert [(r.part, r.kind, r.il, r.type, r.row_size) for r in st.records()] == [
+                (r.part, r.kind, r.il, r.type, r.row_size) for r in full.records()
+            ]
             rec = st.record("KV", 0, part="csa-state")
             assert rec.data is None and rec.rows_nbytes == 8 * 16 * 4
             with pytest.raises(state.MetadataOnlyError):
@@ -1852,9 +2078,11 @@ def test_dsv4_streams_of_a_whole_memory(dsv4):
     """A whole-context state (seq_id -1): every block writes ns = n_stream streams per layer
     tensor, interleaved (dsv4_state_write_tensor_streams); the raw cache's n_stream is that n."""
     c = dsv4["c"]
+
     def two_streams(part: bytes) -> bytes:  # a K-only part with an empty second stream
         assert part[:4] == _u32(1)
         return _u32(2) + part[4:] + _u32(0)
+
     blocks, values = _dsv4_blocks(256, ns=2)
     head = _u32(9) + b"deepseek4"
     blob = head + _u32(DSV4_MAGIC, 1, 0) + two_streams(c["Ck"]) + two_streams(c["Bk"]) + blocks
@@ -1868,7 +2096,7 @@ def test_dsv4_streams_of_a_whole_memory(dsv4):
     assert r0.header_offset == r1.header_offset and r1.data_offset == r0.data_offset + r0.nbytes
     assert r1.header_size == 28
     # a sequence dump is of one stream (dsv4_state_dst_stream_range: ns must be 1)
-    seq = c["hdr"] + blob[len(head):]
+    seq = c["hdr"] + blob[len(head) :]
     with pytest.raises(StateFormatError, match="streams") as e:
         state.parse(seq)
     csa_at = len(c["hdr"]) + 12 + len(two_streams(c["Ck"])) + len(two_streams(c["Bk"]))
@@ -1905,7 +2133,7 @@ def test_dsv4_errors_name_the_offset(dsv4):
     st = state.parse(blob)
 
     def patched(at: int, value: int, size: int = 4) -> bytes:
-        return blob[:at] + int(value).to_bytes(size, "little", signed=value < 0) + blob[at + size:]
+        return blob[:at] + int(value).to_bytes(size, "little", signed=value < 0) + blob[at + size :]
 
     def fails(data, at, match, **kw):
         with pytest.raises(StateFormatError, match=match) as e:
@@ -1922,12 +2150,15 @@ def test_dsv4_errors_name_the_offset(dsv4):
     fails(patched(16, 2), 16, "mode 2")
     fails(blob, 8, "K-only", has_v=True)
     fails(patched(csa.offset, 3), csa.offset, "version 3, expected 2")
-    assert state.parse(patched(csa.offset, 1)).part("csa").version == 1   # dsv4_state_read_k_cache reads 1
+    assert state.parse(patched(csa.offset, 1)).part("csa").version == 1  # dsv4_state_read_k_cache reads 1
     fails(patched(csa.offset + 8, 2), csa.offset + 8, "2 streams, expected 1")
     fails(patched(hca.offset + 8, 0), hca.offset + 8, "0 streams")
     fails(patched(csa.offset + 4, 3), k0.header_offset + 12, "rows 2, expected the block's 3")
-    fails(patched(k0.header_offset + 20, k0.row_size + 2, 8), k0.header_offset + 20,
-          r"row_size 34, but ggml_row_size\(f16, 16\) is 32")
+    fails(
+        patched(k0.header_offset + 20, k0.row_size + 2, 8),
+        k0.header_offset + 20,
+        r"row_size 34, but ggml_row_size\(f16, 16\) is 32",
+    )
     fails(patched(k0.header_offset + 4, 15, 8), k0.header_offset + 20, r"ggml_row_size\(f16, 15\) is 30")
     q0 = lid.records[0]
     fails(patched(q0.header_offset + 4, 16, 8), q0.header_offset + 4, "whole blocks of 32")
@@ -1940,17 +2171,27 @@ def test_dsv4_errors_name_the_offset(dsv4):
     fails(patched(ls.offset + 12, 63), ls.offset + 12, "even")
     fails(patched(cs.offset + 12, 18), cs.records[0].header_offset + 4, "ne0 16, expected n_embd_state 18")
     fails(patched(cs.records[1].header_offset, 1), cs.records[1].header_offset, "F32")
-    fails(patched(cs.records[0].header_offset + 12, 7, 8), cs.records[0].header_offset + 12, "rows 7, expected the block's 8")
+    fails(
+        patched(cs.records[0].header_offset + 12, 7, 8),
+        cs.records[0].header_offset + 12,
+        "rows 7, expected the block's 8",
+    )
     # layer sets: lid holds csa's layers, a state a prefix of its cache's, csa and hca apart
     fails(patched(lid.records[1].header_offset - 4, 3), lid.offset, r"layers \[0, 3\], but csa has \[0, 2\]")
     fails(patched(ls.records[2].header_offset - 4, 3), ls.offset, r"but csa-state has \[0, 2\]")
     fails(patched(hs.records[0].header_offset - 4, 2), hs.offset, "not the first layers of hca")
     # n_embd_state: csa-state's is 2 x hca-state's; lid's rows are half lid-state's n_embd_state
     e = fails(patched(hs.offset + 12, 4), hs.records[0].header_offset + 4, "ne0 8, expected n_embd_state 4")
-    fails(blob[:cs.offset] + _dsv4_blocks(2, partial=True, n_embd_state={"csa-state": 24})[0], cs.offset + 12,
-          "24, expected 2 x hca-state's 8")
-    fails(blob[:cs.offset] + _dsv4_blocks(2, partial=True, n_embd_state={"lid-state": 48})[0],
-          lid.records[0].header_offset + 4, r"ne0 32, expected half of lid-state's n_embd_state 48")
+    fails(
+        blob[: cs.offset] + _dsv4_blocks(2, partial=True, n_embd_state={"csa-state": 24})[0],
+        cs.offset + 12,
+        "24, expected 2 x hca-state's 8",
+    )
+    fails(
+        blob[: cs.offset] + _dsv4_blocks(2, partial=True, n_embd_state={"lid-state": 48})[0],
+        lid.records[0].header_offset + 4,
+        r"ne0 32, expected half of lid-state's n_embd_state 48",
+    )
     # trailing bytes, and a dump cut anywhere after the raw cache: the offset of the field cut short
     fails(blob + b"\0", len(blob), "1 trailing bytes")
     for at, size in _dsv4_fields(st, dsv4["raw_end"]):
@@ -1972,13 +2213,25 @@ def test_dsv4_select_cells_is_refused(dsv4):
 
 def test_dsv4_layer_map(dsv4):
     def facts(n=4, **kv):
-        return {"general.architecture": "deepseek4", "deepseek4.block_count": n,
-                **{f"deepseek4.{k}": v for k, v in kv.items()}}
+        return {
+            "general.architecture": "deepseek4",
+            "deepseek4.block_count": n,
+            **{f"deepseek4.{k}": v for k, v in kv.items()},
+        }
+
     m = state.layer_map(facts(**{"attention.compress_ratios": [4, 128, 4, 0]}))
-    assert m == {"base": [], "swa": [0, 1, 2, 3], "csa": [0, 2], "hca": [1], "lid": [0, 2],
-                 "csa-state": [0, 2], "hca-state": [1], "lid-state": [0, 2]}
+    assert m == {
+        "base": [],
+        "swa": [0, 1, 2, 3],
+        "csa": [0, 2],
+        "hca": [1],
+        "lid": [0, 2],
+        "csa-state": [0, 2],
+        "hca-state": [1],
+        "lid-state": [0, 2],
+    }
     assert state.memory_of(m) == "dsv4"
-    assert state.layer_map(facts()) is None                          # no ratios: no map
+    assert state.layer_map(facts()) is None  # no ratios: no map
     assert state.layer_map(facts(**{"attention.compress_ratios": [4, 128, 4, 0], "nextn_predict_layers": 1})) is None
     # the composed raw cache is gemma2's (base il 1, swa il 0): a map of this dump
     layers = {**m, "base": [1], "swa": [0]}
@@ -1986,7 +2239,9 @@ def test_dsv4_layer_map(dsv4):
     assert st.layers == layers and st.layout().layers_known and "record indices" not in st.layout().table()
     assert st.k[1].tobytes() == st.stream("base").k[1].tobytes() and st.record("K", 1, part="hca").il == 1
     part = state.parse(dsv4["partial"], layers=layers)  # a partial dump, told by its mode
-    assert part.partial is True and part.layers == {k: layers[k] for k in ("swa", "csa-state", "hca-state", "lid-state")}
+    assert part.partial is True and part.layers == {
+        k: layers[k] for k in ("swa", "csa-state", "hca-state", "lid-state")
+    }
     with pytest.raises(StateFormatError, match="a dump of another model") as e:
         state.parse(dsv4["full"], layers={**layers, "hca": [3], "hca-state": [3]})
     assert e.value.what == "hca: layers"
@@ -1998,17 +2253,22 @@ def test_dsv4_layer_map(dsv4):
 def test_dsv4_fuzz(dsv4):
     rng = np.random.default_rng(11)
     full = dsv4["full"]
-    meta = b"".join(full[s.offset:s.offset + s.nbytes] for s in state.parse(full).layout().segments if not s.payload)
+    meta = b"".join(full[s.offset : s.offset + s.nbytes] for s in state.parse(full).layout().segments if not s.payload)
     outcomes = {"ok": 0, "error": 0}
     for base in (full, dsv4["partial"], meta):
         st = state.parse(base)
         start = st.part("swa").offset
-        heads = np.concatenate([np.arange(s.offset, s.offset + s.nbytes) for s in st.layout().segments
-                                if not s.payload and s.offset >= start - 12])
+        heads = np.concatenate(
+            [
+                np.arange(s.offset, s.offset + s.nbytes)
+                for s in st.layout().segments
+                if not s.payload and s.offset >= start - 12
+            ]
+        )
         arr = np.frombuffer(base, np.uint8)
         for i in range(150):
             if i % 3 == 0:
-                blob = base[:int(rng.integers(0, len(base)))]
+                blob = base[: int(rng.integers(0, len(base)))]
             else:
                 mutated = arr.copy()  # headers after the raw cache, or anywhere
                 where = rng.choice(heads if i % 3 == 1 else len(base), rng.integers(1, 3))
@@ -2027,13 +2287,16 @@ def test_dsv4_fuzz(dsv4):
 
 # -- the GGUF metadata reader (state._gguf), sidecars, Layout as a sequence ---------------------------
 
+
 def _reader_fields(path) -> dict:
     import gguf
+
     return {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items() if not k.startswith("GGUF.")}
 
 
 def _big_endian_gguf(path):
     import gguf
+
     w = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG)
     w.add_uint32("llama.block_count", 3)
     w.add_array("llama.attention.head_count_kv", [1, 0, 2])
@@ -2050,16 +2313,31 @@ def _big_endian_gguf(path):
 def test_gguf_metadata_reader_matches_gguf_reader(model_path, tmp_path):
     from pyllamacpp.state._gguf import read_metadata
     from pyllamacpp.testing import make_model
+
     # the default model (a 49k-token vocabulary), synthetic models with per-layer arrays and
     # floats, and a metadata-only file with bool and uint arrays
-    paths = [model_path,
-             make_model(tmp_path / "g3.gguf", "gemma3", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_vocab=64,
-                        n_swa=4, swa_pattern=3),
-             make_model(tmp_path / "lfm2.gguf", "lfm2", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_vocab=64),
-             _metadata_gguf(tmp_path / "d.gguf", "dots3note", block_count=4,
-                            **{"attention.sliding_window_pattern": [False, True, True, False],
-                               "attention.indexer.types": [1, 0, 0, 1]}),
-             _big_endian_gguf(tmp_path / "be.gguf")]
+    paths = [
+        model_path,
+        make_model(
+            tmp_path / "g3.gguf",
+            "gemma3",
+            n_layer=4,
+            n_embd=64,
+            n_head=4,
+            n_head_kv=2,
+            n_vocab=64,
+            n_swa=4,
+            swa_pattern=3,
+        ),
+        make_model(tmp_path / "lfm2.gguf", "lfm2", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_vocab=64),
+        _metadata_gguf(
+            tmp_path / "d.gguf",
+            "dots3note",
+            block_count=4,
+            **{"attention.sliding_window_pattern": [False, True, True, False], "attention.indexer.types": [1, 0, 0, 1]},
+        ),
+        _big_endian_gguf(tmp_path / "be.gguf"),
+    ]
     for path in paths:
         ref = _reader_fields(path)
         got = read_metadata(path)
@@ -2068,14 +2346,19 @@ def test_gguf_metadata_reader_matches_gguf_reader(model_path, tmp_path):
             assert got[k] == ref[k] and type(got[k]) is type(ref[k]), k
         # the keys the layer rules and model_facts read, alone: the others are skipped
         arch = ref["general.architecture"]
-        used = ["general.architecture"] + [f"{arch}.{k}" for k in state._layers.rule_keys(arch)] + \
-            [f"{arch}.attention.head_count", f"{arch}.embedding_length"]
+        used = (
+            ["general.architecture"]
+            + [f"{arch}.{k}" for k in state._layers.rule_keys(arch)]
+            + [f"{arch}.attention.head_count", f"{arch}.embedding_length"]
+        )
         assert read_metadata(path, used) == {k: ref[k] for k in used if k in ref}
 
 
 def test_gguf_metadata_reader_stops_before_the_tensor_infos(model_path, tmp_path):
     import gguf
+
     from pyllamacpp.state._gguf import read_metadata
+
     fields = list(gguf.GGUFReader(model_path).fields.values())
     end = fields[-1].offset + sum(int(p.nbytes) for p in fields[-1].parts)  # the KV section's end
     head = tmp_path / "head.gguf"
@@ -2084,7 +2367,7 @@ def test_gguf_metadata_reader_stops_before_the_tensor_infos(model_path, tmp_path
     assert meta == {"llama.block_count": N_LAYER, "tokenizer.ggml.eos_token_id": 2}
     # cut inside the vocabulary: the error says what was being read and where
     short = tmp_path / "short.gguf"
-    short.write_bytes(model_path.read_bytes()[:end // 2])
+    short.write_bytes(model_path.read_bytes()[: end // 2])
     with pytest.raises(StateFormatError, match="tokenizer.ggml") as e:
         read_metadata(short, ("llama.block_count",))
     assert e.value.offset < end // 2 and e.value.needed is not None
@@ -2096,6 +2379,7 @@ def test_gguf_metadata_reader_stops_before_the_tensor_infos(model_path, tmp_path
 
 def test_parse_with_a_model_path_reads_only_metadata(model_path, runs, pl_model):
     from pyllamacpp.state import _sidecar
+
     _sidecar._gguf_meta.cache_clear(), _sidecar._gguf_facts.cache_clear()
     dump = runs("f16-fa")["seq"]
     by_path = state.parse(dump, model=model_path)
@@ -2106,8 +2390,14 @@ def test_parse_with_a_model_path_reads_only_metadata(model_path, runs, pl_model)
     for il in (0, N_LAYER - 1):
         assert by_path.k[il].shape == by_heads.k[il].shape == (7, N_HEAD_KV, HEAD_DIM)
     assert state.model_facts(model_path) == {
-        "model": model_path.name, "arch": "llama", "n_layer": N_LAYER, "n_head_kv": N_HEAD_KV,
-        "n_embd_head_k": HEAD_DIM, "n_embd_head_v": HEAD_DIM, "layers": {"kv": list(range(N_LAYER))}}
+        "model": model_path.name,
+        "arch": "llama",
+        "n_layer": N_LAYER,
+        "n_head_kv": N_HEAD_KV,
+        "n_embd_head_k": HEAD_DIM,
+        "n_embd_head_v": HEAD_DIM,
+        "layers": {"kv": list(range(N_LAYER))},
+    }
     # gguf_field reads an array the metadata cache leaves out (the tokenizer's) on its own
     assert len(_sidecar.gguf_field(model_path, "tokenizer.ggml.token_type")) == N_VOCAB
     assert _sidecar.gguf_field(model_path, "llama.no_such_key") is None
@@ -2116,6 +2406,7 @@ def test_parse_with_a_model_path_reads_only_metadata(model_path, runs, pl_model)
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_sidecar_follows_the_umask_like_the_dump(runs, tmp_path, umask):
     import os
+
     old = os.umask(umask)
     try:
         dump = tmp_path / "d.bin"
@@ -2129,8 +2420,9 @@ def test_sidecar_follows_the_umask_like_the_dump(runs, tmp_path, umask):
 
 def test_sidecar_writes_lists_of_numbers_on_one_line(tmp_path):
     layers = {"base": [1, 3, 5], "swa": list(range(30))}
-    side = state.write_sidecar(tmp_path / "d.bin", layers=layers, tokens=np.array(PROMPT_TOKENS), n_layer=30,
-                               model="m.gguf")
+    side = state.write_sidecar(
+        tmp_path / "d.bin", layers=layers, tokens=np.array(PROMPT_TOKENS), n_layer=30, model="m.gguf"
+    )
     text = side.read_text()
     assert '"swa": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10' in text and '"tokens": [504, 2644, 2643' in text
     assert len(text.splitlines()) == 9  # {, layers {, base, swa, }, model, n_layer, tokens, }

@@ -1,4 +1,5 @@
 """pyllamacpp.testing.make_model: synthetic GGUFs that the real llama.cpp loads and decodes."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,7 @@ import pyllamacpp as pl
 from pyllamacpp import lib
 from pyllamacpp.testing import ARCHS, make_model
 
-SEQ_MAGIC = 0xaf143cd8  # io_magic in llama-context.cpp, first u32 of every seq state
+SEQ_MAGIC = 0xAF143CD8  # io_magic in llama-context.cpp, first u32 of every seq state
 N_TOKENS = 10
 
 
@@ -33,12 +34,28 @@ def _magic(state) -> int:
 def test_plain_attention_gqa_head_dim(tmp_path, arch):
     # head_dim 32 != n_embd / n_head = 16: llama.cpp must take attention.key_length/value_length
     n_layer, n_embd, n_head, n_head_kv, hd, n_vocab = 2, 64, 4, 2, 32, 128
-    path = make_model(tmp_path / f"{arch}.gguf", arch, n_layer=n_layer, n_embd=n_embd,
-                      n_head=n_head, n_head_kv=n_head_kv, head_dim=hd, n_vocab=n_vocab, n_ff=96)
+    path = make_model(
+        tmp_path / f"{arch}.gguf",
+        arch,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=hd,
+        n_vocab=n_vocab,
+        n_ff=96,
+    )
     assert path.stat().st_size < 1_000_000
     with pl.Model(path) as model:
-        assert (model.arch, model.n_layer, model.n_embd, model.n_head, model.n_head_kv,
-                model.n_vocab, model.n_swa) == (arch, n_layer, n_embd, n_head, n_head_kv, n_vocab, 0)
+        assert (model.arch, model.n_layer, model.n_embd, model.n_head, model.n_head_kv, model.n_vocab, model.n_swa) == (
+            arch,
+            n_layer,
+            n_embd,
+            n_head,
+            n_head_kv,
+            n_vocab,
+            0,
+        )
         assert model.meta(f"{arch}.attention.key_length") == str(hd)
         kv_bpt = model.kv_bytes_per_token()
         assert kv_bpt == n_layer * 2 * hd * n_head_kv * 2  # K and V rows, f16
@@ -56,32 +73,55 @@ def test_plain_attention_gqa_head_dim(tmp_path, arch):
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_iswa(tmp_path, arch):
     n_layer, n_swa, n_head_kv, hd = 2, 4, 2, 32
-    path = make_model(tmp_path / f"{arch}.gguf", arch, n_layer=n_layer, n_embd=64, n_head=4,
-                      n_head_kv=n_head_kv, head_dim=hd, n_vocab=128, n_swa=n_swa, swa_pattern=2)
+    path = make_model(
+        tmp_path / f"{arch}.gguf",
+        arch,
+        n_layer=n_layer,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=n_head_kv,
+        head_dim=hd,
+        n_vocab=128,
+        n_swa=n_swa,
+        swa_pattern=2,
+    )
     with pl.Model(path) as model:
-        assert (model.n_layer, model.n_head_kv, model.n_embd, model.n_vocab, model.n_swa) == \
-            (n_layer, n_head_kv, 64, 128, n_swa)
+        assert (model.n_layer, model.n_head_kv, model.n_embd, model.n_vocab, model.n_swa) == (
+            n_layer,
+            n_head_kv,
+            64,
+            128,
+            n_swa,
+        )
         ctx = _decode(model, swa_full=False)
         log = "\n".join(text for _, text in ctx.creation_log)
         assert "llama_kv_cache_iswa" in log and "SWA KV cache" in log
         assert ctx.buffers["CPU"]["KV"] > 0
         state = ctx.seq_state(0)
         assert _magic(state) == SEQ_MAGIC
+
         # pattern 2: layer 0 SWA, layer 1 full. The full cache writes all N_TOKENS cells, the SWA
         # cache only the n_swa not masked for pos_max (llama_hparams::is_masked_swa)
         def one_layer_cache(n_cells):  # n_stream, cell_count, v_trans, n_layer, K/V headers, cells
             return 16 + 2 * 12 + n_cells * (12 + 2 * hd * n_head_kv * 2)
+
         assert len(state) == 8 + one_layer_cache(N_TOKENS) + one_layer_cache(n_swa)
         ctx.close()
 
 
 def test_recurrent_mamba(tmp_path):
     n_layer, n_embd, d_conv, d_state = 2, 32, 4, 8
-    path = make_model(tmp_path / "mamba.gguf", "mamba", n_layer=n_layer, n_embd=n_embd,
-                      n_vocab=96, ssm_d_conv=d_conv, ssm_d_state=d_state)
+    path = make_model(
+        tmp_path / "mamba.gguf",
+        "mamba",
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_vocab=96,
+        ssm_d_conv=d_conv,
+        ssm_d_state=d_state,
+    )
     with pl.Model(path) as model:
-        assert (model.n_layer, model.n_embd, model.n_vocab, model.n_head_kv, model.n_swa) == \
-            (n_layer, n_embd, 96, 0, 0)
+        assert (model.n_layer, model.n_embd, model.n_vocab, model.n_head_kv, model.n_swa) == (n_layer, n_embd, 96, 0, 0)
         assert lib.llama_model_is_recurrent(model.ptr)
         sizes = []
         for n in (4, N_TOKENS):
@@ -100,8 +140,16 @@ def test_recurrent_mamba(tmp_path):
 def test_hybrid_lfm2(tmp_path):
     # attention at layers 1 and 3 (head_count_kv [0, 2, 0, 2]), short convolutions at 0 and 2
     n_layer, n_embd, n_head, n_head_kv, l_cache = 4, 64, 4, 2, 3
-    path = make_model(tmp_path / "lfm2.gguf", "lfm2", n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-                      n_head_kv=n_head_kv, n_vocab=96, conv_l_cache=l_cache)
+    path = make_model(
+        tmp_path / "lfm2.gguf",
+        "lfm2",
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_vocab=96,
+        conv_l_cache=l_cache,
+    )
     with pl.Model(path) as model:
         assert (model.arch, model.n_layer, model.n_embd, model.n_vocab) == ("lfm2", n_layer, n_embd, 96)
         assert lib.llama_model_is_hybrid(model.ptr) and not lib.llama_model_is_recurrent(model.ptr)
@@ -142,19 +190,22 @@ def test_deterministic_and_atomic(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "b.gguf", "c.gguf", "h.gguf"]
 
 
-@pytest.mark.parametrize("arch, kwargs, error", [
-    ("gpt5", dict(n_head=2), ValueError),
-    ("llama", dict(n_head=2, n_swa=4), TypeError),       # not an option of llama
-    ("llama", dict(n_head=4, n_head_kv=3), ValueError),  # GQA groups must divide
-    ("llama", dict(n_head=3), ValueError),               # 32 % 3, no head_dim
-    ("qwen3", dict(), ValueError),                       # attention without n_head
-    ("mamba", dict(n_head=2), ValueError),
-    ("mamba", dict(ssm_d_inner=48), ValueError),         # llama.cpp: expansion factor 2 only
-    ("gemma2", dict(n_head=2, swa_pattern=[True]), ValueError),
-    ("lfm2", dict(n_head=2, head_dim=32), ValueError),    # lfm2 has no key_length
-    ("lfm2", dict(n_head=2, attn_layers=[True]), ValueError),
-    ("lfm2", dict(n_head=2, conv_l_cache=1), ValueError),
-])
+@pytest.mark.parametrize(
+    "arch, kwargs, error",
+    [
+        ("gpt5", dict(n_head=2), ValueError),
+        ("llama", dict(n_head=2, n_swa=4), TypeError),  # not an option of llama
+        ("llama", dict(n_head=4, n_head_kv=3), ValueError),  # GQA groups must divide
+        ("llama", dict(n_head=3), ValueError),  # 32 % 3, no head_dim
+        ("qwen3", dict(), ValueError),  # attention without n_head
+        ("mamba", dict(n_head=2), ValueError),
+        ("mamba", dict(ssm_d_inner=48), ValueError),  # llama.cpp: expansion factor 2 only
+        ("gemma2", dict(n_head=2, swa_pattern=[True]), ValueError),
+        ("lfm2", dict(n_head=2, head_dim=32), ValueError),  # lfm2 has no key_length
+        ("lfm2", dict(n_head=2, attn_layers=[True]), ValueError),
+        ("lfm2", dict(n_head=2, conv_l_cache=1), ValueError),
+    ],
+)
 def test_bad_arguments(tmp_path, arch, kwargs, error):
     with pytest.raises(error):
         make_model(tmp_path / "x.gguf", arch, n_layer=2, n_embd=32, n_vocab=64, **kwargs)

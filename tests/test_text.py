@@ -1,5 +1,6 @@
 """The text level: complete / chat, the streaming detokenizer, how generation ends, the KV cache
 state generation leaves, and the generate / chat commands."""
+
 from __future__ import annotations
 
 import gc
@@ -164,6 +165,7 @@ def test_generate_and_generate_parallel_leave_the_same_cache(model):
 
 def _run_cli(argv, capsys, stdin: str | None = None, monkeypatch=None):
     from pyllamacpp.cli import main
+
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
     rc = main(argv)
@@ -175,24 +177,32 @@ def test_cli_generate_streams_the_text(model, capsys):
     rc, out, _ = _run_cli(["generate", "-p", "The cat sat on the mat.", "-n", "12", "-t", "2"], capsys)
     want = model.complete("The cat sat on the mat.", 12)
     assert rc == 0 and out == "The cat sat on the mat." + want + "\n"
-    rc, out, _ = _run_cli(["generate", "-p", "The cat sat on the mat.", "-n", "12", "--no-display-prompt",
-                           "--temp", "0.8", "-s", "7"], capsys)
+    rc, out, _ = _run_cli(
+        ["generate", "-p", "The cat sat on the mat.", "-n", "12", "--no-display-prompt", "--temp", "0.8", "-s", "7"],
+        capsys,
+    )
     assert rc == 0 and out.endswith("\n") and len(out) > 1
     rc, out, err = _run_cli(["generate", "-p", LONG, "-n", "-1", "-c", "256", "--no-display-prompt"], capsys)
     assert rc == 0 and "context full after 19 tokens" in err and out.startswith(" The cat sat")
 
 
 def test_cli_chat_answers_stdin_turns(capsys, monkeypatch):
-    rc, out, _ = _run_cli(["chat", "-n", "32"], capsys, "What is the capital of France?\n\nAnd of Germany?\n",
-                          monkeypatch)
+    rc, out, _ = _run_cli(
+        ["chat", "-n", "32"], capsys, "What is the capital of France?\n\nAnd of Germany?\n", monkeypatch
+    )
     lines = out.splitlines()
     assert rc == 0 and len(lines) == 2 and "Paris" in lines[0] and "Berlin" in lines[1]  # the history is kept
 
 
 def test_cli_chat_piped():
-    r = subprocess.run([sys.executable, "-c", "import sys; from pyllamacpp.cli import main; sys.exit(main())",
-                        "chat", "-n", "32"], input="What is the capital of France?\n", capture_output=True,
-                       text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys; from pyllamacpp.cli import main; sys.exit(main())", "chat", "-n", "32"],
+        input="What is the capital of France?\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0 and "Paris" in r.stdout and "Traceback" not in r.stderr
 
 

@@ -7,6 +7,7 @@
 
 Generated files live only in the build (``File.generated``): nothing is written under docs/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,11 +45,19 @@ def _columns(n: int):
 def cli_page() -> str:
     """Markdown for every ``pyllamacpp`` subcommand's help, in the parser's order."""
     from pyllamacpp.cli import build_parser
+
     with _columns(100):
         ap = build_parser()
-        out = ["# Command line", "",
-               "Generated at build time from `pyllamacpp.cli.build_parser()`: what `--help` prints.",
-               "", "```text", ap.format_help().rstrip(), "```", ""]
+        out = [
+            "# Command line",
+            "",
+            "Generated at build time from `pyllamacpp.cli.build_parser()`: what `--help` prints.",
+            "",
+            "```text",
+            ap.format_help().rstrip(),
+            "```",
+            "",
+        ]
         sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
         helps = {a.dest: a.help for a in sub._choices_actions}
         for name, p in sub.choices.items():
@@ -71,12 +80,22 @@ def api_pages() -> dict[str, str]:
     import pyllamacpp.testing
 
     pages = {}
-    top = ["# `pyllamacpp`", "", "Every name of `pyllamacpp.__all__`, generated from the docstrings.", "",
-           "## `ffi`, `lib`", "",
-           "The compiled cffi module (`pyllamacpp._lib`): every function, struct, enum and integer "
-           "`#define` of `llama.h` and the ggml headers it includes, checked by the C compiler. "
-           "Call them as llama.cpp documents them, e.g. `pl.lib.llama_max_parallel_sequences()`.", "",
-           "## `__version__`", "", f"The package version, `{pyllamacpp.__version__}` in this build.", ""]
+    top = [
+        "# `pyllamacpp`",
+        "",
+        "Every name of `pyllamacpp.__all__`, generated from the docstrings.",
+        "",
+        "## `ffi`, `lib`",
+        "",
+        "The compiled cffi module (`pyllamacpp._lib`): every function, struct, enum and integer "
+        "`#define` of `llama.h` and the ggml headers it includes, checked by the C compiler. "
+        "Call them as llama.cpp documents them, e.g. `pl.lib.llama_max_parallel_sequences()`.",
+        "",
+        "## `__version__`",
+        "",
+        f"The package version, `{pyllamacpp.__version__}` in this build.",
+        "",
+    ]
     for name in pyllamacpp.__all__:
         if name in ("ffi", "lib", "__version__"):
             continue
@@ -84,22 +103,35 @@ def api_pages() -> dict[str, str]:
         top.append(_api_block(f"{obj.__module__}.{name}"))
     pages["reference/api/pyllamacpp.md"] = "\n".join(top)
 
-    st = ["# `pyllamacpp.state`", "", _api_block("pyllamacpp.state", 1).replace(
-        "heading_level: 1", "heading_level: 1\n      show_root_heading: false\n      members: false"), ""]
+    st = [
+        "# `pyllamacpp.state`",
+        "",
+        _api_block("pyllamacpp.state", 1).replace(
+            "heading_level: 1", "heading_level: 1\n      show_root_heading: false\n      members: false"
+        ),
+        "",
+    ]
     st += [_api_block(f"pyllamacpp.state.{name}") for name in pyllamacpp.state.__all__]
     pages["reference/api/state.md"] = "\n".join(st)
 
-    pages["reference/api/testing.md"] = "# `pyllamacpp.testing`\n\n" + _api_block(
-        "pyllamacpp.testing", 1).replace("heading_level: 1", "heading_level: 2\n      show_root_heading: false")
+    pages["reference/api/testing.md"] = "# `pyllamacpp.testing`\n\n" + _api_block("pyllamacpp.testing", 1).replace(
+        "heading_level: 1", "heading_level: 2\n      show_root_heading: false"
+    )
 
     import importlib.util
-    if importlib.util.find_spec("pyllamacpp.text"):  # the text API's module, when present
-        pages["reference/api/text.md"] = "# `pyllamacpp.text`\n\n" + _api_block(
-            "pyllamacpp.text", 1).replace("heading_level: 1", "heading_level: 2\n      show_root_heading: false")
 
-    ex = ["# `pyllamacpp.experiments`", "",
-          "Each module is one `pyllamacpp` subcommand: `run(args)` returns the data, "
-          "`print_report` prints it, `plot` draws it where the command has `-o`.", ""]
+    if importlib.util.find_spec("pyllamacpp.text"):  # the text API's module, when present
+        pages["reference/api/text.md"] = "# `pyllamacpp.text`\n\n" + _api_block("pyllamacpp.text", 1).replace(
+            "heading_level: 1", "heading_level: 2\n      show_root_heading: false"
+        )
+
+    ex = [
+        "# `pyllamacpp.experiments`",
+        "",
+        "Each module is one `pyllamacpp` subcommand: `run(args)` returns the data, "
+        "`print_report` prints it, `plot` draws it where the command has `-o`.",
+        "",
+    ]
     for mod in experiment_modules():
         ex.append(_api_block(f"pyllamacpp.experiments.{mod}"))
     pages["reference/api/experiments.md"] = "\n".join(ex)
@@ -111,17 +143,50 @@ def experiment_modules() -> list[str]:
     import pkgutil
 
     import pyllamacpp.experiments
-    return sorted(m.name for m in pkgutil.iter_modules(pyllamacpp.experiments.__path__)
-                  if not m.name.startswith("_"))
+
+    return sorted(m.name for m in pkgutil.iter_modules(pyllamacpp.experiments.__path__) if not m.name.startswith("_"))
 
 
 # Commands whose own -o output the Experiments page shows: (asset name, argv with {out}).
 EXPERIMENT_OUTPUTS = [
-    ("sweep.png", ["ubatch-sweep", "-t", "2", "-c", "1024", "-p", "128", "-n", "4", "-r", "1",
-                   "--ubatch-list", "256,128,64", "-o", "{out}"]),
+    (
+        "sweep.png",
+        [
+            "ubatch-sweep",
+            "-t",
+            "2",
+            "-c",
+            "1024",
+            "-p",
+            "128",
+            "-n",
+            "4",
+            "-r",
+            "1",
+            "--ubatch-list",
+            "256,128,64",
+            "-o",
+            "{out}",
+        ],
+    ),
     ("plot-state.png", ["plot-state", "{dump}", "-o", "{out}"]),
-    ("split-plan.html", ["split-plan", "--tokens", "100,50,30,10", "-np", "4", "-b", "512", "-ub", "64",
-                         "--no-kv-unified", "-o", "{out}"]),
+    (
+        "split-plan.html",
+        [
+            "split-plan",
+            "--tokens",
+            "100,50,30,10",
+            "-np",
+            "4",
+            "-b",
+            "512",
+            "-ub",
+            "64",
+            "--no-kv-unified",
+            "-o",
+            "{out}",
+        ],
+    ),
 ]
 
 
@@ -130,6 +195,7 @@ def experiment_outputs(tmp: str) -> dict[str, bytes]:
     import io
 
     from pyllamacpp.cli import main
+
     dump = os.path.join(tmp, "cat.bin")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         main(["kvprobe", "-t", "2", "-c", "512", "--ops", f"text:0:The cat sat on the mat.;save:0:{dump}"])
@@ -152,6 +218,7 @@ def on_files(files, config):
     for name, png in kvwalk.figures(kvwalk.run()).items():
         files.append(File.generated(config, f"assets/kv/{name}", content=png))
     import tempfile
+
     with tempfile.TemporaryDirectory() as tmp:
         for name, data in experiment_outputs(tmp).items():
             files.append(File.generated(config, f"assets/experiments/{name}", content=data))

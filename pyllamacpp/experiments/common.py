@@ -1,4 +1,5 @@
 """Flags shared by the experiment commands (llama.cpp's own short names) and table printing."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,35 +12,66 @@ from pathlib import Path
 from .._cpu import default_n_threads
 
 
-def add_model_flags(p: argparse.ArgumentParser, *, ctx: int = 4096, batch: int = 2048, ubatch: int = 512,
-                    n_parallel: int = 1, threads: int | None = None) -> None:
+def add_model_flags(
+    p: argparse.ArgumentParser,
+    *,
+    ctx: int = 4096,
+    batch: int = 2048,
+    ubatch: int = 512,
+    n_parallel: int = 1,
+    threads: int | None = None,
+) -> None:
     """-m -c -b -ub -np -fa -ctk -ctv -ngl -t --kv-unified/--no-kv-unified --json.
 
     ``threads`` None: the physical core count (``default_n_threads()``, as llama.cpp's tools)."""
-    p.add_argument("-m", "--model", type=Path, default=None,
-                   help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
+    p.add_argument(
+        "-m", "--model", type=Path, default=None, help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)"
+    )
     p.add_argument("-c", "--ctx-size", type=int, default=ctx, help="n_ctx (default %(default)s)")
     p.add_argument("-b", "--batch-size", type=int, default=batch, help="n_batch (default %(default)s)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=ubatch, help="n_ubatch (default %(default)s)")
     p.add_argument("-np", "--parallel", type=int, default=n_parallel, help="n_seq_max (default %(default)s)")
-    p.add_argument("-fa", "--flash-attn", choices=["auto", "on", "off"], default="auto",
-                   help="flash_attn_type (default %(default)s)")
+    p.add_argument(
+        "-fa",
+        "--flash-attn",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="flash_attn_type (default %(default)s)",
+    )
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="type_k (default %(default)s)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="type_v (default %(default)s)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="n_gpu_layers (default %(default)s)")
-    p.add_argument("-t", "--threads", type=int, default=default_n_threads() if threads is None else threads,
-                   help="n_threads and n_threads_batch (default %(default)s: the physical cores)")
-    p.add_argument("--kv-unified", dest="kv_unified", action="store_true", default=None,
-                   help="one KV stream for all sequences")
-    p.add_argument("--no-kv-unified", dest="kv_unified", action="store_false",
-                   help="one KV stream per sequence (llama.cpp's default)")
+    p.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=default_n_threads() if threads is None else threads,
+        help="n_threads and n_threads_batch (default %(default)s: the physical cores)",
+    )
+    p.add_argument(
+        "--kv-unified", dest="kv_unified", action="store_true", default=None, help="one KV stream for all sequences"
+    )
+    p.add_argument(
+        "--no-kv-unified",
+        dest="kv_unified",
+        action="store_false",
+        help="one KV stream per sequence (llama.cpp's default)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def context_kwargs(args, **override) -> dict:
-    kw = dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
-              n_seq_max=args.parallel, flash_attn=args.flash_attn, type_k=args.cache_type_k,
-              type_v=args.cache_type_v, n_threads=args.threads, n_threads_batch=args.threads)
+    kw = dict(
+        n_ctx=args.ctx_size,
+        n_batch=args.batch_size,
+        n_ubatch=args.ubatch_size,
+        n_seq_max=args.parallel,
+        flash_attn=args.flash_attn,
+        type_k=args.cache_type_k,
+        type_v=args.cache_type_v,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+    )
     if args.kv_unified is not None:
         kw["kv_unified"] = args.kv_unified
     kw.update(override)
@@ -48,6 +80,7 @@ def context_kwargs(args, **override) -> dict:
 
 def load_model(args):
     from ..model import Model
+
     return Model(args.model, n_gpu_layers=args.n_gpu_layers)
 
 
@@ -65,6 +98,7 @@ def progress(iterable, desc: str, total: int | None = None):
     ``desc: step i/n (t s)``, so a long command never sits silent."""
     if sys.stderr is not None and sys.stderr.isatty():
         from tqdm import tqdm
+
         return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False)
     return _progress_lines(iterable, desc, total)
 

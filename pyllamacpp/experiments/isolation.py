@@ -8,6 +8,7 @@ the max |Δ logit| at its last token and whether the greedy tokens agree, for a 
 The check can fail, and a control shows it: the same prompts put into ONE shared sequence (each
 prompt now attends to the ones before it) must give different logits.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,6 +26,7 @@ DEFAULT_PROMPTS = [
 def _decode_rows(ctx, model, items):
     """items: [(tokens, seq_id, start_pos)]; returns the last-token logits of each item (copies)."""
     from ..batch import Batch
+
     n = sum(len(t) for t, _, _ in items)
     batch = Batch(n, ctx.n_seq_max, model=model)
     last = []
@@ -45,9 +47,18 @@ def run(args) -> dict:
     out = {"model": str(model.path), "prompts": prompts, "tolerance": args.tolerance, "runs": []}
     try:
         for ub in progress(ubs, "batch-isolation"):
-            kw = dict(n_ctx=max(256, 2 * total), n_batch=max(total, ub), n_ubatch=ub, n_seq_max=k,
-                      kv_unified=True, flash_attn=args.flash_attn, type_k=args.cache_type_k,
-                      type_v=args.cache_type_v, n_threads=args.threads, n_threads_batch=args.threads)
+            kw = dict(
+                n_ctx=max(256, 2 * total),
+                n_batch=max(total, ub),
+                n_ubatch=ub,
+                n_seq_max=k,
+                kv_unified=True,
+                flash_attn=args.flash_attn,
+                type_k=args.cache_type_k,
+                type_v=args.cache_type_v,
+                n_threads=args.threads,
+                n_threads_batch=args.threads,
+            )
             with model.context(**kw) as ctx:
                 together = _decode_rows(ctx, model, [(t, i, 0) for i, t in enumerate(toks)])
                 alone = []
@@ -63,34 +74,55 @@ def run(args) -> dict:
                 shared = _decode_rows(ctx, model, items)
             seqs = []
             for i in range(k):
-                seqs.append({
-                    "seq_id": i, "n_tokens": int(len(toks[i])),
-                    "max_abs_diff": float(np.max(np.abs(together[i] - alone[i]))),
-                    "greedy_together": int(np.argmax(together[i])), "greedy_alone": int(np.argmax(alone[i])),
-                    "control_max_abs_diff": float(np.max(np.abs(shared[i] - alone[i]))),
-                })
+                seqs.append(
+                    {
+                        "seq_id": i,
+                        "n_tokens": int(len(toks[i])),
+                        "max_abs_diff": float(np.max(np.abs(together[i] - alone[i]))),
+                        "greedy_together": int(np.argmax(together[i])),
+                        "greedy_alone": int(np.argmax(alone[i])),
+                        "control_max_abs_diff": float(np.max(np.abs(shared[i] - alone[i]))),
+                    }
+                )
             for s in seqs:
                 s["greedy_agree"] = s["greedy_together"] == s["greedy_alone"]
             isolated = all(s["greedy_agree"] and s["max_abs_diff"] <= args.tolerance for s in seqs)
             # the control must break isolation for every prompt after the first
             control_breaks = all(s["control_max_abs_diff"] > args.tolerance for s in seqs[1:])
-            out["runs"].append({"n_ubatch": ub, "n_batch": kw["n_batch"], "seqs": seqs,
-                                "isolated": isolated, "control_breaks": control_breaks})
+            out["runs"].append(
+                {
+                    "n_ubatch": ub,
+                    "n_batch": kw["n_batch"],
+                    "seqs": seqs,
+                    "isolated": isolated,
+                    "control_breaks": control_breaks,
+                }
+            )
     finally:
         model.close()
-    out["verdict"] = ("isolated" if all(r["isolated"] for r in out["runs"]) else "LEAK") + \
-        ("" if all(r["control_breaks"] for r in out["runs"]) else " (control did not break: check is blind)")
+    out["verdict"] = ("isolated" if all(r["isolated"] for r in out["runs"]) else "LEAK") + (
+        "" if all(r["control_breaks"] for r in out["runs"]) else " (control did not break: check is blind)"
+    )
     return out
 
 
 def print_report(data: dict) -> None:
     from .common import print_table
+
     print(f"model {data['model']}; tolerance {data['tolerance']:g} on max |Δ logit| at each prompt's last token")
     for r in data["runs"]:
-        print(f"\n-ub {r['n_ubatch']} (-b {r['n_batch']}): {'isolated' if r['isolated'] else 'LEAK'}; "
-              f"control (one shared sequence) {'breaks it, as it must' if r['control_breaks'] else 'did NOT break it'}")
-        print_table(r["seqs"], [("seq_id", "seq", "d"), ("n_tokens", "tokens", "d"),
-                                ("max_abs_diff", "max|Δ| together vs alone", ".3g"),
-                                ("greedy_agree", "greedy agree", ""),
-                                ("control_max_abs_diff", "max|Δ| shared seq (control)", ".3g")])
+        print(
+            f"\n-ub {r['n_ubatch']} (-b {r['n_batch']}): {'isolated' if r['isolated'] else 'LEAK'}; "
+            f"control (one shared sequence) {'breaks it, as it must' if r['control_breaks'] else 'did NOT break it'}"
+        )
+        print_table(
+            r["seqs"],
+            [
+                ("seq_id", "seq", "d"),
+                ("n_tokens", "tokens", "d"),
+                ("max_abs_diff", "max|Δ| together vs alone", ".3g"),
+                ("greedy_agree", "greedy agree", ""),
+                ("control_max_abs_diff", "max|Δ| shared seq (control)", ".3g"),
+            ],
+        )
     print(f"\nverdict: {data['verdict']}")

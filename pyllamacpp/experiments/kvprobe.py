@@ -14,19 +14,31 @@ Ops, separated by ';' (each reports what it did):
   show:SEQ             positions, cell count and bytes of SEQ's state
 A bad op is refused before anything runs, naming the op and why.
 """
+
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..errors import LlamaError
 from .common import context_kwargs, load_model
 
-_ARITY = {"text": (2, 2), "tokens": (2, 2), "gen": (2, 2), "save": (2, 2), "load": (2, 2), "cp": (2, 2),
-          "rm": (1, 3), "keep": (1, 1), "shift": (2, 2), "clear": (0, 0), "show": (1, 1)}
+_ARITY = {
+    "text": (2, 2),
+    "tokens": (2, 2),
+    "gen": (2, 2),
+    "save": (2, 2),
+    "load": (2, 2),
+    "cp": (2, 2),
+    "rm": (1, 3),
+    "keep": (1, 1),
+    "shift": (2, 2),
+    "clear": (0, 0),
+    "show": (1, 1),
+}
 
 
 @dataclasses.dataclass
@@ -108,10 +120,11 @@ def _seq(text: str, n_seq_max: int) -> int:
 class Probe:
     def __init__(self, model, ctx):
         from ..batch import Batch
+
         self.model, self.ctx = model, ctx
         self.batch = Batch(max(ctx.n_batch, 1), ctx.n_seq_max, model=model)
-        self.history: dict[int, list[int]] = {}   # tokens each sequence holds, when known
-        self.fresh: int | None = None             # the sequence whose last token has logits now
+        self.history: dict[int, list[int]] = {}  # tokens each sequence holds, when known
+        self.fresh: int | None = None  # the sequence whose last token has logits now
 
     def _feed(self, seq: int, toks) -> str:
         mem = self.ctx.memory
@@ -137,8 +150,10 @@ class Probe:
             if self.fresh != seq:
                 hist = self.history.get(seq)
                 if not hist:
-                    raise OpError(f"op {op.index} {op.text!r}: sequence {seq} has no known last token to "
-                                  "continue from (feed it with text:/tokens: first)")
+                    raise OpError(
+                        f"op {op.index} {op.text!r}: sequence {seq} has no known last token to "
+                        "continue from (feed it with text:/tokens: first)"
+                    )
                 last = mem.seq_pos_max(seq)
                 mem.seq_rm(seq, last, -1)  # decode the last token again, this time with logits
                 self.batch.clear()
@@ -166,11 +181,14 @@ class Probe:
             seq, path = a
             n = ctx.set_seq_state(seq, np.fromfile(path, dtype=np.uint8))
             from ..state import read_sidecar
+
             side = read_sidecar(path) or {}
             self.history[seq] = list(side.get("tokens") or [])
             self.fresh = None
             info["bytes"] = n
-            info["did"] = f"seq {seq}: loaded {n:,} bytes from {path}, pos {mem.seq_pos_min(seq)}..{mem.seq_pos_max(seq)}"
+            info["did"] = (
+                f"seq {seq}: loaded {n:,} bytes from {path}, pos {mem.seq_pos_min(seq)}..{mem.seq_pos_max(seq)}"
+            )
         elif name == "cp":
             src, dst = a
             mem.seq_cp(src, dst)
@@ -202,30 +220,35 @@ class Probe:
         elif name == "show":
             seq = a[0]
             info.update(self.show(seq))
-            info["did"] = (f"seq {seq}: pos {info['pos_min']}..{info['pos_max']}, {info['cells']} cells, "
-                           f"{info['bytes']:,} bytes")
+            info["did"] = (
+                f"seq {seq}: pos {info['pos_min']}..{info['pos_max']}, {info['cells']} cells, {info['bytes']:,} bytes"
+            )
         return info
 
     def show(self, seq: int) -> dict:
         from ..state import parse
+
         mem = self.ctx.memory
         state = self.ctx.seq_state(seq)
         # n_head_kv is layer 0's: 0 when layer 0 has no attention (hybrid models), then rows stay flat
         st = parse(state.data, n_head_kv=self.model.n_head_kv or None)
         cells = sum(s.cell_count for p in st.parts for s in p.streams)
-        return {"pos_min": mem.seq_pos_min(seq), "pos_max": mem.seq_pos_max(seq), "cells": cells,
-                "bytes": len(state)}
+        return {"pos_min": mem.seq_pos_min(seq), "pos_max": mem.seq_pos_max(seq), "cells": cells, "bytes": len(state)}
 
 
 def run(args) -> dict:
     ops = parse_ops(args.ops, args.parallel)  # refused before the model is even loaded
     model = load_model(args)
-    out = {"model": str(model.path), "ops": []}
+    out: dict[str, Any] = {"model": str(model.path), "ops": []}
     try:
         with model.context(**context_kwargs(args)) as ctx:
             probe = Probe(model, ctx)
-            out.update(n_ctx=ctx.n_ctx, n_seq_max=ctx.n_seq_max, kv_unified=bool(ctx.params.kv_unified),
-                       flash_attn=ctx.flash_attn)
+            out.update(
+                n_ctx=ctx.n_ctx,
+                n_seq_max=ctx.n_seq_max,
+                kv_unified=bool(ctx.params.kv_unified),
+                flash_attn=ctx.flash_attn,
+            )
             for op in ops:
                 try:
                     out["ops"].append(probe.run(op))
@@ -239,8 +262,10 @@ def run(args) -> dict:
 
 
 def print_report(data: dict) -> None:
-    print(f"model {data['model']}: n_ctx {data['n_ctx']}, -np {data['n_seq_max']}, "
-          f"kv_unified {data['kv_unified']}, flash_attn {data['flash_attn']}")
+    print(
+        f"model {data['model']}: n_ctx {data['n_ctx']}, -np {data['n_seq_max']}, "
+        f"kv_unified {data['kv_unified']}, flash_attn {data['flash_attn']}"
+    )
     for i, r in enumerate(data["ops"], 1):
         print(f"[{i}] {r['op']}\n    {r['did']}")
     if data.get("error"):

@@ -21,6 +21,7 @@ reload may put its cells elsewhere even in the "same cells" case (reported for a
 700 tokens, window 512; a small synthetic gemma3 did not show it): try -m on such a model.
 Exit status 1 when a flash-attention-off row is not bit-identical.
 """
+
 from __future__ import annotations
 
 import sys
@@ -41,22 +42,44 @@ _BINS = np.concatenate([[0.0], np.logspace(-7, 1, 17)])  # |Δ logit| histogram 
 
 def add_parser(sub):
     import argparse
-    p = sub.add_parser("placement", help="restore a sequence at the same or other KV cells, -fa on/off: "
-                                         "do the logits change?",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", default=None,
-                   help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
+
+    p = sub.add_parser(
+        "placement",
+        help="restore a sequence at the same or other KV cells, -fa on/off: do the logits change?",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-m", "--model", default=None, help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: a built-in story opening)")
-    p.add_argument("-p", "--n-prompt", type=int, default=400,
-                   help="repeat the prompt to this many tokens (0: as it is; default %(default)s)")
-    p.add_argument("--occupy", type=int, default=100,
-                   help="tokens decoded into sequence 1 before the 'other cells' restore (default %(default)s)")
-    p.add_argument("-fa", "--flash-attn", choices=["on", "off", "both"], default="both",
-                   help="flash_attn_type of the runs (default %(default)s: one run each)")
+    p.add_argument(
+        "-p",
+        "--n-prompt",
+        type=int,
+        default=400,
+        help="repeat the prompt to this many tokens (0: as it is; default %(default)s)",
+    )
+    p.add_argument(
+        "--occupy",
+        type=int,
+        default=100,
+        help="tokens decoded into sequence 1 before the 'other cells' restore (default %(default)s)",
+    )
+    p.add_argument(
+        "-fa",
+        "--flash-attn",
+        choices=["on", "off", "both"],
+        default="both",
+        help="flash_attn_type of the runs (default %(default)s: one run each)",
+    )
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="type_k (default %(default)s)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="type_v (default %(default)s)")
-    p.add_argument("-t", "--threads", type=int, default=default_n_threads(),
-                   help="n_threads and n_threads_batch (default %(default)s: the physical cores)")
+    p.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=default_n_threads(),
+        help="n_threads and n_threads_batch (default %(default)s: the physical cores)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("-o", "--output", help="write a plot (PNG): max |Δ logit| per case, and their histograms")
     p.set_defaults(func=main)
@@ -75,21 +98,45 @@ def _tokens(model, args) -> np.ndarray:
 def _row(fa: str, case: str, ref: np.ndarray, got: np.ndarray, cells: str) -> dict:
     d = np.abs(got.astype(np.float64) - ref)
     counts, _ = np.histogram(d, bins=_BINS)
-    return {"flash_attn": fa, "case": case, "cells": cells, "max_abs_diff": float(d.max()),
-            "mean_abs_diff": float(d.mean()), "n_differ": int(np.count_nonzero(d)),
-            "argmax_ref": int(np.argmax(ref)), "argmax_restored": int(np.argmax(got)),
-            "argmax_match": bool(np.argmax(ref) == np.argmax(got)), "bit_identical": bool(d.max() == 0),
-            "abs_diff_hist": counts.tolist()}
+    return {
+        "flash_attn": fa,
+        "case": case,
+        "cells": cells,
+        "max_abs_diff": float(d.max()),
+        "mean_abs_diff": float(d.mean()),
+        "n_differ": int(np.count_nonzero(d)),
+        "argmax_ref": int(np.argmax(ref)),
+        "argmax_restored": int(np.argmax(got)),
+        "argmax_match": bool(np.argmax(ref) == np.argmax(got)),
+        "bit_identical": bool(d.max() == 0),
+        "abs_diff_hist": counts.tolist(),
+    }
 
 
-def run_one(model, toks: np.ndarray, *, flash_attn: str, occupy: int, type_k: str = "f16", type_v: str = "f16",
-            n_threads: int | None = None) -> list[dict]:
+def run_one(
+    model,
+    toks: np.ndarray,
+    *,
+    flash_attn: str,
+    occupy: int,
+    type_k: str = "f16",
+    type_v: str = "f16",
+    n_threads: int | None = None,
+) -> list[dict]:
     """The two restores of ``toks[:-1]`` with ``flash_attn`` ("on"/"off"): one row per case."""
     n, m = int(toks.size), int(occupy)
     threads = n_threads or default_n_threads()
-    kw = {"n_ctx": -(-(n + m + 1) // 256) * 256, "n_batch": max(512, n, m), "n_seq_max": 2, "kv_unified": True,
-          "flash_attn": flash_attn, "type_k": type_k, "type_v": type_v, "n_threads": threads,
-          "n_threads_batch": threads}
+    kw = {
+        "n_ctx": -(-(n + m + 1) // 256) * 256,
+        "n_batch": max(512, n, m),
+        "n_seq_max": 2,
+        "kv_unified": True,
+        "flash_attn": flash_attn,
+        "type_k": type_k,
+        "type_v": type_v,
+        "n_threads": threads,
+        "n_threads_batch": threads,
+    }
     head, last = toks[:-1], toks[-1:]
     filler = np.resize(toks, m) if m else None
     with model.context(**kw) as ctx:
@@ -111,6 +158,7 @@ def run_one(model, toks: np.ndarray, *, flash_attn: str, occupy: int, type_k: st
 
 def run(args) -> dict:
     from .common import load_model, progress
+
     args.n_gpu_layers = getattr(args, "n_gpu_layers", 0)
     model = load_model(args)
     try:
@@ -118,11 +166,25 @@ def run(args) -> dict:
         fas = ["on", "off"] if args.flash_attn == "both" else [args.flash_attn]
         rows = []
         for fa in progress(fas, "placement"):
-            rows += run_one(model, toks, flash_attn=fa, occupy=args.occupy, type_k=args.cache_type_k,
-                            type_v=args.cache_type_v, n_threads=args.threads)
-        out = {"model": str(model.path), "n_prompt": int(toks.size), "n_occupy": int(args.occupy),
-               "type_k": args.cache_type_k, "type_v": args.cache_type_v, "threads": args.threads,
-               "hist_edges": _BINS.tolist(), "rows": rows}
+            rows += run_one(
+                model,
+                toks,
+                flash_attn=fa,
+                occupy=args.occupy,
+                type_k=args.cache_type_k,
+                type_v=args.cache_type_v,
+                n_threads=args.threads,
+            )
+        out = {
+            "model": str(model.path),
+            "n_prompt": int(toks.size),
+            "n_occupy": int(args.occupy),
+            "type_k": args.cache_type_k,
+            "type_v": args.cache_type_v,
+            "threads": args.threads,
+            "hist_edges": _BINS.tolist(),
+            "rows": rows,
+        }
     finally:
         model.close()
     off = [r for r in rows if r["flash_attn"] == "off"]
@@ -132,33 +194,61 @@ def run(args) -> dict:
 
 def print_report(data: dict) -> None:
     from .common import print_table
-    print(f"model {data['model']}; prompt {data['n_prompt']} tokens (cells 0..{data['n_prompt'] - 2} when dumped, "
-          f"the last token decoded after each restore); other cells: after {data['n_occupy']} tokens of "
-          f"sequence 1; cache {data['type_k']}/{data['type_v']}, {data['threads']} threads")
-    rows = [{**r, "argmax": f"{r['argmax_ref']} -> {r['argmax_restored']}",
-             "same": "yes" if r["argmax_match"] else "NO",
-             "ident": "bit-identical" if r["bit_identical"] else f"{r['n_differ']} differ"} for r in data["rows"]]
-    print_table(rows, [("flash_attn", "-fa", ""), ("case", "restored at", ""), ("cells", "cells*", ""),
-                       ("max_abs_diff", "max|Δ logit|", ".3g"), ("mean_abs_diff", "mean|Δ|", ".3g"),
-                       ("ident", "logits", ""), ("argmax", "argmax", ""), ("same", "greedy same", "")])
-    print("* where llama.cpp puts them (each restore and decode fills the first free cells from the cache's head); "
-          "not read back")
+
+    print(
+        f"model {data['model']}; prompt {data['n_prompt']} tokens (cells 0..{data['n_prompt'] - 2} when dumped, "
+        f"the last token decoded after each restore); other cells: after {data['n_occupy']} tokens of "
+        f"sequence 1; cache {data['type_k']}/{data['type_v']}, {data['threads']} threads"
+    )
+    rows = [
+        {
+            **r,
+            "argmax": f"{r['argmax_ref']} -> {r['argmax_restored']}",
+            "same": "yes" if r["argmax_match"] else "NO",
+            "ident": "bit-identical" if r["bit_identical"] else f"{r['n_differ']} differ",
+        }
+        for r in data["rows"]
+    ]
+    print_table(
+        rows,
+        [
+            ("flash_attn", "-fa", ""),
+            ("case", "restored at", ""),
+            ("cells", "cells*", ""),
+            ("max_abs_diff", "max|Δ logit|", ".3g"),
+            ("mean_abs_diff", "mean|Δ|", ".3g"),
+            ("ident", "logits", ""),
+            ("argmax", "argmax", ""),
+            ("same", "greedy same", ""),
+        ],
+    )
+    print(
+        "* where llama.cpp puts them (each restore and decode fills the first free cells from the cache's head); "
+        "not read back"
+    )
     if not data["ok"]:
         print("\nflash attention OFF changed logits after a restore: not what the pinned llama.cpp does")
 
 
 def plot(data: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = data["rows"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     labels = [f"-fa {r['flash_attn']}\n{r['case']}" for r in rows]
     vals = [r["max_abs_diff"] for r in rows]
     bars = a1.bar(range(len(rows)), vals, color=["C3" if r["flash_attn"] == "on" else "C0" for r in rows])
     for b, r in zip(bars, rows):
-        a1.annotate("0 (bit-identical)" if r["bit_identical"] else f"{r['max_abs_diff']:.3g}",
-                    (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+        a1.annotate(
+            "0 (bit-identical)" if r["bit_identical"] else f"{r['max_abs_diff']:.3g}",
+            (b.get_x() + b.get_width() / 2, b.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     a1.set_xticks(range(len(rows)), labels, fontsize=8)
     a1.set_ylabel("max |Δ logit| vs the original")
     a1.set_title(f"restored sequence, next-token logits ({data['n_prompt']} tokens)")
@@ -183,6 +273,7 @@ def main(args) -> int:
     """The command: run, print (table or --json), plot with -o; exit 1 when a flash-attention-off
     restore changed the logits, 2 on bad input."""
     from .common import emit
+
     try:
         data = run(args)
     except ValueError as e:

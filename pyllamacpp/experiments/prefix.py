@@ -9,6 +9,7 @@ tokens carry several sequence ids is rejected ("coupled sequences"), and the pre
 sequence 0 and copied with ``seq_cp`` into every other stream: one copy per stream, which is the cost
 shown. Each greedy continuation is compared with the same prompt generated alone.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,12 +18,15 @@ import numpy as np
 
 from .common import load_model, progress
 
-DEFAULT_PROMPT = ("You are a careful assistant. Here is a story to continue. Once upon a time, in a small "
-                  "village at the edge of a great forest, there lived an old clockmaker who")
+DEFAULT_PROMPT = (
+    "You are a careful assistant. Here is a story to continue. Once upon a time, in a small "
+    "village at the edge of a great forest, there lived an old clockmaker who"
+)
 
 
 def _cells(ctx) -> int:
     from ..state import parse
+
     st = parse(ctx.state(), n_head_kv=ctx.model.n_head_kv)
     return sum(s.cell_count for p in st.parts for s in p.streams)
 
@@ -30,8 +34,9 @@ def _cells(ctx) -> int:
 def _continue(ctx, model, n_seq: int, first_out: dict, pos0: int, n_gen: int):
     """Greedy-decode n_gen tokens for every sequence together; returns tokens and seconds."""
     from ..batch import Batch
+
     batch = Batch(max(n_seq, 1), ctx.n_seq_max, model=model)
-    out = {s: [] for s in range(n_seq)}
+    out: dict[int, list[int]] = {s: [] for s in range(n_seq)}
     idx = dict(first_out)
     t0 = time.perf_counter()
     for step in range(n_gen):
@@ -48,6 +53,7 @@ def _continue(ctx, model, n_seq: int, first_out: dict, pos0: int, n_gen: int):
 
 def run_mode(model, prompt, n_seq: int, n_gen: int, unified: bool, kw: dict) -> dict:
     from ..batch import Batch
+
     p = len(prompt)
     row: dict = {"kv_unified": unified, "n_seq": n_seq, "n_prompt": p, "n_gen": n_gen}
     n_ctx = max(256, 2 * n_seq * (p + n_gen))
@@ -89,40 +95,68 @@ def run(args) -> dict:
         prompt = model.tokenize(args.prompt_text or DEFAULT_PROMPT)
         if args.n_prompt:
             prompt = np.resize(prompt, args.n_prompt).astype(np.int32)
-        kw = dict(flash_attn=args.flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v,
-                  n_threads=args.threads, n_threads_batch=args.threads)
+        kw = dict(
+            flash_attn=args.flash_attn,
+            type_k=args.cache_type_k,
+            type_v=args.cache_type_v,
+            n_threads=args.threads,
+            n_threads_batch=args.threads,
+        )
         modes = [m.strip() for m in args.modes.split(",")]
         if args.kv_unified is not None:
             modes = ["unified" if args.kv_unified else "split"]
         # the reference: the prompt generated alone
         from ..generation import generate
+
         with model.context(n_ctx=max(256, 2 * (len(prompt) + args.n_gen)), **kw) as ctx:
             alone = list(generate(ctx, prompt, args.n_gen))
         rows = []
         for mode in progress(modes, "prefix-sharing"):
             r = run_mode(model, prompt, args.parallel, args.n_gen, mode == "unified", kw)
             r["mode"] = mode
-            r["matches_alone"] = [t == alone[:len(t)] for t in r.pop("tokens")]
+            r["matches_alone"] = [t == alone[: len(t)] for t in r.pop("tokens")]
             rows.append(r)
     finally:
         model.close()
     ok = all(all(r["matches_alone"]) for r in rows)
-    return {"model": str(model.path), "n_prompt": int(len(prompt)), "alone_text": None, "rows": rows,
-            "ok": ok}
+    return {"model": str(model.path), "n_prompt": int(len(prompt)), "alone_text": None, "rows": rows, "ok": ok}
 
 
 def print_report(data: dict) -> None:
     from .common import print_table
-    print(f"model {data['model']}: a {data['n_prompt']}-token prompt shared by -np sequences; "
-          "KV cells counted from a whole-context state dump")
-    rows = [{**r, "saved": 1 - r["shared_cells"] / r["copies_cells"] if r["copies_cells"] else 0,
-             "match": f"{sum(r['matches_alone'])}/{len(r['matches_alone'])}",
-             "sp_ms": r["shared_prefill_s"] * 1e3, "cp_ms": r["copies_prefill_s"] * 1e3} for r in data["rows"]]
-    print_table(rows, [("mode", "mode", "s"), ("n_seq", "-np", "d"), ("shared_cells", "cells shared", "d"),
-                       ("copies_cells", "cells N copies", "d"), ("saved", "saved", ".0%"),
-                       ("sp_ms", "prefill shared ms", ".1f"), ("cp_ms", "prefill copies ms", ".1f"),
-                       ("decode_tps", "decode t/s", ".1f"), ("match", "greedy = alone", "s")])
+
+    print(
+        f"model {data['model']}: a {data['n_prompt']}-token prompt shared by -np sequences; "
+        "KV cells counted from a whole-context state dump"
+    )
+    rows = [
+        {
+            **r,
+            "saved": 1 - r["shared_cells"] / r["copies_cells"] if r["copies_cells"] else 0,
+            "match": f"{sum(r['matches_alone'])}/{len(r['matches_alone'])}",
+            "sp_ms": r["shared_prefill_s"] * 1e3,
+            "cp_ms": r["copies_prefill_s"] * 1e3,
+        }
+        for r in data["rows"]
+    ]
+    print_table(
+        rows,
+        [
+            ("mode", "mode", "s"),
+            ("n_seq", "-np", "d"),
+            ("shared_cells", "cells shared", "d"),
+            ("copies_cells", "cells N copies", "d"),
+            ("saved", "saved", ".0%"),
+            ("sp_ms", "prefill shared ms", ".1f"),
+            ("cp_ms", "prefill copies ms", ".1f"),
+            ("decode_tps", "decode t/s", ".1f"),
+            ("match", "greedy = alone", "s"),
+        ],
+    )
     for r in data["rows"]:
         print(f"  {r['mode']}: prefix {r['shared_how']}")
-    print("verdict: every continuation equals the prompt generated alone" if data["ok"]
-          else "verdict: MISMATCH between shared and alone continuations")
+    print(
+        "verdict: every continuation equals the prompt generated alone"
+        if data["ok"]
+        else "verdict: MISMATCH between shared and alone continuations"
+    )

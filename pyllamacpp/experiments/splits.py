@@ -17,13 +17,14 @@ Each sequence's tokens are laid out one sequence after the other (``--layout seq
 sequences); logits are asked for the last token of each sequence. ``-o plan.html`` writes a
 self-contained page (hover a block: its rows; click: highlight that sequence everywhere).
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import html
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 MODES = ("auto", "simple", "equal", "seq")
 LAYOUTS = ("seq", "interleave")
@@ -41,10 +42,12 @@ def pad(x: int, n: int) -> int:
 
 # -- records ---------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One token slot: its index in the decode call's batch, its sequence, its index among that
     sequence's submitted tokens, its position, and whether logits are asked for it."""
+
     slot: int
     seq_id: int
     token: int
@@ -55,15 +58,16 @@ class Row:
 @dataclasses.dataclass(frozen=True)
 class UBatch:
     """One forward pass (``llama_ubatch``) and what the graph built for it will look like."""
+
     index: int
-    split: str                  # simple | equal | seq
+    split: str  # simple | equal | seq
     equal_seqs: bool
     n_seq_tokens: int
-    n_seqs: int                 # sequence sets (equal split) or 1
-    seq_ids: tuple[int, ...]    # seq_id_unq
+    n_seqs: int  # sequence sets (equal split) or 1
+    seq_ids: tuple[int, ...]  # seq_id_unq
     rows: tuple[Row, ...]
-    n_stream: int               # streams of the KQ mask: 1 if kv_unified else n_seqs_unq
-    kv_used: dict               # stream -> cells used after this ubatch is placed
+    n_stream: int  # streams of the KQ mask: 1 if kv_unified else n_seqs_unq
+    kv_used: dict  # stream -> cells used after this ubatch is placed
     n_kv: int
 
     @property
@@ -83,6 +87,7 @@ class UBatch:
 @dataclasses.dataclass(frozen=True)
 class DecodeCall:
     """One ``llama_decode`` call: its batch and the ubatches ``init_batch`` cut it into."""
+
     index: int
     rows: tuple[Row, ...]
     ubatches: tuple[UBatch, ...]
@@ -94,21 +99,21 @@ class DecodeCall:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    tokens: tuple[int, ...]     # submitted tokens per sequence
-    n_past: tuple[int, ...]     # tokens already in the cache per sequence
+    tokens: tuple[int, ...]  # submitted tokens per sequence
+    n_past: tuple[int, ...]  # tokens already in the cache per sequence
     layout: str
-    mode: str                   # as asked
-    split: str                  # the split used
-    sequential: bool            # split_equal's sequential flag
-    n_ctx: int                  # after llama.cpp's padding
-    n_ctx_seq: int              # cells per stream
-    n_batch: int                # after the clamps
+    mode: str  # as asked
+    split: str  # the split used
+    sequential: bool  # split_equal's sequential flag
+    n_ctx: int  # after llama.cpp's padding
+    n_ctx_seq: int  # cells per stream
+    n_batch: int  # after the clamps
     n_ubatch: int
     n_batch_asked: int
     n_ubatch_asked: int
     n_seq_max: int
     kv_unified: bool
-    n_stream_kv: int            # streams of the KV cache
+    n_stream_kv: int  # streams of the KV cache
     calls: tuple[DecodeCall, ...]
     notes: tuple[str, ...] = ()
 
@@ -117,18 +122,47 @@ class Plan:
         return [u for c in self.calls for u in c.ubatches]
 
     def to_dict(self, rows: bool = True) -> dict:
-        d = {k: getattr(self, k) for k in ("tokens", "n_past", "layout", "mode", "split", "sequential", "n_ctx",
-                                           "n_ctx_seq", "n_batch", "n_ubatch", "n_batch_asked", "n_ubatch_asked",
-                                           "n_seq_max", "kv_unified", "n_stream_kv", "notes")}
+        d = {
+            k: getattr(self, k)
+            for k in (
+                "tokens",
+                "n_past",
+                "layout",
+                "mode",
+                "split",
+                "sequential",
+                "n_ctx",
+                "n_ctx_seq",
+                "n_batch",
+                "n_ubatch",
+                "n_batch_asked",
+                "n_ubatch_asked",
+                "n_seq_max",
+                "kv_unified",
+                "n_stream_kv",
+                "notes",
+            )
+        }
         d["row_fields"] = ["slot", "seq_id", "token", "pos", "output"]
         d["calls"] = []
         for c in self.calls:
             ubs = []
             for u in c.ubatches:
-                ud = {"index": u.index, "split": u.split, "equal_seqs": u.equal_seqs, "n_tokens": u.n_tokens,
-                      "n_seq_tokens": u.n_seq_tokens, "n_seqs": u.n_seqs, "seq_ids": list(u.seq_ids),
-                      "n_stream": u.n_stream, "n_kv": u.n_kv, "kv_used": {str(k): v for k, v in u.kv_used.items()},
-                      "mask_shape": list(u.mask_shape), "n_outputs": u.n_outputs, "runs": runs(u.rows)}
+                ud = {
+                    "index": u.index,
+                    "split": u.split,
+                    "equal_seqs": u.equal_seqs,
+                    "n_tokens": u.n_tokens,
+                    "n_seq_tokens": u.n_seq_tokens,
+                    "n_seqs": u.n_seqs,
+                    "seq_ids": list(u.seq_ids),
+                    "n_stream": u.n_stream,
+                    "n_kv": u.n_kv,
+                    "kv_used": {str(k): v for k, v in u.kv_used.items()},
+                    "mask_shape": list(u.mask_shape),
+                    "n_outputs": u.n_outputs,
+                    "runs": runs(u.rows),
+                }
                 if rows:
                     ud["rows"] = [[r.slot, r.seq_id, r.token, r.pos, int(r.output)] for r in u.rows]
                 ubs.append(ud)
@@ -145,12 +179,23 @@ def runs(rows: Sequence[Row]) -> list[dict]:
             last["token1"], last["pos1"], last["slot1"] = r.token, r.pos, r.slot
             last["n"] += 1
         else:
-            out.append({"seq_id": r.seq_id, "token0": r.token, "token1": r.token, "pos0": r.pos, "pos1": r.pos,
-                        "slot0": r.slot, "slot1": r.slot, "n": 1})
+            out.append(
+                {
+                    "seq_id": r.seq_id,
+                    "token0": r.token,
+                    "token1": r.token,
+                    "pos0": r.pos,
+                    "pos1": r.pos,
+                    "slot0": r.slot,
+                    "slot1": r.slot,
+                    "n": 1,
+                }
+            )
     return out
 
 
 # -- llama_batch_allocr ----------------------------------------------------------------------
+
 
 class BatchAllocr:
     """The part of ``llama_batch_allocr`` the splits read: per-token sequence sets, the map from
@@ -201,8 +246,10 @@ class BatchAllocr:
     def split_equal(self, n_ubatch: int, sequential: bool, n_keep_tail: int = 0):
         """Non-overlapping sequence sets, the same number of tokens from each."""
         if sequential and self.has_cpl:
-            raise PlanError("split_equal: sequential split is not supported when there are coupled sequences "
-                            "in the input batch (llama.cpp: 'you may need to use the -kvu flag'); decode fails")
+            raise PlanError(
+                "split_equal: sequential split is not supported when there are coupled sequences "
+                "in the input batch (llama.cpp: 'you may need to use the -kvu flag'); decode fails"
+            )
         cur_seq_set: list[frozenset] = []
         last_seq_id = -1
         for i in range(self.n_tokens):
@@ -241,6 +288,7 @@ class BatchAllocr:
 
             def remaining(s):
                 return len(maps[s]) - cur_idx[s]
+
             n_keep = 0
             while n_keep < n_seqs:
                 rem = remaining(n_keep)
@@ -318,12 +366,15 @@ def split_all(balloc: BatchAllocr, n_ubatch: int, split: str, sequential: bool =
             break
         out.append(ub)
     if balloc.n_used < balloc.n_tokens:
-        raise PlanError(f"split_{split} used {balloc.n_used} of {balloc.n_tokens} tokens: 'failed to find a "
-                        "suitable split' (llama_decode returns 1)")
+        raise PlanError(
+            f"split_{split} used {balloc.n_used} of {balloc.n_tokens} tokens: 'failed to find a "
+            "suitable split' (llama_decode returns 1)"
+        )
     return out
 
 
 # -- the plan --------------------------------------------------------------------------------
+
 
 def _per_seq(value, n_seqs: int, what: str) -> list[int]:
     if isinstance(value, str):
@@ -349,10 +400,20 @@ def layout_rows(tokens: Sequence[int], n_past: Sequence[int], layout: str) -> li
     return [(s, t, n_past[s] + t, t == tokens[s] - 1) for s, t in order]
 
 
-def plan(tokens: int | Sequence[int], n_batch: int = 2048, n_ubatch: int = 512, mode: str = "auto", *,
-         n_seqs: int | None = None, n_past: int | Sequence[int] = 0, n_ctx: int = 4096,
-         n_seq_max: int | None = None, kv_unified: bool = False, layout: str = "seq",
-         n_keep_tail: int = 0) -> Plan:
+def plan(
+    tokens: int | Sequence[int],
+    n_batch: int = 2048,
+    n_ubatch: int = 512,
+    mode: str = "auto",
+    *,
+    n_seqs: int | None = None,
+    n_past: int | Sequence[int] = 0,
+    n_ctx: int = 4096,
+    n_seq_max: int | None = None,
+    kv_unified: bool = False,
+    layout: str = "seq",
+    n_keep_tail: int = 0,
+) -> Plan:
     """Plan a submission: ``tokens`` per sequence (an int for every one of ``n_seqs`` sequences, or
     a list of counts), after ``n_past`` tokens per sequence already in the cache.
 
@@ -372,8 +433,10 @@ def plan(tokens: int | Sequence[int], n_batch: int = 2048, n_ubatch: int = 512, 
     if n_seqs > n_seq_max:
         raise PlanError(f"{n_seqs} sequences but n_seq_max {n_seq_max} (seq ids must be < n_seq_max)")
     if n_ctx <= 0 or n_batch <= 0 or n_ubatch < 0:
-        raise PlanError(f"n_ctx {n_ctx}, n_batch {n_batch} must be > 0 and n_ubatch >= 0 (here n_ctx 0 would mean "
-                        "the model's n_ctx_train: give it)")
+        raise PlanError(
+            f"n_ctx {n_ctx}, n_batch {n_batch} must be > 0 and n_ubatch >= 0 (here n_ctx 0 would mean "
+            "the model's n_ctx_train: give it)"
+        )
     nb = min(n_ctx, n_batch)
     nub = min(nb, n_ubatch or nb)
     ctx_pad = pad(n_ctx, 256)
@@ -388,14 +451,18 @@ def plan(tokens: int | Sequence[int], n_batch: int = 2048, n_ubatch: int = 512, 
     split, sequential = choose_split(mode, n_stream_kv)
     notes = []
     if (nb, nub) != (n_batch, n_ubatch or n_batch):
-        notes.append(f"clamped: -b {n_batch} -ub {n_ubatch} -> n_batch {nb}, n_ubatch {nub} "
-                     "(n_batch <= n_ctx, n_ubatch <= n_batch)")
+        notes.append(
+            f"clamped: -b {n_batch} -ub {n_ubatch} -> n_batch {nb}, n_ubatch {nub} "
+            "(n_batch <= n_ctx, n_ubatch <= n_batch)"
+        )
     if split == "simple" and n_stream_kv > 1:
-        notes.append("split_simple on a cache with one stream per sequence: llama_kv_cache never does this; "
-                     "find_slot assumes equal rows per sequence")
+        notes.append(
+            "split_simple on a cache with one stream per sequence: llama_kv_cache never does this; "
+            "find_slot assumes equal rows per sequence"
+        )
 
     # the KV cache as get_n_kv sees it: a fresh cache holding only the past tokens, no holes
-    used = {}
+    used: dict[int, int] = {}
     for s, p in enumerate(past):
         st = 0 if kv_unified else s
         used[st] = used.get(st, 0) + p
@@ -407,7 +474,7 @@ def plan(tokens: int | Sequence[int], n_batch: int = 2048, n_ubatch: int = 512, 
     calls = []
     ub_index = 0
     for ci, i0 in enumerate(range(0, len(flat), nb)):
-        chunk = flat[i0:i0 + nb]
+        chunk = flat[i0 : i0 + nb]
         rows = tuple(Row(slot, s, t, p, o) for slot, (s, t, p, o) in enumerate(chunk))
         balloc = BatchAllocr([(r.seq_id,) for r in rows])
         try:
@@ -426,56 +493,115 @@ def plan(tokens: int | Sequence[int], n_batch: int = 2048, n_ubatch: int = 512, 
             for st, n in per_stream.items():
                 used[st] = used.get(st, 0) + n
                 if used[st] > n_ctx_seq:
-                    raise PlanError(f"decode call {ci}: KV cache full: stream {st} needs {used[st]} cells, has "
-                                    f"{n_ctx_seq} (llama_decode returns 1, 'failed to find a memory slot')")
+                    raise PlanError(
+                        f"decode call {ci}: KV cache full: stream {st} needs {used[st]} cells, has "
+                        f"{n_ctx_seq} (llama_decode returns 1, 'failed to find a memory slot')"
+                    )
             n_kv = max(min(n_ctx_seq, max(N_PAD, pad(used[st], N_PAD))) for st in per_stream)
             n_stream = 1 if kv_unified else len(seq_unq)
-            ubs.append(UBatch(index=ub_index, split=split, equal_seqs=equal, n_seq_tokens=len(idxs) // n_seqs_ub,
-                              n_seqs=n_seqs_ub, seq_ids=seq_unq, rows=urows, n_stream=n_stream,
-                              kv_used={st: used[st] for st in sorted(per_stream)}, n_kv=n_kv))
+            ubs.append(
+                UBatch(
+                    index=ub_index,
+                    split=split,
+                    equal_seqs=equal,
+                    n_seq_tokens=len(idxs) // n_seqs_ub,
+                    n_seqs=n_seqs_ub,
+                    seq_ids=seq_unq,
+                    rows=urows,
+                    n_stream=n_stream,
+                    kv_used={st: used[st] for st in sorted(per_stream)},
+                    n_kv=n_kv,
+                )
+            )
             ub_index += 1
         calls.append(DecodeCall(ci, rows, tuple(ubs)))
-    return Plan(tokens=tuple(toks), n_past=tuple(past), layout=layout, mode=mode, split=split,
-                sequential=sequential, n_ctx=n_ctx_eff, n_ctx_seq=n_ctx_seq, n_batch=nb, n_ubatch=nub,
-                n_batch_asked=n_batch, n_ubatch_asked=n_ubatch, n_seq_max=n_seq_max, kv_unified=kv_unified,
-                n_stream_kv=n_stream_kv, calls=tuple(calls), notes=tuple(notes))
+    return Plan(
+        tokens=tuple(toks),
+        n_past=tuple(past),
+        layout=layout,
+        mode=mode,
+        split=split,
+        sequential=sequential,
+        n_ctx=n_ctx_eff,
+        n_ctx_seq=n_ctx_seq,
+        n_batch=nb,
+        n_ubatch=nub,
+        n_batch_asked=n_batch,
+        n_ubatch_asked=n_ubatch,
+        n_seq_max=n_seq_max,
+        kv_unified=kv_unified,
+        n_stream_kv=n_stream_kv,
+        calls=tuple(calls),
+        notes=tuple(notes),
+    )
 
 
 # -- command ---------------------------------------------------------------------------------
 
+
 def add_plan_flags(p) -> None:
     """The shape flags split-plan and trace-ubatches share."""
-    p.add_argument("--tokens", required=True,
-                   help="tokens per sequence: N for every sequence, or N0,N1,... one per sequence")
+    p.add_argument(
+        "--tokens", required=True, help="tokens per sequence: N for every sequence, or N0,N1,... one per sequence"
+    )
     p.add_argument("--seqs", type=int, default=None, help="number of sequences (default: 1, or the length of --tokens)")
     p.add_argument("--past", default="0", help="tokens already in the cache per sequence: P or P0,P1,...")
-    p.add_argument("--layout", choices=LAYOUTS, default="seq",
-                   help="seq: each sequence's tokens together; interleave: round-robin (default %(default)s)")
-    p.add_argument("--mode", choices=MODES, default="auto",
-                   help="auto: as llama_kv_cache::init_batch picks (default %(default)s)")
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="seq",
+        help="seq: each sequence's tokens together; interleave: round-robin (default %(default)s)",
+    )
+    p.add_argument(
+        "--mode", choices=MODES, default="auto", help="auto: as llama_kv_cache::init_batch picks (default %(default)s)"
+    )
 
 
 def shape_from_args(args) -> dict:
     toks = [int(x) for x in str(args.tokens).split(",") if x.strip()]
     n_seqs = args.seqs or len(toks)
-    return dict(tokens=toks if len(toks) > 1 else toks[0], n_seqs=n_seqs, n_past=args.past, layout=args.layout,
-                mode=args.mode)
+    return dict(
+        tokens=toks if len(toks) > 1 else toks[0], n_seqs=n_seqs, n_past=args.past, layout=args.layout, mode=args.mode
+    )
 
 
 def add_parser(sub):
-    p = sub.add_parser("split-plan", help="how a batch becomes decode calls and ubatches (no model)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "split-plan",
+        help="how a batch becomes decode calls and ubatches (no model)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_plan_flags(p)
     p.add_argument("-b", "--n-batch", "--batch-size", dest="batch_size", type=int, default=2048)
     p.add_argument("-ub", "--n-ubatch", "--ubatch-size", dest="ubatch_size", type=int, default=512)
-    p.add_argument("-c", "--ctx-size", "--n-ctx", dest="ctx_size", type=int, default=None,
-                   help="n_ctx (default: 4096, or enough for the tokens)")
-    p.add_argument("-np", "--parallel", "--n-seq-max", dest="parallel", type=int, default=None,
-                   help="n_seq_max (default: the number of sequences)")
-    p.add_argument("--kv-unified", dest="kv_unified", action="store_true", default=False,
-                   help="one KV stream for all sequences")
-    p.add_argument("--no-kv-unified", dest="kv_unified", action="store_false",
-                   help="one KV stream per sequence (llama.cpp's default)")
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        "--n-ctx",
+        dest="ctx_size",
+        type=int,
+        default=None,
+        help="n_ctx (default: 4096, or enough for the tokens)",
+    )
+    p.add_argument(
+        "-np",
+        "--parallel",
+        "--n-seq-max",
+        dest="parallel",
+        type=int,
+        default=None,
+        help="n_seq_max (default: the number of sequences)",
+    )
+    p.add_argument(
+        "--kv-unified", dest="kv_unified", action="store_true", default=False, help="one KV stream for all sequences"
+    )
+    p.add_argument(
+        "--no-kv-unified",
+        dest="kv_unified",
+        action="store_false",
+        help="one KV stream per sequence (llama.cpp's default)",
+    )
     p.add_argument("--rows", type=int, default=6, help="runs shown per ubatch in the text report (default %(default)s)")
     p.add_argument("-o", "--output", help="write a self-contained HTML page")
     p.add_argument("--json", action="store_true")
@@ -489,11 +615,20 @@ def run(args) -> dict:
     if n_ctx is None:  # enough for everything, at least llama.cpp's usual 4096
         toks = _per_seq(shape["tokens"], shape["n_seqs"], "tokens")
         past = _per_seq(shape["n_past"], shape["n_seqs"], "n_past")
-        need = sum(toks) + sum(past) if args.kv_unified else max(t + p for t, p in zip(toks, past)) * (
-            args.parallel or shape["n_seqs"])
+        need = (
+            sum(toks) + sum(past)
+            if args.kv_unified
+            else max(t + p for t, p in zip(toks, past)) * (args.parallel or shape["n_seqs"])
+        )
         n_ctx = max(4096, pad(need, 256))
-    p = plan(n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_ctx=n_ctx, n_seq_max=args.parallel,
-             kv_unified=args.kv_unified, **shape)
+    p = plan(
+        n_batch=args.batch_size,
+        n_ubatch=args.ubatch_size,
+        n_ctx=n_ctx,
+        n_seq_max=args.parallel,
+        kv_unified=args.kv_unified,
+        **shape,
+    )
     d = p.to_dict(rows=bool(getattr(args, "json", False) or getattr(args, "output", None)))
     d["show_runs"] = getattr(args, "rows", 6)
     return d
@@ -528,24 +663,35 @@ def _runs_text(ub: dict, limit: int) -> str:
 def print_report(data: dict) -> None:
     n_ub = sum(len(c["ubatches"]) for c in data["calls"])
     seqs = len(data["tokens"])
-    print(f"{seqs} sequence(s), tokens {list(data['tokens'])}" +
-          (f" after past {list(data['n_past'])}" if any(data["n_past"]) else "") + f", layout {data['layout']}")
-    print(f"n_ctx {data['n_ctx']} ({data['n_ctx_seq']} cells per stream, {data['n_stream_kv']} stream(s), "
-          f"kv_unified {data['kv_unified']}), n_batch {data['n_batch']}, n_ubatch {data['n_ubatch']}, "
-          f"n_seq_max {data['n_seq_max']}")
+    print(
+        f"{seqs} sequence(s), tokens {list(data['tokens'])}"
+        + (f" after past {list(data['n_past'])}" if any(data["n_past"]) else "")
+        + f", layout {data['layout']}"
+    )
+    print(
+        f"n_ctx {data['n_ctx']} ({data['n_ctx_seq']} cells per stream, {data['n_stream_kv']} stream(s), "
+        f"kv_unified {data['kv_unified']}), n_batch {data['n_batch']}, n_ubatch {data['n_ubatch']}, "
+        f"n_seq_max {data['n_seq_max']}"
+    )
     seq_txt = f"sequential={str(data['sequential']).lower()}" if data["split"] == "equal" else ""
-    print(f"split: split_{data['split']}({seq_txt}) (mode {data['mode']}) -> {len(data['calls'])} decode call(s), "
-          f"{n_ub} ubatch(es) = forward passes")
+    print(
+        f"split: split_{data['split']}({seq_txt}) (mode {data['mode']}) -> {len(data['calls'])} decode call(s), "
+        f"{n_ub} ubatch(es) = forward passes"
+    )
     for n in data["notes"]:
         print(f"note: {n}")
-    print("rows: s<seq>:<token index range> (token index within the sequence's submitted tokens); "
-          "bar: one char per slot group, the sequence id, '.' unused")
+    print(
+        "rows: s<seq>:<token index range> (token index within the sequence's submitted tokens); "
+        "bar: one char per slot group, the sequence id, '.' unused"
+    )
     for c in data["calls"]:
         print(f"\ndecode call {c['index']}: {c['n_tokens']} tokens")
         for u in c["ubatches"]:
-            print(f"  ubatch {u['index']:3d} {_bar(u, data['n_ubatch'])} {u['n_tokens']:5d} rows "
-                  f"({u['n_seqs']}x{u['n_seq_tokens']}) n_kv {u['n_kv']:6d} mask {u['mask_shape']} "
-                  f"out {u['n_outputs']}  {_runs_text(u, data.get('show_runs', 6))}")
+            print(
+                f"  ubatch {u['index']:3d} {_bar(u, data['n_ubatch'])} {u['n_tokens']:5d} rows "
+                f"({u['n_seqs']}x{u['n_seq_tokens']}) n_kv {u['n_kv']:6d} mask {u['mask_shape']} "
+                f"out {u['n_outputs']}  {_runs_text(u, data.get('show_runs', 6))}"
+            )
 
 
 _PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>split plan</title><style>
@@ -609,22 +755,33 @@ function paint() {
 
 def summary_line(data: dict) -> str:
     n_ub = sum(len(c["ubatches"]) for c in data["calls"])
-    return (f"tokens {list(data['tokens'])} past {list(data['n_past'])}, layout {data['layout']}; "
-            f"n_ctx {data['n_ctx']}, "
-            f"n_batch {data['n_batch']}, n_ubatch {data['n_ubatch']}, n_seq_max {data['n_seq_max']}, kv_unified "
-            f"{data['kv_unified']}; split_{data['split']}: {len(data['calls'])} decode call(s), {n_ub} ubatch(es)")
+    return (
+        f"tokens {list(data['tokens'])} past {list(data['n_past'])}, layout {data['layout']}; "
+        f"n_ctx {data['n_ctx']}, "
+        f"n_batch {data['n_batch']}, n_ubatch {data['n_ubatch']}, n_seq_max {data['n_seq_max']}, kv_unified "
+        f"{data['kv_unified']}; split_{data['split']}: {len(data['calls'])} decode call(s), {n_ub} ubatch(es)"
+    )
 
 
 def plot(data: dict, path) -> None:
     """Write the plan as one self-contained HTML page (inline CSS and JS, no network)."""
-    slim = {"n_ubatch": data["n_ubatch"],
-            "calls": [{"index": c["index"], "n_tokens": c["n_tokens"],
-                       "ubatches": [{k: v for k, v in u.items() if k != "rows"} for u in c["ubatches"]]}
-                      for c in data["calls"]]}
+    slim = {
+        "n_ubatch": data["n_ubatch"],
+        "calls": [
+            {
+                "index": c["index"],
+                "n_tokens": c["n_tokens"],
+                "ubatches": [{k: v for k, v in u.items() if k != "rows"} for u in c["ubatches"]],
+            }
+            for c in data["calls"]
+        ],
+    }
     n_kv_max = max(u["n_kv"] for c in data["calls"] for u in c["ubatches"])
-    page = (_PAGE.replace("__SUMMARY__", html.escape(summary_line(data)))
-            .replace("__NKVMAX__", str(n_kv_max))
-            .replace("__DATA__", json.dumps(slim).replace("</", "<\\/")))
+    page = (
+        _PAGE.replace("__SUMMARY__", html.escape(summary_line(data)))
+        .replace("__NKVMAX__", str(n_kv_max))
+        .replace("__DATA__", json.dumps(slim).replace("</", "<\\/"))
+    )
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)
 
@@ -634,6 +791,7 @@ def main(args) -> int:
     import sys
 
     from .common import emit
+
     data = run(args)
     emit(args, data, print_report)
     if getattr(args, "output", None):

@@ -5,6 +5,7 @@ KV buffer (from the sizes llama.cpp logs when the context is created, captured i
 prefill tokens/s for a -p token prompt and decode tokens/s, each the median of -r runs. One more
 row shows the clamp: -b below -ub gives n_ubatch == n_batch and a smaller compute buffer.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -20,13 +21,20 @@ def _prompt(model, n: int) -> np.ndarray:
     return np.resize(base, n).astype(np.int32)
 
 
-def measure(model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_prompt: int, n_gen: int, repeat: int,
-            ctx_kwargs: dict) -> dict:
+def measure(
+    model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_prompt: int, n_gen: int, repeat: int, ctx_kwargs: dict
+) -> dict:
     from ..batch import Batch
+
     prompt = _prompt(model, n_prompt)
     with model.context(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, **ctx_kwargs) as ctx:
-        row = {"n_batch_asked": n_batch, "n_ubatch_asked": n_ubatch, "n_batch": ctx.n_batch,
-               "n_ubatch": ctx.n_ubatch, "buffers": ctx.buffers}
+        row = {
+            "n_batch_asked": n_batch,
+            "n_ubatch_asked": n_ubatch,
+            "n_batch": ctx.n_batch,
+            "n_ubatch": ctx.n_ubatch,
+            "buffers": ctx.buffers,
+        }
         row["compute_mib"] = {b: k["compute"] for b, k in ctx.buffers.items() if "compute" in k}
         row["kv_mib"] = sum(k.get("KV", 0.0) for k in ctx.buffers.values())
         pre, dec = [], []
@@ -54,16 +62,29 @@ def measure(model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_prompt: int, n_
 
 def run(args) -> dict:
     ubs = [int(x) for x in str(args.ubatch_list).split(",") if x]
-    kw = dict(flash_attn=args.flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v,
-              n_threads=args.threads, n_threads_batch=args.threads)
+    kw = dict(
+        flash_attn=args.flash_attn,
+        type_k=args.cache_type_k,
+        type_v=args.cache_type_v,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+    )
     clamp_b = args.clamp_b if args.clamp_b else max(1, min(ubs) // 2)
     plan = [(args.batch_size, ub) for ub in ubs] + [(clamp_b, max(ubs))]
     model = load_model(args)
     rows = []
     try:
         for b, ub in progress(plan, "ubatch-sweep"):
-            r = measure(model, n_ctx=args.ctx_size, n_batch=b, n_ubatch=ub, n_prompt=min(args.n_prompt, args.ctx_size),
-                        n_gen=args.n_gen, repeat=args.repeat, ctx_kwargs=kw)
+            r = measure(
+                model,
+                n_ctx=args.ctx_size,
+                n_batch=b,
+                n_ubatch=ub,
+                n_prompt=min(args.n_prompt, args.ctx_size),
+                n_gen=args.n_gen,
+                repeat=args.repeat,
+                ctx_kwargs=kw,
+            )
             r["clamp_row"] = (b, ub) == plan[-1]
             rows.append(r)
     finally:
@@ -73,21 +94,41 @@ def run(args) -> dict:
 
 def print_report(data: dict) -> None:
     from .common import print_table
+
     rows = []
     for r in data["rows"]:
-        rows.append({**r, "compute": ", ".join(f"{b} {v:.2f}" for b, v in r["compute_mib"].items()),
-                     "note": "clamp: -b < -ub" if r["clamp_row"] else ""})
-    print(f"model {data['model']}, -c {data['n_ctx']}, -t {data['threads']}; MiB as llama.cpp logged them; "
-          f"tokens/s median of {data['rows'][0]['repeat']} runs")
-    print_table(rows, [("n_batch_asked", "-b", "d"), ("n_ubatch_asked", "-ub", "d"), ("n_ubatch", "n_ubatch", "d"),
-                       ("compute", "compute MiB", "s"), ("kv_mib", "KV MiB", ".2f"),
-                       ("prefill_tps", "prefill t/s", ".1f"), ("decode_tps", "decode t/s", ".1f"), ("note", "", "s")])
+        rows.append(
+            {
+                **r,
+                "compute": ", ".join(f"{b} {v:.2f}" for b, v in r["compute_mib"].items()),
+                "note": "clamp: -b < -ub" if r["clamp_row"] else "",
+            }
+        )
+    print(
+        f"model {data['model']}, -c {data['n_ctx']}, -t {data['threads']}; MiB as llama.cpp logged them; "
+        f"tokens/s median of {data['rows'][0]['repeat']} runs"
+    )
+    print_table(
+        rows,
+        [
+            ("n_batch_asked", "-b", "d"),
+            ("n_ubatch_asked", "-ub", "d"),
+            ("n_ubatch", "n_ubatch", "d"),
+            ("compute", "compute MiB", "s"),
+            ("kv_mib", "KV MiB", ".2f"),
+            ("prefill_tps", "prefill t/s", ".1f"),
+            ("decode_tps", "decode t/s", ".1f"),
+            ("note", "", "s"),
+        ],
+    )
 
 
 def plot(data: dict, path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = [r for r in data["rows"] if not r["clamp_row"]]
     ub = [r["n_ubatch"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))

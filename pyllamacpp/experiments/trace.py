@@ -17,6 +17,7 @@ context is created (the reserve passes build graphs but compute none; the report
 fired) and the ``--past`` prefill runs untraced. Any disagreement with the planner fails the
 command (exit 1) naming the pass and the field.
 """
+
 from __future__ import annotations
 
 import sys
@@ -37,6 +38,7 @@ class EvalTrace:
 
     def __init__(self):
         from .._lib import ffi, lib
+
         self.ffi, self.lib = ffi, lib
         self.recording = False
         self.call: int | None = None
@@ -102,10 +104,15 @@ class EvalTrace:
             kq = t.src[0]  # kq = mul_mat(k, q)
             k = kq.src[0] if kq != ffi.NULL and kq.op == lib.GGML_OP_MUL_MAT else None
         if mask is not None and mask != ffi.NULL and "kq_mask" in self._name(mask):
-            cur["attn"].append({"op": "FLASH_ATTN_EXT" if op == lib.GGML_OP_FLASH_ATTN_EXT else "SOFT_MAX",
-                                "mask": self._name(mask), "mask_ne": self._ne(mask),
-                                "k": self._base_name(k) if k is not None and k != ffi.NULL else None,
-                                "k_ne": self._ne(k) if k is not None and k != ffi.NULL else None})
+            cur["attn"].append(
+                {
+                    "op": "FLASH_ATTN_EXT" if op == lib.GGML_OP_FLASH_ATTN_EXT else "SOFT_MAX",
+                    "mask": self._name(mask),
+                    "mask_ne": self._ne(mask),
+                    "k": self._base_name(k) if k is not None and k != ffi.NULL else None,
+                    "k_ne": self._ne(k) if k is not None and k != ffi.NULL else None,
+                }
+            )
         elif op == lib.GGML_OP_ROPE and cur["pos"] is None and t.src[1] != ffi.NULL:
             p = t.src[1]
             if p.type == lib.GGML_TYPE_I32 and (p.buffer != ffi.NULL or p.view_src != ffi.NULL):
@@ -126,8 +133,15 @@ def summarize(p: dict) -> dict:
         return out
     a0 = p["attn"][0]
     ne = a0["mask_ne"]
-    out.update(mask=a0["mask"], mask_ne=ne, attn_op=a0["op"], n_kv=ne[0], n_stream=ne[3], n_tokens=ne[1] * ne[3],
-               k_ne=a0["k_ne"])
+    out.update(
+        mask=a0["mask"],
+        mask_ne=ne,
+        attn_op=a0["op"],
+        n_kv=ne[0],
+        n_stream=ne[3],
+        n_tokens=ne[1] * ne[3],
+        k_ne=a0["k_ne"],
+    )
     if any(a["mask_ne"] != ne for a in p["attn"]):
         shapes = sorted({tuple(a["mask_ne"]) for a in p["attn"]})
         out["problems"].append(f"mask shapes differ between layers: {shapes}")
@@ -163,7 +177,9 @@ def compare(pl: dict, engine: list[dict]) -> list[str]:
                 if e["pos"] != want:
                     got = e["pos"]
                     i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-                    bad.append(f"{where}: positions differ from row {i}: planner {want[i:i + 4]} engine {got[i:i + 4]}")
+                    bad.append(
+                        f"{where}: positions differ from row {i}: planner {want[i : i + 4]} engine {got[i : i + 4]}"
+                    )
     extra = [e for e in engine if e["call"] not in {c["index"] for c in pl["calls"]}]
     if extra:
         bad.append(f"{len(extra)} engine passes outside the planned decode calls")
@@ -191,13 +207,23 @@ def trace(model, shape: dict, *, tracer: EvalTrace | None = None, **ctx_kw) -> d
         at_creation = tr.n_unrecorded
         unified = bool(ctx.params.kv_unified)
         asked = ctx.params  # the values asked for, before llama.cpp's clamps (the planner applies them)
-        p = plan(n_batch=asked.n_batch, n_ubatch=asked.n_ubatch, n_ctx=asked.n_ctx or model.n_ctx_train,
-                 n_seq_max=asked.n_seq_max, kv_unified=unified, **shape)
+        p = plan(
+            n_batch=asked.n_batch,
+            n_ubatch=asked.n_ubatch,
+            n_ctx=asked.n_ctx or model.n_ctx_train,
+            n_seq_max=asked.n_seq_max,
+            kv_unified=unified,
+            **shape,
+        )
         pl = p.to_dict(rows=True)
         bad = []
-        for what, planned, real in (("n_batch", p.n_batch, ctx.n_batch), ("n_ubatch", p.n_ubatch, ctx.n_ubatch),
-                                    ("n_ctx", p.n_ctx, ctx.n_ctx), ("n_ctx_seq", p.n_ctx_seq, ctx.n_ctx_seq),
-                                    ("n_seq_max", p.n_seq_max, ctx.n_seq_max)):
+        for what, planned, real in (
+            ("n_batch", p.n_batch, ctx.n_batch),
+            ("n_ubatch", p.n_ubatch, ctx.n_ubatch),
+            ("n_ctx", p.n_ctx, ctx.n_ctx),
+            ("n_ctx_seq", p.n_ctx_seq, ctx.n_ctx_seq),
+            ("n_seq_max", p.n_seq_max, ctx.n_seq_max),
+        ):
             if planned != real:
                 bad.append(f"context: {what} planner {planned} engine {real}")
         tokens = _prompt_tokens(model, max(a + b for a, b in zip(p.tokens, p.n_past)))
@@ -223,15 +249,27 @@ def trace(model, shape: dict, *, tracer: EvalTrace | None = None, **ctx_kw) -> d
         n_reused = ctx.perf().n_reused if not ctx.params.no_perf else None
     engine = [summarize(ps) for ps in tr.passes]
     bad += compare(pl, engine)
-    return {"plan": pl, "engine": engine, "disagreements": bad, "ok": not bad,
-            "callbacks_at_creation": at_creation, "graphs_reused": n_reused, "attn_ops": sorted(flash),
-            "first_node": tr.first_name}
+    return {
+        "plan": pl,
+        "engine": engine,
+        "disagreements": bad,
+        "ok": not bad,
+        "callbacks_at_creation": at_creation,
+        "graphs_reused": n_reused,
+        "attn_ops": sorted(flash),
+        "first_node": tr.first_name,
+    }
 
 
 def add_parser(sub):
     import argparse
-    p = sub.add_parser("trace-ubatches", help="trace the engine's forward passes against split-plan",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = sub.add_parser(
+        "trace-ubatches",
+        help="trace the engine's forward passes against split-plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_flags(p)
     add_plan_flags(p)
     p.set_defaults(func=main)
@@ -253,13 +291,16 @@ def run(args) -> dict:
 def print_report(data: dict) -> None:
     from .common import print_table
     from .splits import summary_line
+
     pl = data["plan"]
     print(f"model {data.get('model', '?')}")
     print(f"planner: {summary_line(pl)}")
-    print(f"engine: n_kv and rows from the KQ mask ({', '.join(data['attn_ops']) or 'no attention node'} node's mask "
-          f"source), positions from inp_pos, outputs from result_output; {len(data['engine'])} passes traced; "
-          f"{data['callbacks_at_creation']} callbacks fired while the context was created; "
-          f"{data['graphs_reused']} passes reused the previous pass's graph (and were seen all the same)")
+    print(
+        f"engine: n_kv and rows from the KQ mask ({', '.join(data['attn_ops']) or 'no attention node'} node's mask "
+        f"source), positions from inp_pos, outputs from result_output; {len(data['engine'])} passes traced; "
+        f"{data['callbacks_at_creation']} callbacks fired while the context was created; "
+        f"{data['graphs_reused']} passes reused the previous pass's graph (and were seen all the same)"
+    )
     rows = []
     ubs = [u for c in pl["calls"] for u in c["ubatches"]]
     for i in range(max(len(ubs), len(data["engine"]))):
@@ -268,19 +309,49 @@ def print_report(data: dict) -> None:
         pos_ok = None
         if u and e and e.get("pos") is not None:
             pos_ok = "same" if e["pos"] == [r[3] for r in u["rows"]] else "DIFF"
-        match = all(u.get(f) == e.get(f) for f in FIELDS if e.get(f) is not None) and bool(u) and bool(e) \
-            and not e.get("problems") and pos_ok != "DIFF"
+        match = (
+            all(u.get(f) == e.get(f) for f in FIELDS if e.get(f) is not None)
+            and bool(u)
+            and bool(e)
+            and not e.get("problems")
+            and pos_ok != "DIFF"
+        )
         call = next(c["index"] for c in pl["calls"] if u in c["ubatches"]) if u else e.get("call", "-")
-        rows.append({"call": call,
-                     "ub": i, "p_rows": u.get("n_tokens"), "e_rows": e.get("n_tokens"), "p_kv": u.get("n_kv"),
-                     "e_kv": e.get("n_kv"), "p_st": u.get("n_stream"), "e_st": e.get("n_stream"),
-                     "p_out": u.get("n_outputs"), "e_out": e.get("n_outputs"),
-                     "mask": str(e.get("mask_ne", "-")), "pos": pos_ok or "-", "ok": "ok" if match else "DISAGREE"})
-    print_table(rows, [("call", "call", ""), ("ub", "ubatch", "d"), ("p_rows", "rows plan", "d"),
-                       ("e_rows", "rows engine", "d"), ("p_kv", "n_kv plan", "d"), ("e_kv", "n_kv engine", "d"),
-                       ("p_st", "streams plan", "d"), ("e_st", "streams engine", "d"), ("p_out", "out plan", "d"),
-                       ("e_out", "out engine", "d"), ("mask", "engine mask ne", "s"), ("pos", "positions", "s"),
-                       ("ok", "", "s")])
+        rows.append(
+            {
+                "call": call,
+                "ub": i,
+                "p_rows": u.get("n_tokens"),
+                "e_rows": e.get("n_tokens"),
+                "p_kv": u.get("n_kv"),
+                "e_kv": e.get("n_kv"),
+                "p_st": u.get("n_stream"),
+                "e_st": e.get("n_stream"),
+                "p_out": u.get("n_outputs"),
+                "e_out": e.get("n_outputs"),
+                "mask": str(e.get("mask_ne", "-")),
+                "pos": pos_ok or "-",
+                "ok": "ok" if match else "DISAGREE",
+            }
+        )
+    print_table(
+        rows,
+        [
+            ("call", "call", ""),
+            ("ub", "ubatch", "d"),
+            ("p_rows", "rows plan", "d"),
+            ("e_rows", "rows engine", "d"),
+            ("p_kv", "n_kv plan", "d"),
+            ("e_kv", "n_kv engine", "d"),
+            ("p_st", "streams plan", "d"),
+            ("e_st", "streams engine", "d"),
+            ("p_out", "out plan", "d"),
+            ("e_out", "out engine", "d"),
+            ("mask", "engine mask ne", "s"),
+            ("pos", "positions", "s"),
+            ("ok", "", "s"),
+        ],
+    )
     if data["ok"]:
         print("\nplanner and engine agree")
     else:
@@ -292,6 +363,7 @@ def print_report(data: dict) -> None:
 def main(args) -> int:
     """The command: run, print (table or --json); exit 1 with a message when they disagree."""
     from .common import emit
+
     try:
         data = run(args)
     except PlanError as e:
@@ -299,7 +371,10 @@ def main(args) -> int:
         return 2
     emit(args, data, print_report)
     if not data["ok"]:
-        print(f"pyllamacpp trace-ubatches: planner and engine DISAGREE ({len(data['disagreements'])}): "
-              f"{data['disagreements'][0]}", file=sys.stderr)
+        print(
+            f"pyllamacpp trace-ubatches: planner and engine DISAGREE ({len(data['disagreements'])}): "
+            f"{data['disagreements'][0]}",
+            file=sys.stderr,
+        )
         return 1
     return 0

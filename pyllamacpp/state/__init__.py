@@ -23,18 +23,58 @@ The layout (llama-context.cpp, llama-kv-cache.cpp, llama-memory-recurrent.cpp at
   hybrid memory's recurrent part (``partial=``/``flags=``, a sidecar's ``flags``, or a layer map).
 - Records carry the model's layer (``il``) when the layer map is known (model=, sidecar).
 """
+
 from ._buffer import StateFormatError
-from ._parse import IO_MAGIC, SEQ_FILE_MAGIC, SEQ_FILE_VERSION, SESSION_MAGIC, SESSION_VERSION
 from ._layers import layer_map
 from ._memory import ON_DEVICE, PARTIAL_ONLY, memory_of, written_parts
-from ._records import (DumpKind, Dsv4Block, Header, LayerViews, Layout, LayoutRow, MemoryPart,
-                       MetadataOnlyError, Segment, Stream, TensorRecord)
+from ._parse import IO_MAGIC, SEQ_FILE_MAGIC, SEQ_FILE_VERSION, SESSION_MAGIC, SESSION_VERSION
+from ._records import (
+    Dsv4Block,
+    DumpKind,
+    Header,
+    LayerViews,
+    Layout,
+    LayoutRow,
+    MemoryPart,
+    MetadataOnlyError,
+    Segment,
+    Stream,
+    TensorRecord,
+)
 from ._sidecar import SIDECAR_FIELDS, model_facts, read_sidecar, sidecar_path, write_sidecar
 from ._state import KVState, parse
 from ._types import GGMLType, hadamard
 
-__all__ = ["parse", "KVState", "StateFormatError", "DumpKind", "Header", "MemoryPart", "Dsv4Block", "Stream",
-           "TensorRecord", "LayerViews", "MetadataOnlyError", "layer_map", "Layout", "LayoutRow", "Segment", "GGMLType", "hadamard", "write_sidecar",
-           "read_sidecar", "sidecar_path", "model_facts", "SIDECAR_FIELDS", "IO_MAGIC",
-           "SEQ_FILE_MAGIC", "SESSION_MAGIC", "SEQ_FILE_VERSION", "SESSION_VERSION", "PARTIAL_ONLY",
-           "ON_DEVICE", "memory_of", "written_parts"]
+__all__ = [
+    "parse",
+    "KVState",
+    "StateFormatError",
+    "DumpKind",
+    "Header",
+    "MemoryPart",
+    "Dsv4Block",
+    "Stream",
+    "TensorRecord",
+    "LayerViews",
+    "MetadataOnlyError",
+    "layer_map",
+    "Layout",
+    "LayoutRow",
+    "Segment",
+    "GGMLType",
+    "hadamard",
+    "write_sidecar",
+    "read_sidecar",
+    "sidecar_path",
+    "model_facts",
+    "SIDECAR_FIELDS",
+    "IO_MAGIC",
+    "SEQ_FILE_MAGIC",
+    "SESSION_MAGIC",
+    "SEQ_FILE_VERSION",
+    "SESSION_VERSION",
+    "PARTIAL_ONLY",
+    "ON_DEVICE",
+    "memory_of",
+    "written_parts",
+]

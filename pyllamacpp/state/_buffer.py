@@ -1,4 +1,5 @@
 """The one bounds-checked view primitive every read of a state dump goes through."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,15 +12,17 @@ class StateFormatError(ValueError):
     for short reads ``needed`` and ``left`` say how many bytes that needed and how many remained.
     """
 
-    def __init__(self, message: str, *, offset: int, what: str, needed: int | None = None,
-                 left: int | None = None):
+    _records_read: int  # set by _memory's readers on the errors they keep: records read before it
+
+    def __init__(self, message: str, *, offset: int, what: str, needed: int | None = None, left: int | None = None):
         self.offset, self.what, self.needed, self.left = offset, what, needed, left
         super().__init__(f"at byte {offset}: {what}: {message}")
 
 
 def short_read(offset: int, what: str, needed: int, left: int) -> StateFormatError:
-    return StateFormatError(f"needs {needed} bytes, {max(left, 0)} left", offset=offset, what=what,
-                            needed=needed, left=max(left, 0))
+    return StateFormatError(
+        f"needs {needed} bytes, {max(left, 0)} left", offset=offset, what=what, needed=needed, left=max(left, 0)
+    )
 
 
 class Buffer:
@@ -46,7 +49,7 @@ class Buffer:
         offset, nbytes = int(offset), int(nbytes)  # Python ints: numpy uint64 products wrap silently
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise short_read(offset, what, nbytes, self.size - offset)
-        return self.data[offset:offset + nbytes]
+        return self.data[offset : offset + nbytes]
 
     def uint(self, offset: int, nbytes: int, what: str, *, signed: bool = False) -> int:
         return int.from_bytes(self.view(offset, nbytes, what).tobytes(), "little", signed=signed)

@@ -1,9 +1,11 @@
 """``pyllamacpp parse-state`` and ``plot-state``: what is in a dump, down to the bytes."""
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +23,7 @@ def _heads_kwargs(args) -> dict:
 
 def _cell_rows(rec, cell: int, n_values: int, with_hex: bool) -> dict:
     """First bytes (hex) and first decoded values of one cell of one record."""
-    out = {}
+    out: dict[str, Any] = {}
     if rec.type.dtype is not None:
         vals = np.asarray(rec.values[cell]).reshape(-1)[:n_values].astype(np.float64)
     else:
@@ -31,8 +33,10 @@ def _cell_rows(rec, cell: int, n_values: int, with_hex: bool) -> dict:
         if rec.transposed:
             el = rec.row_size // rec.n_embd if rec.n_embd else 0
             # value j of this cell lives at j * n_cells + cell (value-major): gather its bytes
-            raw = b"".join(rec.data[(j * rec.n_cells + cell) * el:(j * rec.n_cells + cell + 1) * el].tobytes()
-                           for j in range(min(n_values, rec.n_embd)))
+            raw = b"".join(
+                rec.data[(j * rec.n_cells + cell) * el : (j * rec.n_cells + cell + 1) * el].tobytes()
+                for j in range(min(n_values, rec.n_embd))
+            )
         else:
             raw = rec.rows[cell][: 2 * n_values].tobytes()
         out["hex"] = raw.hex(" ")
@@ -43,23 +47,37 @@ def parse_state(args) -> int:
     st = parse(args.file, **_heads_kwargs(args))
     lay = st.layout()
     layer = args.layer
-    data = {"file": str(args.file), "file_size": os.path.getsize(args.file), "kind": st.kind.name,
-            "kind_text": str(st.kind) + (", metadata only (ON_DEVICE)" if st.metadata_only else "")
-            + (", partial (PARTIAL_ONLY)" if st.partial else ""),
-            "metadata_only": st.metadata_only, "partial": st.partial, "memory": st.options["memory"],
-            "layers": st.layers,
-            "metadata_bytes": lay.metadata_bytes, "payload_bytes": lay.payload_bytes,
-            "parts": [], "records": [dataclasses.asdict(r) for r in lay.rows]}
+    data = {
+        "file": str(args.file),
+        "file_size": os.path.getsize(args.file),
+        "kind": st.kind.name,
+        "kind_text": str(st.kind)
+        + (", metadata only (ON_DEVICE)" if st.metadata_only else "")
+        + (", partial (PARTIAL_ONLY)" if st.partial else ""),
+        "metadata_only": st.metadata_only,
+        "partial": st.partial,
+        "memory": st.options["memory"],
+        "layers": st.layers,
+        "metadata_bytes": lay.metadata_bytes,
+        "payload_bytes": lay.payload_bytes,
+        "parts": [],
+        "records": [dataclasses.asdict(r) for r in lay.rows],
+    }
     for part in st.parts:
         for s in part.streams:
-            entry = {"part": part.name, "stream": s.index, "cell_count": s.cell_count,
-                     "v_trans": s.v_trans, "n_layer": s.n_layer, "cells": []}
+            entry: dict[str, Any] = {
+                "part": part.name,
+                "stream": s.index,
+                "cell_count": s.cell_count,
+                "v_trans": s.v_trans,
+                "n_layer": s.n_layer,
+                "cells": [],
+            }
             # --layer is the model's il when the layer map is known, else the record index
             recs = {r.kind: r for r in s.records if r.key == layer and r.has_data and r.n_embd}
             for c in range(min(args.cells, s.cell_count) if recs else 0):
                 cell = s.cells[c]
-                row = {"cell": c, "pos": int(cell["pos"]),
-                       "seq_ids": [int(x) for x in cell["seq_id"] if x >= 0]}
+                row = {"cell": c, "pos": int(cell["pos"]), "seq_ids": [int(x) for x in cell["seq_id"] if x >= 0]}
                 for kind, rec in sorted(recs.items()):
                     row[kind] = _cell_rows(rec, c, args.values, args.hex)
                 entry["cells"].append(row)
@@ -91,6 +109,7 @@ def parse_state(args) -> int:
 
 def plot_state(args) -> int:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -109,8 +128,9 @@ def plot_state(args) -> int:
             continue
         vals = rec.dequantize() if rec.type.dtype is None else np.asarray(rec.values, dtype=np.float32)
         mat = vals.reshape(rec.n_cells, -1)
-        im = ax.imshow(mat, aspect="auto", cmap="RdBu_r", interpolation="nearest",
-                       vmin=-np.abs(mat).max(), vmax=np.abs(mat).max())
+        im = ax.imshow(
+            mat, aspect="auto", cmap="RdBu_r", interpolation="nearest", vmin=-np.abs(mat).max(), vmax=np.abs(mat).max()
+        )
         if rec.n_head:
             for h in range(1, rec.n_head):
                 ax.axvline(h * rec.head_dim - 0.5, color="k", lw=0.8)
@@ -118,14 +138,14 @@ def plot_state(args) -> int:
         ax.set_xlabel("head x dim" if rec.n_head else "n_embd_gqa (pass --heads to separate heads)")
         ax.set_ylabel("cell")
         fig.colorbar(im, ax=ax, fraction=0.046)
-    per_layer = {}
+    per_layer: dict[int, dict[str, int]] = {}
     for r in stream.records:
         per_layer.setdefault(r.key, {}).setdefault(r.kind, 0)
         per_layer[r.key][r.kind] += r.nbytes
     layers = sorted(per_layer)
     bottom = np.zeros(len(layers))
     for kind in sorted({kd for d in per_layer.values() for kd in d}):
-        b = np.array([per_layer[l].get(kind, 0) for l in layers], dtype=float)
+        b = np.array([per_layer[il].get(kind, 0) for il in layers], dtype=np.float64)
         axes[2].bar(layers, b, bottom=bottom, label=kind)
         bottom += b
     axes[2].set_title("bytes per layer")

@@ -1,8 +1,10 @@
 """The text summary behind ``KVState.describe()`` / ``str(state)``."""
+
 from __future__ import annotations
 
 import numpy as np
 
+from ._records import TensorRecord
 from ._state import _SOURCES
 
 
@@ -13,9 +15,12 @@ def _ids(cells) -> str:
 
 def _record_text(r) -> str:
     shape = f"{r.n_head} x {r.head_dim}" if r.n_head else f"{r.n_embd}"
-    notes = [", transposed" if r.transposed else "",
-             ", Hadamard-rotated if llama.cpp's attn_rot was on (dequantize(unrotate=True))"
-             if r.type.quantized and r.kind in "KV" else ""]
+    notes = [
+        ", transposed" if r.transposed else "",
+        ", Hadamard-rotated if llama.cpp's attn_rot was on (dequantize(unrotate=True))"
+        if r.type.quantized and r.kind in "KV"
+        else "",
+    ]
     return f"{r.kind} {r.type.name} ({shape} values, {r.row_size} B/cell{''.join(notes)})"
 
 
@@ -38,15 +43,22 @@ def _partial_text(state) -> str:
     """What a PARTIAL_ONLY dump holds (llama_kv_cache_iswa / llama_memory_hybrid(_idx) /
     llama_kv_cache_dsa_iswa::state_write)."""
     mem = state.options["memory"]
-    whose = {"iswa": "an iSWA", "hybrid": "a hybrid", "hybrid-iswa": "a hybrid iSWA",
-             "dsa-iswa": "a DSA iSWA", "hybrid-idx": "a hybrid indexer",
-             "dsv4": "a DeepSeek V4 (llama_kv_cache_dsv4)"}
+    whose = {
+        "iswa": "an iSWA",
+        "hybrid": "a hybrid",
+        "hybrid-iswa": "a hybrid iSWA",
+        "dsa-iswa": "a DSA iSWA",
+        "hybrid-idx": "a hybrid indexer",
+        "dsv4": "a DeepSeek V4 (llama_kv_cache_dsv4)",
+    }
     if mem in whose:
         names = " and ".join(p.name for p in state.parts)
         return f"only the {names} part{'s' if len(state.parts) > 1 else ''} of {whose[mem]} memory"
     if state.layers is None:  # read without a layer map: a plain cache and an iSWA swa part look alike
-        return (f"{'one KV cache' if mem == 'kv' else 'recurrent state'}: all of a {mem} memory or the "
-                f"partial part of {'an iSWA' if mem == 'kv' else 'a hybrid'} one (pass model= to tell)")
+        return (
+            f"{'one KV cache' if mem == 'kv' else 'recurrent state'}: all of a {mem} memory or the "
+            f"partial part of {'an iSWA' if mem == 'kv' else 'a hybrid'} one (pass model= to tell)"
+        )
     return f"a {mem} memory writes all of itself either way"
 
 
@@ -54,11 +66,15 @@ def _dsv4_text(b) -> list[str]:
     """A llama_kv_cache_dsv4 block (Dsv4Block): its header and layers."""
     if b.kind == "compressed":
         span = f"positions 0..{b.n_rows * b.ratio - 1}" if b.n_rows else "no positions"
-        head = (f"  {b.name} (compressed K cache, 1 row per {b.ratio} positions): version {b.version}, "
-                f"{b.n_rows} rows ({span}), {b.n_stream} stream(s), {b.n_layer} layers")
+        head = (
+            f"  {b.name} (compressed K cache, 1 row per {b.ratio} positions): version {b.version}, "
+            f"{b.n_rows} rows ({span}), {b.n_stream} stream(s), {b.n_layer} layers"
+        )
     else:
-        head = (f"  {b.name} (compressor state, ratio {b.ratio}): {b.state_size} ring rows of "
-                f"{b.n_embd_state} values (kv and score), {b.n_stream} stream(s), {b.n_layer} layers")
+        head = (
+            f"  {b.name} (compressor state, ratio {b.ratio}): {b.state_size} ring rows of "
+            f"{b.n_embd_state} values (kv and score), {b.n_stream} stream(s), {b.n_layer} layers"
+        )
     out = [head]
     if b.records:
         r = b.records[0]
@@ -86,10 +102,16 @@ def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
         toks = h.tokens[:12].tolist()
         fields.append(f"{len(h.tokens)} tokens {toks}{' ...' if len(h.tokens) > 12 else ''}")
     out.append("header: " + (", ".join(fields) if fields else "-") + f" ({h.nbytes} bytes)")
-    out.append(f"memory: {state.options['memory']}{' (partial)' if state.partial else ''}, n_head_kv={state.n_head_kv}"
-               + (", cells carry llama_kv_cell_ext" if state.options.get("cell_ext") else "")
-               + (", layers numbered by the model's il" if state.layers else ", layers numbered by record index"
-                  + (" (the dsv4 blocks by the il they write)" if state.options["memory"] == "dsv4" else "")))
+    out.append(
+        f"memory: {state.options['memory']}{' (partial)' if state.partial else ''}, n_head_kv={state.n_head_kv}"
+        + (", cells carry llama_kv_cell_ext" if state.options.get("cell_ext") else "")
+        + (
+            ", layers numbered by the model's il"
+            if state.layers
+            else ", layers numbered by record index"
+            + (" (the dsv4 blocks by the il they write)" if state.options["memory"] == "dsv4" else "")
+        )
+    )
     for p in state.parts:
         if p.kind in ("compressed", "compressor"):
             out.extend(_dsv4_text(p))
@@ -102,9 +124,11 @@ def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
                 continue
             pos = s.cells["pos"]
             flag = "v_trans" if p.kind == "kv" else "s_trans"
-            out.append(f"    stream {s.index}: {s.cell_count} cells, pos {int(pos.min())}..{int(pos.max())}, "
-                       f"seq ids {_ids(s.cells)}, {flag}={s.v_trans}, {s.n_layer} layers")
-            kinds = {}
+            out.append(
+                f"    stream {s.index}: {s.cell_count} cells, pos {int(pos.min())}..{int(pos.max())}, "
+                f"seq ids {_ids(s.cells)}, {flag}={s.v_trans}, {s.n_layer} layers"
+            )
+            kinds: dict[str, TensorRecord] = {}
             for r in s.records:
                 kinds.setdefault(r.kind, r)
             for r in kinds.values():
@@ -121,7 +145,7 @@ def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
         for s in p.streams:
             if not s.cell_count or not s.records or n_cells <= 0 or state.metadata_only:
                 continue
-            firsts = {}
+            firsts: dict[str, TensorRecord] = {}
             for r in s.records:
                 if r.n_embd:  # lfm2's S records hold 0 values per cell
                     firsts.setdefault(r.kind, r)

@@ -9,7 +9,10 @@ is one that the read side (state_read, dsv4_state_read_k_cache, dsv4_state_read_
 llama_dsv4_comp_state::state_read) makes, or a fact of the constructor that every dump of this
 llama.cpp has; a dump that fails one cannot be loaded by any context.
 """
+
 from __future__ import annotations
+
+from typing import cast
 
 import numpy as np
 
@@ -18,29 +21,44 @@ from ._parse import _cells_dtype, parse_kv
 from ._records import Dsv4Block, MemoryPart, Segment, Stream, TensorRecord
 from ._types import ggml_type
 
-DSV4_STATE_MAGIC = 0x34565344        # 'DSV4'
+DSV4_STATE_MAGIC = 0x34565344  # 'DSV4'
 DSV4_STATE_VERSION = 1
-MODE_FULL, MODE_PARTIAL = 0, 1       # DSV4_STATE_MODE_FULL / _PARTIAL
-K_CACHE_VERSIONS = (1, 2)            # DSV4_K_CACHE_STATE_VER is 2; dsv4_state_read_k_cache also reads 1
-COMP_STATE_VERSION = 1               # DSV4_COMP_STATE_VER
-CSA_RATIO, HCA_RATIO = 4, 128        # DSV4_CSA_RATIO, DSV4_HCA_RATIO
-LLAMA_MAX_LAYERS = 512               # llama-hparams.h: every il is below it
+MODE_FULL, MODE_PARTIAL = 0, 1  # DSV4_STATE_MODE_FULL / _PARTIAL
+K_CACHE_VERSIONS = (1, 2)  # DSV4_K_CACHE_STATE_VER is 2; dsv4_state_read_k_cache also reads 1
+COMP_STATE_VERSION = 1  # DSV4_COMP_STATE_VER
+CSA_RATIO, HCA_RATIO = 4, 128  # DSV4_CSA_RATIO, DSV4_HCA_RATIO
+LLAMA_MAX_LAYERS = 512  # llama-hparams.h: every il is below it
 GGML_TYPE_F32 = 0
-STREAMS_HEADER = 28                  # i32 type, u64 ne0, u64 rows, u64 row_size
+STREAMS_HEADER = 28  # i32 type, u64 ne0, u64 rows, u64 row_size
 # the constructor: kv_csa and kv_lid hold the layers whose compress ratio is 4 (filter_csa),
 # kv_hca those with 128 (filter_hca)
 K_CACHES = (("csa", CSA_RATIO), ("hca", HCA_RATIO), ("lid", CSA_RATIO))
 # (name, ratio, state_size): csa_state (4, 2*4), hca_state (128, 128), lid_state (4, 2*4)
-COMP_STATES = (("csa-state", CSA_RATIO, 2 * CSA_RATIO), ("hca-state", HCA_RATIO, HCA_RATIO),
-               ("lid-state", CSA_RATIO, 2 * CSA_RATIO))
+COMP_STATES = (
+    ("csa-state", CSA_RATIO, 2 * CSA_RATIO),
+    ("hca-state", HCA_RATIO, HCA_RATIO),
+    ("lid-state", CSA_RATIO, 2 * CSA_RATIO),
+)
 BLOCK_KINDS = ("compressed", "compressor")
-RAW_PARTS = {False: ("base", "swa"), True: ("swa",)}   # by partial
+RAW_PARTS = {False: ("base", "swa"), True: ("swa",)}  # by partial
 PART_NAMES = ("base", "swa") + tuple(n for n, _ in K_CACHES) + tuple(n for n, _, _ in COMP_STATES)
 PARTIAL_NAMES = ("swa",) + tuple(n for n, _, _ in COMP_STATES)
 
 
-def _tensor_streams(buf: Buffer, p: int, part: str, kind: str, index: int, il: int, n_rows: int,
-                    ns: int, data: bool, tally: list[int], *, f32_ne0: int | None = None):
+def _tensor_streams(
+    buf: Buffer,
+    p: int,
+    part: str,
+    kind: str,
+    index: int,
+    il: int,
+    n_rows: int,
+    ns: int,
+    data: bool,
+    tally: list[int],
+    *,
+    f32_ne0: int | None = None,
+):
     """dsv4_state_write_tensor_streams: ``i32 type, u64 ne0, u64 rows, u64 row_size`` then ns
     chunks of rows x row_size bytes (write_tensor: absent from a metadata-only dump, and not
     written at all when rows x row_size is 0). One TensorRecord per stream; returns them and
@@ -53,26 +71,53 @@ def _tensor_streams(buf: Buffer, p: int, part: str, kind: str, index: int, il: i
     rows = buf.u64(p + 12, f"{what} rows")
     row_size = buf.u64(p + 20, f"{what} row_size")
     if f32_ne0 is not None and t.id != GGML_TYPE_F32:
-        raise StateFormatError(f"type {t.name}: a compressor state tensor is F32 (llama_dsv4_comp_state's "
-                               f"constructor)", offset=p, what=f"{what} type")
+        raise StateFormatError(
+            f"type {t.name}: a compressor state tensor is F32 (llama_dsv4_comp_state's constructor)",
+            offset=p,
+            what=f"{what} type",
+        )
     if f32_ne0 is not None and ne0 != f32_ne0:
         raise StateFormatError(f"ne0 {ne0}, expected n_embd_state {f32_ne0}", offset=p + 4, what=f"{what} ne0")
     # ne0 is n_embd_k_gqa or n_embd_state, a uint32_t in llama_hparams
     if not 1 <= ne0 <= 0xFFFFFFFF or ne0 % t.block_size:
-        raise StateFormatError(f"ne0 {ne0} is not a row of {t.name} (1 to 2^32-1 values, whole blocks of "
-                               f"{t.block_size})", offset=p + 4, what=f"{what} ne0")
+        raise StateFormatError(
+            f"ne0 {ne0} is not a row of {t.name} (1 to 2^32-1 values, whole blocks of {t.block_size})",
+            offset=p + 4,
+            what=f"{what} ne0",
+        )
     if rows != n_rows:
         raise StateFormatError(f"rows {rows}, expected the block's {n_rows}", offset=p + 12, what=f"{what} rows")
     want = ne0 // t.block_size * t.type_size
     if row_size != want:
-        raise StateFormatError(f"row_size {row_size}, but ggml_row_size({t.name}, {ne0}) is {want}",
-                               offset=p + 20, what=f"{what} row_size")
+        raise StateFormatError(
+            f"row_size {row_size}, but ggml_row_size({t.name}, {ne0}) is {want}", offset=p + 20, what=f"{what} row_size"
+        )
     chunk, d, out = rows * row_size, p + STREAMS_HEADER, []
     for s in range(ns):
-        view = buf.view(d, chunk, f"{part} stream {s} {kind}[il {il}] data ({rows} rows x {row_size} bytes)") \
-            if data else None
-        out.append(TensorRecord(part, s, kind, index, t, p, d, rows, row_size, ne0, False, None, view,
-                                il=il, header_nbytes=STREAMS_HEADER))
+        view = (
+            buf.view(d, chunk, f"{part} stream {s} {kind}[il {il}] data ({rows} rows x {row_size} bytes)")
+            if data
+            else None
+        )
+        out.append(
+            TensorRecord(
+                part,
+                s,
+                kind,
+                index,
+                t,
+                p,
+                d,
+                rows,
+                row_size,
+                ne0,
+                False,
+                None,
+                view,
+                il=il,
+                header_nbytes=STREAMS_HEADER,
+            )
+        )
         tally[0] += 1
         if data:
             d += chunk
@@ -83,23 +128,30 @@ def _check_ns(ns: int, off: int, part: str, allowed: set[int]) -> None:
     # dsv4_state_dst_stream_range: a sequence load needs ns == 1, a whole-memory load ns ==
     # n_stream (n_seq_max: every DSV4 cache and state is built non-unified)
     if ns not in allowed:
-        raise StateFormatError(f"{ns} streams, expected {' or '.join(map(str, sorted(allowed)))} "
-                               f"(dsv4_state_src_stream_range: 1 for one sequence, the raw cache's n_stream "
-                               f"for the whole memory; one value for every block)", offset=off, what=f"{part}: ns")
+        raise StateFormatError(
+            f"{ns} streams, expected {' or '.join(map(str, sorted(allowed)))} "
+            f"(dsv4_state_src_stream_range: 1 for one sequence, the raw cache's n_stream "
+            f"for the whole memory; one value for every block)",
+            offset=off,
+            what=f"{part}: ns",
+        )
 
 
 def _layers(buf: Buffer, q: int, part: str, n_layer: int, read_one) -> tuple[list[int], list[TensorRecord], int]:
     """n_layer times ``u32 il`` then what ``read_one(il, index, at)`` reads; il strictly
     increasing (get_layer_ids and the comp state's layers follow the constructor's il loop)."""
-    ils, records = [], []
+    ils: list[int] = []
+    records: list[TensorRecord] = []
     for i in range(n_layer):
         il = buf.u32(q, f"{part} layer {i}: il")
         if ils and il <= ils[-1]:
-            raise StateFormatError(f"il {il} after il {ils[-1]}: layers come in increasing il", offset=q,
-                                   what=f"{part} layer {i}: il")
+            raise StateFormatError(
+                f"il {il} after il {ils[-1]}: layers come in increasing il", offset=q, what=f"{part} layer {i}: il"
+            )
         if il >= LLAMA_MAX_LAYERS:
-            raise StateFormatError(f"il {il}, expected below LLAMA_MAX_LAYERS ({LLAMA_MAX_LAYERS})", offset=q,
-                                   what=f"{part} layer {i}: il")
+            raise StateFormatError(
+                f"il {il}, expected below LLAMA_MAX_LAYERS ({LLAMA_MAX_LAYERS})", offset=q, what=f"{part} layer {i}: il"
+            )
         ils.append(il)
         recs, q = read_one(il, i, q + 4)
         records += recs
@@ -107,9 +159,22 @@ def _layers(buf: Buffer, q: int, part: str, n_layer: int, read_one) -> tuple[lis
 
 
 def _block(name: str, kind: str, off: int, end: int, ns: int, records: list[TensorRecord], **fields) -> Dsv4Block:
-    streams = tuple(Stream(name, s, off, 0, np.zeros(0, _cells_dtype(1, False)), off, 0, None,
-                           fields["n_layer"], tuple(r for r in records if r.stream == s), end)
-                    for s in range(ns))
+    streams = tuple(
+        Stream(
+            name,
+            s,
+            off,
+            0,
+            np.zeros(0, _cells_dtype(1, False)),
+            off,
+            0,
+            None,
+            fields["n_layer"],
+            tuple(r for r in records if r.stream == s),
+            end,
+        )
+        for s in range(ns)
+    )
     return Dsv4Block(name, kind, off, ns, streams, end, records=tuple(records), **fields)
 
 
@@ -118,16 +183,35 @@ def _k_cache(buf, p, name, ratio, ns_ok, data, tally) -> Dsv4Block:
     the K tensor's rows 0..n_rows of each stream (n_rows: positions / ratio, not cells)."""
     version = buf.u32(p, f"{name}: version")
     if version not in K_CACHE_VERSIONS:
-        raise StateFormatError(f"version {version}, expected 2 (or 1, which dsv4_state_read_k_cache also reads)",
-                               offset=p, what=f"{name}: version")
+        raise StateFormatError(
+            f"version {version}, expected 2 (or 1, which dsv4_state_read_k_cache also reads)",
+            offset=p,
+            what=f"{name}: version",
+        )
     n_rows = buf.u32(p + 4, f"{name}: n_rows")
     ns = buf.u32(p + 8, f"{name}: ns")
     _check_ns(ns, p + 8, name, ns_ok)
     n_layer = buf.u32(p + 12, f"{name}: n_layer")
-    ils, records, q = _layers(buf, p + 16, name, n_layer, lambda il, i, at: _tensor_streams(
-        buf, at, name, "K", i, il, n_rows, ns, data, tally))
-    return _block(name, "compressed", p, q, ns, records, version=version, ratio=ratio, n_rows=n_rows,
-                  n_layer=n_layer, layers=tuple(ils))
+    ils, records, q = _layers(
+        buf,
+        p + 16,
+        name,
+        n_layer,
+        lambda il, i, at: _tensor_streams(buf, at, name, "K", i, il, n_rows, ns, data, tally),
+    )
+    return _block(
+        name,
+        "compressed",
+        p,
+        q,
+        ns,
+        records,
+        version=version,
+        ratio=ratio,
+        n_rows=n_rows,
+        n_layer=n_layer,
+        layers=tuple(ils),
+    )
 
 
 def _comp_state(buf, p, name, ratio, state_size, ns_ok, data, tally) -> Dsv4Block:
@@ -145,8 +229,11 @@ def _comp_state(buf, p, name, ratio, state_size, ns_ok, data, tally) -> Dsv4Bloc
     n_embd = buf.u32(p + 12, f"{name}: n_embd_state")
     # 2 * n_embd_head_k (csa), n_embd_head_k (hca), 2 * indexer_head_size (lid)
     if not n_embd or (name != "hca-state" and n_embd % 2):
-        raise StateFormatError(f"{n_embd}, expected a positive{'' if name == 'hca-state' else ', even'} number",
-                               offset=p + 12, what=f"{name}: n_embd_state")
+        raise StateFormatError(
+            f"{n_embd}, expected a positive{'' if name == 'hca-state' else ', even'} number",
+            offset=p + 12,
+            what=f"{name}: n_embd_state",
+        )
     ns = buf.u32(p + 16, f"{name}: ns")
     _check_ns(ns, p + 16, name, ns_ok)
     n_layer = buf.u32(p + 20, f"{name}: n_layer")
@@ -157,8 +244,21 @@ def _comp_state(buf, p, name, ratio, state_size, ns_ok, data, tally) -> Dsv4Bloc
         return kv + score, at
 
     ils, records, q = _layers(buf, p + 24, name, n_layer, one)
-    return _block(name, "compressor", p, q, ns, records, version=version, ratio=ratio, n_rows=state_size,
-                  n_layer=n_layer, layers=tuple(ils), state_size=state_size, n_embd_state=n_embd)
+    return _block(
+        name,
+        "compressor",
+        p,
+        q,
+        ns,
+        records,
+        version=version,
+        ratio=ratio,
+        n_rows=state_size,
+        n_layer=n_layer,
+        layers=tuple(ils),
+        state_size=state_size,
+        n_embd_state=n_embd,
+    )
 
 
 def _check_blocks(blocks: dict[str, Dsv4Block]) -> None:
@@ -169,39 +269,62 @@ def _check_blocks(blocks: dict[str, Dsv4Block]) -> None:
     only); csa_state's n_embd_state is twice hca_state's (2 * n_embd_head_k and n_embd_head_k);
     kv_lid's rows hold indexer_head_size values (hparams_lid: one KV head of that size), half
     lid_state's n_embd_state."""
+
     def fail(b: Dsv4Block, msg: str, what: str = "layers", at: int | None = None):
         raise StateFormatError(msg, offset=b.offset if at is None else at, what=f"{b.name}: {what}")
 
     for a, b in (("lid", "csa"), ("lid-state", "csa-state")):
         if a in blocks and blocks[a].layers != blocks[b].layers:
-            fail(blocks[a], f"layers {list(blocks[a].layers)}, but {b} has {list(blocks[b].layers)} "
-                            f"(both hold the layers whose compress ratio is 4)")
+            fail(
+                blocks[a],
+                f"layers {list(blocks[a].layers)}, but {b} has {list(blocks[b].layers)} "
+                f"(both hold the layers whose compress ratio is 4)",
+            )
     for state, cache in (("csa-state", "csa"), ("hca-state", "hca")):
-        if cache in blocks and blocks[cache].layers[:len(blocks[state].layers)] != blocks[state].layers:
-            fail(blocks[state], f"layers {list(blocks[state].layers)}, not the first layers of {cache}'s "
-                                f"{list(blocks[cache].layers)}")
+        if cache in blocks and blocks[cache].layers[: len(blocks[state].layers)] != blocks[state].layers:
+            fail(
+                blocks[state],
+                f"layers {list(blocks[state].layers)}, not the first layers of {cache}'s {list(blocks[cache].layers)}",
+            )
     for x, y in (("csa", "hca"), ("csa-state", "hca-state")):
         if x in blocks and set(blocks[x].layers) & set(blocks[y].layers):
-            fail(blocks[y], f"layers {sorted(set(blocks[x].layers) & set(blocks[y].layers))} are also in {x} "
-                            f"(a layer's compress ratio is 4 or 128, not both)")
+            fail(
+                blocks[y],
+                f"layers {sorted(set(blocks[x].layers) & set(blocks[y].layers))} are also in {x} "
+                f"(a layer's compress ratio is 4 or 128, not both)",
+            )
     csa, hca = blocks["csa-state"], blocks["hca-state"]
-    if csa.n_embd_state != 2 * hca.n_embd_state:
-        fail(csa, f"{csa.n_embd_state}, expected 2 x hca-state's {hca.n_embd_state} (2 * n_embd_head_k)",
-             "n_embd_state", csa.offset + 12)
+    if csa.n_embd_state != 2 * cast(int, hca.n_embd_state):  # a compressor state has one
+        fail(
+            csa,
+            f"{csa.n_embd_state}, expected 2 x hca-state's {hca.n_embd_state} (2 * n_embd_head_k)",
+            "n_embd_state",
+            csa.offset + 12,
+        )
     lid = blocks.get("lid")
     if lid is not None and lid.records:
         r = lid.records[0]
         if 2 * r.n_embd != blocks["lid-state"].n_embd_state:
-            fail(lid, f"ne0 {r.n_embd}, expected half of lid-state's n_embd_state "
-                      f"{blocks['lid-state'].n_embd_state} (indexer_head_size)", f"{r.name} ne0", r.header_offset + 4)
+            fail(
+                lid,
+                f"ne0 {r.n_embd}, expected half of lid-state's n_embd_state "
+                f"{blocks['lid-state'].n_embd_state} (indexer_head_size)",
+                f"{r.name} ne0",
+                r.header_offset + 4,
+            )
         for q in lid.records:
             if q.n_embd != r.n_embd:
-                fail(lid, f"ne0 {q.n_embd}, but {r.name} has {r.n_embd} (indexer_head_size for every layer)",
-                     f"{q.name} ne0", q.header_offset + 4)
+                fail(
+                    lid,
+                    f"ne0 {q.n_embd}, but {r.name} has {r.n_embd} (indexer_head_size for every layer)",
+                    f"{q.name} ne0",
+                    q.header_offset + 4,
+                )
 
 
-def parse_dsv4(buf: Buffer, off: int, *, seq_id: int | None, mode: int, ext: bool, n_head: int | None,
-               data: bool, tally: list[int]) -> tuple[MemoryPart, ...]:
+def parse_dsv4(
+    buf: Buffer, off: int, *, seq_id: int | None, mode: int, ext: bool, n_head: int | None, data: bool, tally: list[int]
+) -> tuple[MemoryPart, ...]:
     """The parts after the 12-byte dsv4 header at ``off`` to the last byte, for one reading
     (``ext``: cells carry llama_kv_cell_ext; ``data``: rows present). ``seq_id``: the sequence
     the dump was written for (>= 0), -1 for the whole memory, None unknown (a seq file)."""
@@ -211,14 +334,23 @@ def parse_dsv4(buf: Buffer, off: int, *, seq_id: int | None, mode: int, ext: boo
         part = parse_kv(buf, q, name, ext=ext, has_v=False, n_head=n_head, tally=tally, data=data)
         parts.append(part)
         q = part.end
-    n_stream = parts[-1].n_stream
+    n_stream = cast(int, parts[-1].n_stream)  # a KV part has one
     if parts[0].n_stream != n_stream:  # one llama_kv_cache_iswa: base and swa built alike
-        raise StateFormatError(f"{n_stream} streams, but the base part has {parts[0].n_stream}",
-                               offset=parts[-1].offset, what="swa: n_stream")
+        raise StateFormatError(
+            f"{n_stream} streams, but the base part has {parts[0].n_stream}",
+            offset=parts[-1].offset,
+            what="swa: n_stream",
+        )
     if seq_id is not None and seq_id >= 0 and n_stream > 1 and seq_id >= n_stream:
-        raise StateFormatError(f"a dump of seq_id {seq_id} with {n_stream} streams (dsv4_state_src_stream_range: "
-                               f"the sequence is its stream)", offset=parts[-1].offset, what="swa: n_stream")
-    ns_ok = {1} if seq_id is not None and seq_id >= 0 else {n_stream} if seq_id is not None else {1, n_stream}
+        raise StateFormatError(
+            f"a dump of seq_id {seq_id} with {n_stream} streams (dsv4_state_src_stream_range: "
+            f"the sequence is its stream)",
+            offset=parts[-1].offset,
+            what="swa: n_stream",
+        )
+    ns_ok: set[int | None] = (
+        {1} if seq_id is not None and seq_id >= 0 else {n_stream} if seq_id is not None else {1, n_stream}
+    )
     blocks: dict[str, Dsv4Block] = {}
 
     def add(block: Dsv4Block) -> int:
@@ -235,8 +367,7 @@ def parse_dsv4(buf: Buffer, off: int, *, seq_id: int | None, mode: int, ext: boo
         q = add(_comp_state(buf, q, name, ratio, size, ns_ok, data, tally))
     _check_blocks(blocks)
     if q != buf.size:
-        raise StateFormatError(f"{buf.size - q} trailing bytes after the lid-state block", offset=q,
-                               what="end of dump")
+        raise StateFormatError(f"{buf.size - q} trailing bytes after the lid-state block", offset=q, what="end of dump")
     return tuple(parts)
 
 
@@ -245,26 +376,37 @@ def read_header(buf: Buffer, off: int, partial: bool | None) -> int:
     a mode that is not the load's PARTIAL_ONLY flag is refused ("DSV4 state flags mismatch")."""
     magic = buf.u32(off, "dsv4: magic")
     if magic != DSV4_STATE_MAGIC:
-        raise StateFormatError(f"0x{magic:08x}, expected DSV4_STATE_MAGIC 0x{DSV4_STATE_MAGIC:08x} ('DSV4')",
-                               offset=off, what="dsv4: magic")
+        raise StateFormatError(
+            f"0x{magic:08x}, expected DSV4_STATE_MAGIC 0x{DSV4_STATE_MAGIC:08x} ('DSV4')",
+            offset=off,
+            what="dsv4: magic",
+        )
     version = buf.u32(off + 4, "dsv4: version")
     if version != DSV4_STATE_VERSION:
-        raise StateFormatError(f"version {version}, expected {DSV4_STATE_VERSION}", offset=off + 4,
-                               what="dsv4: version")
+        raise StateFormatError(
+            f"version {version}, expected {DSV4_STATE_VERSION}", offset=off + 4, what="dsv4: version"
+        )
     mode = buf.u32(off + 8, "dsv4: mode")
     if mode not in (MODE_FULL, MODE_PARTIAL):
         raise StateFormatError(f"mode {mode}, expected 0 (full) or 1 (PARTIAL_ONLY)", offset=off + 8, what="dsv4: mode")
     if partial is not None and bool(partial) != (mode == MODE_PARTIAL):
-        raise StateFormatError(f"mode {mode} ({'PARTIAL_ONLY' if mode else 'full'}), but the dump is said to be "
-                               f"{'partial' if partial else 'full'} (state_read refuses it: 'DSV4 state flags "
-                               f"mismatch')", offset=off + 8, what="dsv4: mode")
+        raise StateFormatError(
+            f"mode {mode} ({'PARTIAL_ONLY' if mode else 'full'}), but the dump is said to be "
+            f"{'partial' if partial else 'full'} (state_read refuses it: 'DSV4 state flags "
+            f"mismatch')",
+            offset=off + 8,
+            what="dsv4: mode",
+        )
     return mode
 
 
 def block_segments(b: Dsv4Block) -> list[Segment]:
     """Every byte of block ``b``: its header, each layer's il, each tensor header, each stream's rows."""
-    fields = "version, n_rows, ns, n_layer" if b.kind == "compressed" else \
-        "version, ratio, state_size, n_embd_state, ns, n_layer"
+    fields = (
+        "version, n_rows, ns, n_layer"
+        if b.kind == "compressed"
+        else "version, ratio, state_size, n_embd_state, ns, n_layer"
+    )
     segs = [Segment(b.offset, 4 * len(fields.split(", ")), f"{b.name}: {fields}", False)]
     seen = set()
     for r in b.records:
@@ -282,6 +424,9 @@ def check_layers(b: Dsv4Block, ils) -> Dsv4Block:
     """A layer map's layers for block ``b``: they must be the ones it writes."""
     ils = [int(x) for x in ils]
     if list(b.layers) != ils:
-        raise StateFormatError(f"layers {list(b.layers)} written, but the layer map gives {ils}: a dump of "
-                               f"another model?", offset=b.offset, what=f"{b.name}: layers")
+        raise StateFormatError(
+            f"layers {list(b.layers)} written, but the layer map gives {ils}: a dump of another model?",
+            offset=b.offset,
+            what=f"{b.name}: layers",
+        )
     return b

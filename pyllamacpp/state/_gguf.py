@@ -10,6 +10,7 @@ Layout (gguf.h, ggml/src/gguf.cpp at the pin): b"GGUF", u32 version (2 or 3), u6
 u64 n_kv, then n_kv times (string key, u32 type, value); a string is u64 length + UTF-8 bytes, an
 array u32 element type + u64 count + elements. A big-endian file's version reads byte-swapped.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -22,8 +23,19 @@ from ._buffer import StateFormatError, short_read
 
 GGUF_MAGIC = b"GGUF"
 # gguf_type: (struct code, size) of the fixed-size types; 8 string, 9 array
-_SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4),
-            7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
+_SCALARS = {
+    0: ("B", 1),
+    1: ("b", 1),
+    2: ("H", 2),
+    3: ("h", 2),
+    4: ("I", 4),
+    5: ("i", 4),
+    6: ("f", 4),
+    7: ("?", 1),
+    10: ("Q", 8),
+    11: ("q", 8),
+    12: ("d", 8),
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -50,7 +62,7 @@ class _Reader:
     def string(self, what: str) -> str:
         n = self.scalar("Q", 8, what + " length")
         off = self.take(n, what)
-        return str(self.mv[off:off + n], "utf-8", "replace")
+        return str(self.mv[off : off + n], "utf-8", "replace")
 
     def skip_strings(self, count: int, what: str) -> None:
         # the hot loop (98k strings in a 49k-token vocabulary): bounds checked once, at the end
@@ -101,8 +113,9 @@ def _every_key(key: str) -> bool:
     return True
 
 
-def read_metadata(path: str | os.PathLike, keys: Collection[str] | Callable[[str], bool] | None = None
-                  ) -> dict[str, Any]:
+def read_metadata(
+    path: str | os.PathLike, keys: Collection[str] | Callable[[str], bool] | None = None
+) -> dict[str, Any]:
     """The key/value metadata of the GGUF file at ``path``: ``{key: value}`` for the keys in
     ``keys`` (a collection, or a predicate on the key; None: every key) that the file holds.
 

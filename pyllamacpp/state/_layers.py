@@ -17,6 +17,7 @@ A key absent from the GGUF is ``None`` in ``fields``. For the rules in KEYED_RUL
 llama.cpp defaults when absent, a key missing from ``fields`` means the caller did not read it,
 and gives no map rather than the default's.
 """
+
 from __future__ import annotations
 
 # llama-arch.cpp llm_arch_is_recurrent(); llama_model::load_hparams fills is_recr_impl with 1 for
@@ -47,8 +48,15 @@ PLAIN_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
 # glm5-next -> llama_memory_hybrid_idx; qwen4exp -> llama_memory_hybrid_idx (its default-branch
 # needs_mem_idx; models/qwen4exp.cpp sets no swa_type, so never the hybrid-iswa branch);
 # deepseek4 -> llama_kv_cache_dsv4 (its dump names itself: magic 'DSV4').
-MEMORY_ARCHS = {"minimax-m3": "msa", "deepseek32": "dsa", "glm-dsa": "dsa", "dots3note": "dsa-iswa",
-                "glm5-next": "hybrid-idx", "qwen4exp": "hybrid-idx", "deepseek4": "dsv4"}
+MEMORY_ARCHS = {
+    "minimax-m3": "msa",
+    "deepseek32": "dsa",
+    "glm-dsa": "dsa",
+    "dots3note": "dsa-iswa",
+    "glm5-next": "hybrid-idx",
+    "qwen4exp": "hybrid-idx",
+    "deepseek4": "dsv4",
+}
 
 # llama-hparams.h: llama_model_loader::get_arr refuses a longer array
 LLAMA_MAX_LAYERS = 512
@@ -61,8 +69,13 @@ GLM_5_2_MIN_CONTEXT = 1048576
 # reads llama.cpp's metadata (llama_model_meta_val_str leaves arrays out) reads them from the GGUF
 ARRAY_KEYS = {"deepseek4": ("attention.compress_ratios",)}
 # the keys (after "{arch}.") rules of several archs read
-COMMON_KEYS = ("block_count", "nextn_predict_layers", "attention.head_count_kv", "attention.sliding_window",
-               "leading_dense_block_count")
+COMMON_KEYS = (
+    "block_count",
+    "nextn_predict_layers",
+    "attention.head_count_kv",
+    "attention.sliding_window",
+    "leading_dense_block_count",
+)
 # archs whose rule reads these keys (after block_count, nextn_predict_layers): each must be in
 # ``fields``, None when the GGUF lacks it (see the module docstring)
 KEYED_RULES = {
@@ -177,8 +190,7 @@ def layer_map(fields: dict) -> dict[str, list[int]] | None:
             if is_swa is None:
                 return None
             # llama_kv_cache_iswa constructor: filter_base = !is_swa(il), filter_swa = is_swa(il)
-            return {"base": [il for il in layers if not is_swa[il]],
-                    "swa": [il for il in layers if is_swa[il]]}
+            return {"base": [il for il in layers if not is_swa[il]], "swa": [il for il in layers if is_swa[il]]}
         return {"kv": layers}
     if arch in PLAIN_ARCHS:
         return {"kv": layers}
@@ -208,14 +220,23 @@ def _deepseek4(ratios, layers: list[int]) -> dict[str, list[int]] | None:
         return None  # load_arch_hparams refuses a shorter array
     csa = [il for il in layers if int(ratios[il]) == 4]
     hca = [il for il in layers if int(ratios[il]) == 128]
-    return {"base": [], "swa": layers, "csa": csa, "hca": hca, "lid": csa,
-            "csa-state": csa, "hca-state": hca, "lid-state": csa}
+    return {
+        "base": [],
+        "swa": layers,
+        "csa": csa,
+        "hca": hca,
+        "lid": csa,
+        "csa-state": csa,
+        "hca-state": hca,
+        "lid-state": csa,
+    }
 
 
 # -- rules of the archs in KEYED_RULES: (key, n_layer_all, n_layer_nextn) -> map or None. Every
 # filter below runs over il < n_layer_all in the llama_kv_cache constructor (after has_kv(il),
 # always true here: n_layer_kv_from_start stays -1) and over il < n_layer() = n_layer_all -
 # n_layer_nextn in llama_memory_recurrent's; both keep il order, which state_write follows.
+
 
 def _glm_dsa(key, n_layer: int, nextn: int) -> dict[str, list[int]] | None:
     """glm-dsa: llama_kv_cache_dsa (create_memory, case LLM_ARCH_GLM_DSA), kv_mla over every
@@ -233,9 +254,10 @@ def _glm_dsa(key, n_layer: int, nextn: int) -> dict[str, list[int]] | None:
         full = [n_ctx_train < GLM_5_2_MIN_CONTEXT or bool(default[il]) for il in range(n_layer)]
     else:
         # get_key_or_arr(LLM_KV_ATTENTION_INDEXER_TYPES, ..., n_layer(), false): scalar or n_layer() entries
-        full = _flags(types, n_layer, exact=True)
-        if full is None:
+        flags = _flags(types, n_layer, exact=True)
+        if flags is None:
             return None
+        full = flags
     # filter_mla nullptr without nextn; filter_lid: il < n_layer() && is_indexer_full(il)
     return {"mla": list(range(n_layer)), "lid": [il for il in range(n_layer) if full[il]]}
 
@@ -271,9 +293,11 @@ def _dots3note(key, n_layer: int, nextn: int) -> dict[str, list[int]] | None:
     full = _flags(key("attention.indexer.types"), n_layer, exact=False)
     if is_swa is None or full is None:
         return None
-    return {"mla": [il for il in range(n_layer) if not is_swa[il]],
-            "lid": [il for il in range(n_layer) if full[il]],
-            "swa": [il for il in range(n_layer) if is_swa[il]]}
+    return {
+        "mla": [il for il in range(n_layer) if not is_swa[il]],
+        "lid": [il for il in range(n_layer) if full[il]],
+        "swa": [il for il in range(n_layer) if is_swa[il]],
+    }
 
 
 def _glm5_next(key, n_layer: int, nextn: int) -> dict[str, list[int]] | None:
@@ -289,9 +313,11 @@ def _glm5_next(key, n_layer: int, nextn: int) -> dict[str, list[int]] | None:
     full = [True] * n_layer if types is None else _flags(types, n_layer, exact=True)
     if head_kv is None or full is None:
         return None
-    return {"kv": [il for il in range(n_layer) if head_kv[il] > 0],
-            "recurrent": [il for il in range(n_layer) if head_kv[il] == 0],
-            "idx": [il for il in range(n_layer) if head_kv[il] > 0 and full[il]]}
+    return {
+        "kv": [il for il in range(n_layer) if head_kv[il] > 0],
+        "recurrent": [il for il in range(n_layer) if head_kv[il] == 0],
+        "idx": [il for il in range(n_layer) if head_kv[il] > 0 and full[il]],
+    }
 
 
 def _qwen4exp(key, n_layer: int, nextn: int) -> dict[str, list[int]] | None:
@@ -318,5 +344,10 @@ def _qwen4exp(key, n_layer: int, nextn: int) -> dict[str, list[int]] | None:
     return {"kv": attn, "recurrent": [il for il in range(n_trunk) if is_recr[il]], "idx": attn}
 
 
-KEYED_RULES_FN = {"glm-dsa": _glm_dsa, "hy_v4": _hy_v4, "dots3note": _dots3note, "glm5-next": _glm5_next,
-                  "qwen4exp": _qwen4exp}
+KEYED_RULES_FN = {
+    "glm-dsa": _glm_dsa,
+    "hy_v4": _hy_v4,
+    "dots3note": _dots3note,
+    "glm5-next": _glm5_next,
+    "qwen4exp": _qwen4exp,
+}

@@ -9,15 +9,17 @@ iswa): without ``memory=`` (or a layer map, a model, a sidecar that says which) 
 is kept, and only the names of the parts differ. llama_kv_cache_dsv4's state says what it is (its
 magic, version and mode): it is read by _dsv4, never by trying layouts.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 from . import _dsv4
 from ._buffer import Buffer, StateFormatError
 from ._parse import parse_kv
-from ._recurrent import parse_recurrent, parse_recurrent_splits
 from ._records import MemoryPart
+from ._recurrent import parse_recurrent, parse_recurrent_splits
 
 # memory= names -> the parts, in the order llama.cpp writes them; the order of this dict is the
 # order layouts are tried without a hint (the first five before the later look-alikes). "kv-k":
@@ -27,25 +29,31 @@ from ._records import MemoryPart
 # no V record. Other KV parts follow the model (has_v: one value for all of them, as every part
 # of these memories is built from the same hparams' is_mla()).
 MEMORY_LAYOUTS = {
-    "kv": ("kv",),                                 # llama_kv_cache
-    "iswa": ("kv", "kv"),                          # llama_kv_cache_iswa: base, then swa
-    "hybrid": ("kv", "recurrent"),                 # llama_memory_hybrid: attn, then recurrent
-    "hybrid-iswa": ("kv", "kv", "recurrent"),      # llama_memory_hybrid_iswa
-    "recurrent": ("recurrent",),                   # llama_memory_recurrent
-    "dsa": ("kv", "kv"),                           # llama_kv_cache_dsa: kv_mla, then kv_lid
-    "msa": ("kv", "kv"),                           # llama_kv_cache_msa: kv_base, then kv_idx
-    "dsa-iswa": ("kv", "kv", "kv"),                # llama_kv_cache_dsa_iswa: kv_dsa (mla, lid), kv_swa
-    "hybrid-idx": ("kv", "recurrent", "kv-k"),     # llama_memory_hybrid_idx: hybrid, then mem_idx
+    "kv": ("kv",),  # llama_kv_cache
+    "iswa": ("kv", "kv"),  # llama_kv_cache_iswa: base, then swa
+    "hybrid": ("kv", "recurrent"),  # llama_memory_hybrid: attn, then recurrent
+    "hybrid-iswa": ("kv", "kv", "recurrent"),  # llama_memory_hybrid_iswa
+    "recurrent": ("recurrent",),  # llama_memory_recurrent
+    "dsa": ("kv", "kv"),  # llama_kv_cache_dsa: kv_mla, then kv_lid
+    "msa": ("kv", "kv"),  # llama_kv_cache_msa: kv_base, then kv_idx
+    "dsa-iswa": ("kv", "kv", "kv"),  # llama_kv_cache_dsa_iswa: kv_dsa (mla, lid), kv_swa
+    "hybrid-idx": ("kv", "recurrent", "kv-k"),  # llama_memory_hybrid_idx: hybrid, then mem_idx
     # llama_kv_cache_dsv4 (after its 12-byte header, see _dsv4): kv_raw, a K-only iSWA cache
     # (dsv4_make_k_only), then the compressed K caches and the compressor states. Read by
     # _dsv4 only (never tried as a layout: its magic says what it is).
     "dsv4": ("kv-k", "kv-k") + ("compressed",) * 3 + ("compressor",) * 3,
 }
 PART_NAMES = {
-    "kv": ("kv",), "iswa": ("base", "swa"), "hybrid": ("kv", "recurrent"),
-    "hybrid-iswa": ("base", "swa", "recurrent"), "recurrent": ("recurrent",),
-    "dsa": ("mla", "lid"), "msa": ("base", "idx"), "dsa-iswa": ("mla", "lid", "swa"),
-    "hybrid-idx": ("kv", "recurrent", "idx"), "dsv4": _dsv4.PART_NAMES,
+    "kv": ("kv",),
+    "iswa": ("base", "swa"),
+    "hybrid": ("kv", "recurrent"),
+    "hybrid-iswa": ("base", "swa", "recurrent"),
+    "recurrent": ("recurrent",),
+    "dsa": ("mla", "lid"),
+    "msa": ("base", "idx"),
+    "dsa-iswa": ("mla", "lid", "swa"),
+    "hybrid-idx": ("kv", "recurrent", "idx"),
+    "dsv4": _dsv4.PART_NAMES,
 }
 # What each memory writes with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (llama.h: "work only with
 # partial states, such as SWA KV cache or recurrent cache"), as (kind, name) per part:
@@ -58,16 +66,21 @@ PART_NAMES = {
 # llama_kv_cache_dsv4::state_write passes the flag to kv_raw (swa only) and skips the
 # compressed K caches, but writes its three compressor states.
 PARTIAL_PARTS = {
-    "kv": (("kv", "kv"),), "iswa": (("kv", "swa"),), "hybrid": (("recurrent", "recurrent"),),
-    "hybrid-iswa": (("kv", "swa"), ("recurrent", "recurrent")), "recurrent": (("recurrent", "recurrent"),),
-    "dsa": (("kv", "mla"), ("kv", "lid")), "msa": (("kv", "base"), ("kv", "idx")),
-    "dsa-iswa": (("kv", "swa"),), "hybrid-idx": (("recurrent", "recurrent"),),
+    "kv": (("kv", "kv"),),
+    "iswa": (("kv", "swa"),),
+    "hybrid": (("recurrent", "recurrent"),),
+    "hybrid-iswa": (("kv", "swa"), ("recurrent", "recurrent")),
+    "recurrent": (("recurrent", "recurrent"),),
+    "dsa": (("kv", "mla"), ("kv", "lid")),
+    "msa": (("kv", "base"), ("kv", "idx")),
+    "dsa-iswa": (("kv", "swa"),),
+    "hybrid-idx": (("recurrent", "recurrent"),),
     "dsv4": (("kv-k", "swa"),) + tuple(("compressor", n) for n in _dsv4.PARTIAL_NAMES[1:]),
 }
 DSV4_STATE_MAGIC = _dsv4.DSV4_STATE_MAGIC
 # llama.h's LLAMA_STATE_SEQ_FLAGS_* (this package must not need the compiled extension)
-PARTIAL_ONLY = 1   # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (== SWA_ONLY)
-ON_DEVICE = 2      # LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+PARTIAL_ONLY = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (== SWA_ONLY)
+ON_DEVICE = 2  # LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
 
 
 def _layout(memory: str, partial: bool) -> tuple[tuple[str, str], ...]:
@@ -97,9 +110,10 @@ def memory_of(layers: dict | None) -> str | None:
 def _rename(part: MemoryPart, name: str) -> MemoryPart:
     if part.name == name:
         return part
-    streams = tuple(dataclasses.replace(s, part=name, records=tuple(dataclasses.replace(r, part=name)
-                                                                  for r in s.records))
-                    for s in part.streams)
+    streams = tuple(
+        dataclasses.replace(s, part=name, records=tuple(dataclasses.replace(r, part=name) for r in s.records))
+        for s in part.streams
+    )
     return dataclasses.replace(part, name=name, streams=streams)
 
 
@@ -119,10 +133,18 @@ def _candidates(memory: str | None, partial: bool | None) -> list[tuple[str, boo
     return [(name, False) for name in MEMORY_LAYOUTS if name != "dsv4"]
 
 
-def parse_memory(buf: Buffer, off: int, *, memory: str | None = None, cell_ext: bool | None = None,
-                 has_v: bool | None = None, n_head: int | None = None,
-                 metadata_only: bool | None = None, partial: bool | None = None,
-                 seq_id: int | None = None) -> tuple[tuple[MemoryPart, ...], dict]:
+def parse_memory(
+    buf: Buffer,
+    off: int,
+    *,
+    memory: str | None = None,
+    cell_ext: bool | None = None,
+    has_v: bool | None = None,
+    n_head: int | None = None,
+    metadata_only: bool | None = None,
+    partial: bool | None = None,
+    seq_id: int | None = None,
+) -> tuple[tuple[MemoryPart, ...], dict]:
     """The memory part from ``off`` to the end: the first layout that reads every byte.
 
     Full dumps are tried before metadata-only ones (``StateFlags.ON_DEVICE``: every record's
@@ -140,11 +162,22 @@ def parse_memory(buf: Buffer, off: int, *, memory: str | None = None, cell_ext: 
         raise ValueError(f"memory={memory!r}: expected one of {sorted(MEMORY_LAYOUTS)}")
     is_dsv4 = off + 4 <= buf.size and buf.u32(off, "memory") == DSV4_STATE_MAGIC
     if memory == "dsv4" or (memory is None and is_dsv4):
-        return _parse_dsv4(buf, off, cell_ext=cell_ext, has_v=has_v, n_head=n_head,
-                           metadata_only=metadata_only, partial=partial, seq_id=seq_id)
+        return _parse_dsv4(
+            buf,
+            off,
+            cell_ext=cell_ext,
+            has_v=has_v,
+            n_head=n_head,
+            metadata_only=metadata_only,
+            partial=partial,
+            seq_id=seq_id,
+        )
     if is_dsv4:
-        raise StateFormatError(f"a llama_kv_cache_dsv4 state (magic 'DSV4', DeepSeek V4), not memory {memory!r}",
-                               offset=off, what="memory layout")
+        raise StateFormatError(
+            f"a llama_kv_cache_dsv4 state (magic 'DSV4', DeepSeek V4), not memory {memory!r}",
+            offset=off,
+            what="memory layout",
+        )
     layouts = _candidates(memory, partial)
     exts = [cell_ext] if cell_ext is not None else [False, True]
     has_vs = [has_v] if has_v is not None else [True, False]
@@ -186,24 +219,33 @@ def parse_memory(buf: Buffer, off: int, *, memory: str | None = None, cell_ext: 
         if i == len(kinds):
             if p == buf.size:
                 return []
-            fail(n_records, StateFormatError(f"{buf.size - p} trailing bytes after the memory part",
-                                             offset=p, what="end of dump"))
+            fail(
+                n_records,
+                StateFormatError(f"{buf.size - p} trailing bytes after the memory part", offset=p, what="end of dump"),
+            )
             return None
         n_read = 0
         try:
             for part in part_at(kinds[i], i, p, ext, hv, meta, i == len(kinds) - 1):
                 n_read += 1
-                rest = read(kinds, i + 1, part.end, n_records + sum(len(s.records) for s in part.streams),
-                            ext, hv, meta)
+                rest = read(
+                    kinds, i + 1, part.end, n_records + sum(len(s.records) for s in part.streams), ext, hv, meta
+                )
                 if rest is not None:
                     return [part] + rest
         except StateFormatError as e:
             fail(n_records + getattr(e, "_records_read", 0), e)
             return None
         if not n_read:
-            fail(n_records, StateFormatError("no reading of the recurrent records (as many R as S, one "
-                                             "header each) is followed by the next part", offset=p,
-                                             what=f"{kinds[i]}#{i + 1} records"))
+            fail(
+                n_records,
+                StateFormatError(
+                    "no reading of the recurrent records (as many R as S, one "
+                    "header each) is followed by the next part",
+                    offset=p,
+                    what=f"{kinds[i]}#{i + 1} records",
+                ),
+            )
         return None
 
     for meta in readings:
@@ -223,37 +265,53 @@ def parse_memory(buf: Buffer, off: int, *, memory: str | None = None, cell_ext: 
                 has_records = any(s.records for part in parts for s in part.streams)
                 # partial: as given, or told apart by the reading (memory known, layouts differ)
                 told = partial if partial is not None else (part_only if memory and len(layouts) > 1 else None)
-                opts = {"memory": name, "partial": told, "cell_ext": ext if has_kv else None,
-                        "has_v": hv if "kv" in kinds else None, "metadata_only": meta and has_records}
+                opts = {
+                    "memory": name,
+                    "partial": told,
+                    "cell_ext": ext if has_kv else None,
+                    "has_v": hv if "kv" in kinds else None,
+                    "metadata_only": meta and has_records,
+                }
                 return named, opts
     assert best[0] is not None
     raise best[0][1]
 
 
-def _parse_dsv4(buf: Buffer, off: int, *, cell_ext, has_v, n_head, metadata_only, partial,
-                seq_id) -> tuple[tuple[MemoryPart, ...], dict]:
+def _parse_dsv4(
+    buf: Buffer, off: int, *, cell_ext, has_v, n_head, metadata_only, partial, seq_id
+) -> tuple[tuple[MemoryPart, ...], dict]:
     """llama_kv_cache_dsv4's state (see _dsv4): the readings of its raw cache (cells with or
     without llama_kv_cell_ext) with rows, then without (ON_DEVICE); the error of the one that
     read the most records when none reads every byte."""
     if has_v:
-        raise StateFormatError("has_v=True, but llama_kv_cache_dsv4's raw cache is K-only (dsv4_make_k_only: "
-                               "hparams.is_mla(), no V tensor, no V record)", offset=off, what="dsv4 raw cache")
+        raise StateFormatError(
+            "has_v=True, but llama_kv_cache_dsv4's raw cache is K-only (dsv4_make_k_only: "
+            "hparams.is_mla(), no V tensor, no V record)",
+            offset=off,
+            what="dsv4 raw cache",
+        )
     mode = _dsv4.read_header(buf, off, partial)
     best = None
-    for meta in ([bool(metadata_only)] if metadata_only is not None else [False, True]):
-        for ext in ([cell_ext] if cell_ext is not None else [False, True]):
+    for meta in [bool(metadata_only)] if metadata_only is not None else [False, True]:
+        for ext in [cell_ext] if cell_ext is not None else [False, True]:
             tally = [0]
             try:
-                parts = _dsv4.parse_dsv4(buf, off, seq_id=seq_id, mode=mode, ext=ext, n_head=n_head,
-                                         data=not meta, tally=tally)
+                parts = _dsv4.parse_dsv4(
+                    buf, off, seq_id=seq_id, mode=mode, ext=ext, n_head=n_head, data=not meta, tally=tally
+                )
             except StateFormatError as e:
                 if best is None or tally[0] > best[0]:
                     best = (tally[0], e)
                 continue
             has_records = any(s.records for p in parts for s in p.streams)
-            return parts, {"memory": "dsv4", "partial": mode == _dsv4.MODE_PARTIAL, "cell_ext": ext,
-                           "has_v": False, "metadata_only": meta and has_records}
-    raise best[1]
+            return parts, {
+                "memory": "dsv4",
+                "partial": mode == _dsv4.MODE_PARTIAL,
+                "cell_ext": ext,
+                "has_v": False,
+                "metadata_only": meta and has_records,
+            }
+    raise cast("tuple[int, StateFormatError]", best)[1]  # every reading failed, so best is set
 
 
 class _Lazy:

@@ -3,9 +3,11 @@ header, cells, per-layer records and a KV cache's state. Every read goes through
 nothing here copies payloads. Recurrent memory is in _recurrent, the choice among layouts in
 _memory.
 """
+
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 
@@ -13,13 +15,13 @@ from ._buffer import Buffer, StateFormatError, short_read
 from ._records import DumpKind, Header, MemoryPart, Stream, TensorRecord
 from ._types import ggml_type
 
-IO_MAGIC = 0xAF143CD8            # llama-context.cpp: `static constexpr uint32_t io_magic`
-SEQ_FILE_MAGIC = 0x67677371      # 'ggsq', LLAMA_STATE_SEQ_MAGIC (llama.h)
-SESSION_MAGIC = 0x6767736E       # 'ggsn', LLAMA_SESSION_MAGIC
-SEQ_FILE_VERSION = 3             # LLAMA_STATE_SEQ_VERSION
-SESSION_VERSION = 10             # LLAMA_SESSION_VERSION
-LLAMA_MAX_SEQ = 256              # src/llama-cparams.h; also bounds n_stream
-CELL_EXT_SIZE = 12               # llama_kv_cell_ext: i32 x, i32 y, i32 tok (llama-kv-cells.h)
+IO_MAGIC = 0xAF143CD8  # llama-context.cpp: `static constexpr uint32_t io_magic`
+SEQ_FILE_MAGIC = 0x67677371  # 'ggsq', LLAMA_STATE_SEQ_MAGIC (llama.h)
+SESSION_MAGIC = 0x6767736E  # 'ggsn', LLAMA_SESSION_MAGIC
+SEQ_FILE_VERSION = 3  # LLAMA_STATE_SEQ_VERSION
+SESSION_VERSION = 10  # LLAMA_SESSION_VERSION
+LLAMA_MAX_SEQ = 256  # src/llama-cparams.h; also bounds n_stream
+CELL_EXT_SIZE = 12  # llama_kv_cell_ext: i32 x, i32 y, i32 tok (llama-kv-cells.h)
 MAX_ARCH_NAME = 64
 
 _ARCH_RE = re.compile(rb"[A-Za-z0-9_.\-]+")
@@ -27,11 +29,13 @@ _ARCH_RE = re.compile(rb"[A-Za-z0-9_.\-]+")
 
 # --- header -------------------------------------------------------------------------------------
 
+
 def _arch(buf: Buffer, off: int) -> tuple[str, int]:
     n = buf.u32(off, "arch name length")
     if not 1 <= n <= MAX_ARCH_NAME:
-        raise StateFormatError(f"length {n} is not that of an architecture name (1..{MAX_ARCH_NAME})",
-                               offset=off, what="arch name length")
+        raise StateFormatError(
+            f"length {n} is not that of an architecture name (1..{MAX_ARCH_NAME})", offset=off, what="arch name length"
+        )
     raw = buf.view(off + 4, n, "arch name").tobytes()
     if not _ARCH_RE.fullmatch(raw):
         raise StateFormatError(f"{raw!r} is not an architecture name", offset=off + 4, what="arch name")
@@ -43,13 +47,16 @@ def parse_header(buf: Buffer) -> Header:
     if magic == IO_MAGIC:  # llama_context::state_seq_get_data: io_magic, then the source seq_id
         return Header(DumpKind.SEQUENCE, magic, None, buf.i32(4, "seq_id"), None, None, None, 8)
     if magic in (SEQ_FILE_MAGIC, SESSION_MAGIC):  # state_seq_save_file / state_save_file
-        kind, version, name = ((DumpKind.SEQ_FILE, SEQ_FILE_VERSION, "LLAMA_STATE_SEQ_VERSION")
-                               if magic == SEQ_FILE_MAGIC else
-                               (DumpKind.SESSION_FILE, SESSION_VERSION, "LLAMA_SESSION_VERSION"))
+        kind, version, name = (
+            (DumpKind.SEQ_FILE, SEQ_FILE_VERSION, "LLAMA_STATE_SEQ_VERSION")
+            if magic == SEQ_FILE_MAGIC
+            else (DumpKind.SESSION_FILE, SESSION_VERSION, "LLAMA_SESSION_VERSION")
+        )
         got = buf.u32(4, "version")
         if got != version:
-            raise StateFormatError(f"version {got}, expected {version} ({name} of this llama.cpp)",
-                                   offset=4, what=f"{kind} version")
+            raise StateFormatError(
+                f"version {got}, expected {version} ({name} of this llama.cpp)", offset=4, what=f"{kind} version"
+            )
         n_tokens = buf.u32(8, "n_token_count")
         tokens = buf.array(12, n_tokens, "<i4", f"{n_tokens} prompt tokens")
         off, arch = 12 + 4 * n_tokens, None
@@ -62,10 +69,14 @@ def parse_header(buf: Buffer) -> Header:
     raise StateFormatError(
         f"unknown magic 0x{magic:08x}: not a sequence dump (0x{IO_MAGIC:08x}), a seq file "
         f"('ggsq' 0x{SEQ_FILE_MAGIC:08x}), a session file ('ggsn' 0x{SESSION_MAGIC:08x}) nor a "
-        f"whole-context state (u32 length + architecture name)", offset=0, what="magic")
+        f"whole-context state (u32 length + architecture name)",
+        offset=0,
+        what="magic",
+    )
 
 
 # --- cells --------------------------------------------------------------------------------------
+
 
 def _cells_dtype(width: int, ext: bool) -> np.dtype:
     fields = [("pos", "<i4"), ("n_seq_id", "<u4"), ("seq_id", "<i4", (width,))]
@@ -83,8 +94,9 @@ def _check_seq_ids(ids: np.ndarray, offsets: np.ndarray, what: str) -> None:
     bad = np.flatnonzero((ids < 0) | (ids >= LLAMA_MAX_SEQ))
     if bad.size:
         i = int(bad[0])
-        raise StateFormatError(f"seq_id {int(ids.flat[i])} out of range [0, {LLAMA_MAX_SEQ})",
-                               offset=int(offsets.flat[i]), what=what)
+        raise StateFormatError(
+            f"seq_id {int(ids.flat[i])} out of range [0, {LLAMA_MAX_SEQ})", offset=int(offsets.flat[i]), what=what
+        )
 
 
 def parse_cells(buf: Buffer, off: int, count: int, *, ext: bool, what: str) -> tuple[np.ndarray, int]:
@@ -100,8 +112,12 @@ def parse_cells(buf: Buffer, off: int, count: int, *, ext: bool, what: str) -> t
     _check_n_seq(n0, off + 4, f"{what}: cell 0 n_seq_id")
     stride = base + 4 * n0
     if count * stride <= left:  # fast path: every cell the same size (always so in sequence dumps)
-        fields = {"names": ["pos", "n_seq_id"], "formats": ["<i4", "<u4"], "offsets": [0, 4],
-                  "itemsize": stride}
+        fields: dict[str, Any] = {
+            "names": ["pos", "n_seq_id"],
+            "formats": ["<i4", "<u4"],
+            "offsets": [0, 4],
+            "itemsize": stride,
+        }
         if ext:
             fields["names"] += ["x", "y", "tok"]
             fields["formats"] += ["<i4"] * 3
@@ -110,7 +126,8 @@ def parse_cells(buf: Buffer, off: int, count: int, *, ext: bool, what: str) -> t
             fields["names"].append("seq_id")
             fields["formats"].append(("<i4", (n0,)))
             fields["offsets"].append(base)
-        raw = buf.view(off, count * stride, f"{what}: {count} cells").view(np.dtype(fields))
+        # numpy types a dict dtype as its private _DTypeDict TypedDict
+        raw = buf.view(off, count * stride, f"{what}: {count} cells").view(np.dtype(fields))  # type: ignore[call-overload]
         if (raw["n_seq_id"] == n0).all():
             out = np.zeros(count, _cells_dtype(max(n0, 1), ext))
             out["offset"] = off + stride * np.arange(count, dtype=np.int64)
@@ -121,8 +138,9 @@ def parse_cells(buf: Buffer, off: int, count: int, *, ext: bool, what: str) -> t
                 else:
                     out[name] = raw[name]
             if n0:
-                _check_seq_ids(out["seq_id"][:, :n0], out["offset"][:, None] + base
-                               + 4 * np.arange(n0), f"{what}: seq_id")
+                _check_seq_ids(
+                    out["seq_id"][:, :n0], out["offset"][:, None] + base + 4 * np.arange(n0), f"{what}: seq_id"
+                )
             else:
                 out["seq_id"] = -1
             return out, count * stride
@@ -150,10 +168,12 @@ def parse_cells(buf: Buffer, off: int, count: int, *, ext: bool, what: str) -> t
 
 # --- per-layer records --------------------------------------------------------------------------
 
+
 def _heads(n_head: int | None, n_embd: int, off: int, what: str) -> int | None:
     if n_head and n_embd % n_head:
-        raise StateFormatError(f"a row of {n_embd} values does not split into n_head_kv={n_head} heads",
-                               offset=off, what=what)
+        raise StateFormatError(
+            f"a row of {n_embd} values does not split into n_head_kv={n_head} heads", offset=off, what=what
+        )
     return n_head
 
 
@@ -163,8 +183,19 @@ def _rows(buf: Buffer, off: int, nbytes: int, what: str, data: bool) -> np.ndarr
     return buf.view(off, nbytes, what) if data else None
 
 
-def row_record(buf: Buffer, p: int, part: str, s: int, kind: str, il: int, n_cells: int,
-               n_head: int | None, *, data: bool = True, empty_ok: bool = False) -> TensorRecord:
+def row_record(
+    buf: Buffer,
+    p: int,
+    part: str,
+    s: int,
+    kind: str,
+    il: int,
+    n_cells: int,
+    n_head: int | None,
+    *,
+    data: bool = True,
+    empty_ok: bool = False,
+) -> TensorRecord:
     """``i32 type, u64 row_size`` then n_cells rows (llama_kv_cache::state_write_data,
     llama_memory_recurrent::state_write_data). ``empty_ok``: a row size of 0 is valid (a
     recurrent S record of lfm2, whose hparams.n_embd_s() is 0)."""
@@ -173,37 +204,48 @@ def row_record(buf: Buffer, p: int, part: str, s: int, kind: str, il: int, n_cel
     row_size = buf.u64(p + 4, f"{what} row size")
     n_embd = t.n_values(row_size)
     if (not row_size and not empty_ok) or n_embd is None:
-        raise StateFormatError(f"row size {row_size} is not a whole number of {t.name} blocks "
-                               f"({t.type_size} bytes per {t.block_size} values)",
-                               offset=p + 4, what=f"{what} row size")
+        raise StateFormatError(
+            f"row size {row_size} is not a whole number of {t.name} blocks "
+            f"({t.type_size} bytes per {t.block_size} values)",
+            offset=p + 4,
+            what=f"{what} row size",
+        )
     n_head = _heads(n_head, n_embd, p + 4, f"{what} row size")
     rows = _rows(buf, p + 12, n_cells * row_size, f"{what} data ({n_cells} rows x {row_size} bytes)", data)
     return TensorRecord(part, s, kind, il, t, p, p + 12, n_cells, row_size, n_embd, False, n_head, rows)
 
 
-def transposed_record(buf: Buffer, p: int, part: str, s: int, il: int, n_cells: int,
-                      n_head: int | None, *, data: bool = True) -> TensorRecord:
+def transposed_record(
+    buf: Buffer, p: int, part: str, s: int, il: int, n_cells: int, n_head: int | None, *, data: bool = True
+) -> TensorRecord:
     """V with v_trans=1: ``i32 type, u32 element_size, u32 n_embd_v_gqa`` then, for each of the
     n_embd values, that value of every cell."""
     what = f"{part} stream {s} V[{il}]"
     t = ggml_type(buf.i32(p, f"{what} type"), offset=p, what=f"{what} type")
     if t.quantized:
         # llama_init_from_model and llama_context's constructor (llama-context.cpp) refuse a
-        # quantized V cache without flash attention, and only flash attention off gives v_trans=1; a block type written "value by
-        # value" (state_write_data copies ggml_type_size() bytes per value) would be nonsense.
-        raise StateFormatError(f"transposed V (v_trans=1) of block-quantized type {t.name}: this "
-                               f"llama.cpp never writes one (quantized V requires flash attention, "
-                               f"which stores V untransposed)", offset=p, what=f"{what} type")
+        # quantized V cache without flash attention, and only flash attention off gives v_trans=1;
+        # a block type written "value by value" (state_write_data copies ggml_type_size() bytes per
+        # value) would be nonsense.
+        raise StateFormatError(
+            f"transposed V (v_trans=1) of block-quantized type {t.name}: this "
+            f"llama.cpp never writes one (quantized V requires flash attention, "
+            f"which stores V untransposed)",
+            offset=p,
+            what=f"{what} type",
+        )
     el = buf.u32(p + 4, f"{what} element size")
     if el != t.type_size:
-        raise StateFormatError(f"element size {el}, but ggml_type_size({t.name}) is {t.type_size}",
-                               offset=p + 4, what=f"{what} element size")
+        raise StateFormatError(
+            f"element size {el}, but ggml_type_size({t.name}) is {t.type_size}",
+            offset=p + 4,
+            what=f"{what} element size",
+        )
     n_embd = buf.u32(p + 8, f"{what} n_embd_v_gqa")
     if not n_embd:
         raise StateFormatError("n_embd_v_gqa is 0", offset=p + 8, what=f"{what} n_embd_v_gqa")
     n_head = _heads(n_head, n_embd, p + 8, f"{what} n_embd_v_gqa")
-    rows = _rows(buf, p + 12, n_embd * n_cells * el,
-                 f"{what} data ({n_embd} x {n_cells} values of {el} bytes)", data)
+    rows = _rows(buf, p + 12, n_embd * n_cells * el, f"{what} data ({n_embd} x {n_cells} values of {el} bytes)", data)
     return TensorRecord(part, s, "V", il, t, p, p + 12, n_cells, n_embd * el, n_embd, True, n_head, rows)
 
 
@@ -216,6 +258,7 @@ def _count(records: list[TensorRecord], tally: list[int] | None) -> int:
 
 # --- memory parts -------------------------------------------------------------------------------
 
+
 def _layer_header(buf: Buffer, p: int, what: str, flag_name: str = "v_trans") -> tuple[int, int]:
     # No bound on n_layer needed here: each record read consumes at least 12 bytes or fails.
     flag = buf.u32(p, f"{what}: {flag_name}")
@@ -224,8 +267,17 @@ def _layer_header(buf: Buffer, p: int, what: str, flag_name: str = "v_trans") ->
     return flag, buf.u32(p + 4, f"{what}: n_layer")
 
 
-def parse_kv(buf: Buffer, off: int, name: str, *, ext: bool, has_v: bool, n_head: int | None,
-             tally: list[int] | None = None, data: bool = True) -> MemoryPart:
+def parse_kv(
+    buf: Buffer,
+    off: int,
+    name: str,
+    *,
+    ext: bool,
+    has_v: bool,
+    n_head: int | None,
+    tally: list[int] | None = None,
+    data: bool = True,
+) -> MemoryPart:
     """llama_kv_cache::state_write: u32 n_stream, then per stream u32 cell_count and, unless it is
     0, cells, u32 v_trans, u32 n_layer, n_layer K records, n_layer V records (none without V)."""
     n_stream = buf.u32(off, f"{name}: n_stream")
@@ -248,8 +300,11 @@ def parse_kv(buf: Buffer, off: int, name: str, *, ext: bool, has_v: bool, n_head
             records.append(row_record(buf, q, name, s, "K", il, cell_count, n_head, data=data))
             q = _count(records, tally)
         for il in range(n_layer if has_v else 0):
-            records.append(transposed_record(buf, q, name, s, il, cell_count, n_head, data=data) if v_trans
-                           else row_record(buf, q, name, s, "V", il, cell_count, n_head, data=data))
+            records.append(
+                transposed_record(buf, q, name, s, il, cell_count, n_head, data=data)
+                if v_trans
+                else row_record(buf, q, name, s, "V", il, cell_count, n_head, data=data)
+            )
             q = _count(records, tally)
         streams.append(Stream(name, s, p, cell_count, cells, p + 4, nb, v_trans, n_layer, tuple(records), q))
         p = q

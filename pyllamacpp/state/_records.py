@@ -1,4 +1,5 @@
 """Frozen records of a parsed dump. Each keeps its byte offsets; payloads are views, not copies."""
+
 from __future__ import annotations
 
 import enum
@@ -12,10 +13,11 @@ from ._types import GGMLType, hadamard
 
 class DumpKind(str, enum.Enum):
     """What produced the bytes (the value is how ``describe()`` prints it)."""
-    SEQUENCE = "sequence dump"             # llama_state_seq_get_data(_ext)
-    SEQ_FILE = "seq file"                  # llama_state_seq_save_file ('ggsq')
-    CONTEXT = "whole-context state"        # llama_state_get_data
-    SESSION_FILE = "session file"          # llama_state_save_file ('ggsn')
+
+    SEQUENCE = "sequence dump"  # llama_state_seq_get_data(_ext)
+    SEQ_FILE = "seq file"  # llama_state_seq_save_file ('ggsq')
+    CONTEXT = "whole-context state"  # llama_state_get_data
+    SESSION_FILE = "session file"  # llama_state_save_file ('ggsn')
 
     def __str__(self) -> str:
         return self.value
@@ -24,14 +26,15 @@ class DumpKind(str, enum.Enum):
 @dataclass(frozen=True)
 class Header:
     """Everything before the memory part. Fields a kind does not have are None."""
+
     kind: DumpKind
-    magic: int | None          # io magic 0xaf143cd8, 'ggsq' or 'ggsn'; None for a context state
-    version: int | None        # file formats only
-    seq_id: int | None         # sequence dumps: the seq_id they were taken from
-    arch: str | None           # context states and session files: llm_arch_name()
+    magic: int | None  # io magic 0xaf143cd8, 'ggsq' or 'ggsn'; None for a context state
+    version: int | None  # file formats only
+    seq_id: int | None  # sequence dumps: the seq_id they were taken from
+    arch: str | None  # context states and session files: llm_arch_name()
     tokens: np.ndarray | None = field(repr=False, compare=False)  # int32 view (files)
     tokens_offset: int | None
-    nbytes: int                # the memory part starts here
+    nbytes: int  # the memory part starts here
 
 
 class MetadataOnlyError(ValueError):
@@ -43,20 +46,21 @@ class TensorRecord:
     """One per-layer record: ``i32 type, u64 row_size`` (or, for transposed V, ``i32 type,
     u32 element_size, u32 n_embd``; for a recurrent PLE row, ``u64 row_size`` alone) followed by
     the rows of the dumped cells, or by nothing in a metadata-only dump (``data`` is None)."""
+
     part: str
     stream: int
-    kind: str                  # K, V (attention) or R, P, S (recurrent; P: PLE conv rows)
-    layer: int                 # index of the record among its stream's records of this kind
+    kind: str  # K, V (attention) or R, P, S (recurrent; P: PLE conv rows)
+    layer: int  # index of the record among its stream's records of this kind
     type: GGMLType
     header_offset: int
     data_offset: int
     n_cells: int
-    row_size: int              # bytes of one cell's values (element size x n_embd when transposed)
-    n_embd: int                # values per cell (n_embd_k_gqa / n_embd_v_gqa)
-    transposed: bool           # V with v_trans=1: stored value-major, [n_embd][n_cells]
-    n_head: int | None         # heads to shape views with (n_head_kv); None keeps rows flat
+    row_size: int  # bytes of one cell's values (element size x n_embd when transposed)
+    n_embd: int  # values per cell (n_embd_k_gqa / n_embd_v_gqa)
+    transposed: bool  # V with v_trans=1: stored value-major, [n_embd][n_cells]
+    n_head: int | None  # heads to shape views with (n_head_kv); None keeps rows flat
     data: np.ndarray | None = field(repr=False, compare=False)  # the payload, uint8 view; None: not in the dump
-    il: int | None = None      # the model's layer index, when the layer map is known (see _layers)
+    il: int | None = None  # the model's layer index, when the layer map is known (see _layers)
     # bytes of the header when they do not end at data_offset: a llama_kv_cache_dsv4 block's
     # record of stream s > 0 shares its layer's one header, and its rows follow stream s - 1's
     header_nbytes: int | None = None
@@ -98,7 +102,8 @@ class TensorRecord:
             raise MetadataOnlyError(
                 f"{self.part} stream {self.stream} {self.name}: this is a metadata-only dump "
                 f"(StateFlags.ON_DEVICE): llama.cpp wrote the record headers and kept the "
-                f"{self.rows_nbytes:,} bytes of rows in its own memory (llama_io_write_device)")
+                f"{self.rows_nbytes:,} bytes of rows in its own memory (llama_io_write_device)"
+            )
         return self.data
 
     @property
@@ -106,8 +111,9 @@ class TensorRecord:
         """Raw bytes, one row per cell, shape (n_cells, row_size); transposed V has no such rows."""
         data = self._payload()
         if self.transposed:
-            raise ValueError(f"{self.kind}[{self.layer}] is stored transposed (v_trans=1): it has no "
-                             f"per-cell byte rows; use .values")
+            raise ValueError(
+                f"{self.kind}[{self.layer}] is stored transposed (v_trans=1): it has no per-cell byte rows; use .values"
+            )
         return data.reshape(self.n_cells, self.row_size)
 
     @property
@@ -135,8 +141,9 @@ class TensorRecord:
         if self.kind == "V":
             return 64
         if not self.n_head:
-            raise ValueError("the K rotation size depends on the head size: parse with n_head_kv=, "
-                             "or pass dequantize(unrotate=n)")
+            raise ValueError(
+                "the K rotation size depends on the head size: parse with n_head_kv=, or pass dequantize(unrotate=n)"
+            )
         n = 64
         while self.head_dim % (2 * n) == 0:
             n *= 2
@@ -155,8 +162,7 @@ class TensorRecord:
         if self.transposed:
             if self.type.quantized:
                 raise ValueError("a block-quantized transposed V cannot be dequantized per cell")
-            out = self.type.dequantize(np.ascontiguousarray(self.values).view(np.uint8)
-                                       .reshape(self.n_cells, -1))
+            out = self.type.dequantize(np.ascontiguousarray(self.values).view(np.uint8).reshape(self.n_cells, -1))
         else:
             out = self.type.dequantize(self.rows)
         if unrotate:
@@ -164,8 +170,7 @@ class TensorRecord:
             if self.n_embd % n:
                 raise ValueError(f"rows of {self.n_embd} values do not split into runs of {n}")
             out = (out.reshape(self.n_cells, -1, n) @ hadamard(n)).reshape(self.n_cells, self.n_embd)
-        return out.reshape((self.n_cells, self.n_head, self.head_dim) if self.n_head
-                           else (self.n_cells, self.n_embd))
+        return out.reshape((self.n_cells, self.n_head, self.head_dim) if self.n_head else (self.n_cells, self.n_embd))
 
     def _index(self, cell: int, head: int, element: int) -> int:
         hd = self.head_dim
@@ -184,8 +189,16 @@ class TensorRecord:
             return self.data_offset + (j * self.n_cells + cell) * self.type.type_size
         return self.data_offset + cell * self.row_size + self.type.byte_in_row(j)
 
-    def tensor_offset(self, cell: int, head: int = 0, element: int = 0, *, kv_size: int,
-                      dest_stream: int | None = None, n_embd_tensor: int | None = None) -> int:
+    def tensor_offset(
+        self,
+        cell: int,
+        head: int = 0,
+        element: int = 0,
+        *,
+        kv_size: int,
+        dest_stream: int | None = None,
+        n_embd_tensor: int | None = None,
+    ) -> int:
         """Byte offset of the same value inside llama.cpp's per-layer cache tensor.
 
         The tensor is ``ggml_new_tensor_3d(type, n_embd, kv_size, n_stream)``. K, and V when
@@ -219,51 +232,54 @@ class Stream:
     holds stream s's rows of every layer (they interleave per layer in the dump, so ``offset``
     and ``end`` are the block's).
     """
+
     part: str
     index: int
-    offset: int                # of the cell_count field
+    offset: int  # of the cell_count field
     cell_count: int
     cells: np.ndarray = field(repr=False, compare=False)
     cells_offset: int
     cells_nbytes: int
-    v_trans: int | None        # None for an empty KV stream (nothing written after cell_count)
+    v_trans: int | None  # None for an empty KV stream (nothing written after cell_count)
     n_layer: int | None
     records: tuple[TensorRecord, ...] = field(repr=False)
-    end: int                   # first byte after this stream
+    end: int  # first byte after this stream
 
     def _kind(self, kind: str) -> tuple[TensorRecord, ...]:
         return tuple(r for r in self.records if r.kind == kind)
 
     @property
-    def k_records(self): return self._kind("K")
+    def k_records(self):
+        return self._kind("K")
 
     @property
-    def v_records(self): return self._kind("V")
+    def v_records(self):
+        return self._kind("V")
 
     @property
-    def k(self) -> "LayerViews":
+    def k(self) -> LayerViews:
         """``k[il]``: the K values of layer il (the model's layer with a layer map, else the
         record index; see TensorRecord.values)."""
         return LayerViews(self._kind("K"))
 
     @property
-    def v(self) -> "LayerViews":
+    def v(self) -> LayerViews:
         return LayerViews(self._kind("V"))
 
     @property
-    def r(self) -> "LayerViews":
+    def r(self) -> LayerViews:
         return LayerViews(self._kind("R"))
 
     @property
-    def p(self) -> "LayerViews":
+    def p(self) -> LayerViews:
         """PLE conv rows (recurrent layers with a PLE conv tensor, qwen4exp at this pin)."""
         return LayerViews(self._kind("P"))
 
     @property
-    def s(self) -> "LayerViews":
+    def s(self) -> LayerViews:
         return LayerViews(self._kind("S"))
 
-    def views(self, kind: str) -> "LayerViews":
+    def views(self, kind: str) -> LayerViews:
         """The values of the records of ``kind`` by layer: K, V, R, P, S, or a llama_kv_cache_dsv4
         compressor state's KV and SCORE."""
         return LayerViews(self._kind(kind.upper()))
@@ -317,8 +333,9 @@ class MemoryPart:
     """One memory module's state: a KV cache (``u32 n_stream`` then streams) or recurrent memory
     (one stream, no n_stream field). ``name``: kv, or base/swa (iSWA), plus recurrent (hybrid).
     llama_kv_cache_dsv4's blocks after its raw cache are Dsv4Block parts."""
+
     name: str
-    kind: str                  # "kv", "recurrent", or a Dsv4Block's "compressed" / "compressor"
+    kind: str  # "kv", "recurrent", or a Dsv4Block's "compressed" / "compressor"
     offset: int
     n_stream: int | None
     streams: tuple[Stream, ...]
@@ -340,13 +357,14 @@ class Dsv4Block(MemoryPart):
     sequence; a compressor state's row i is the ring slot of the positions p with p % state_size
     == i. ``n_stream`` is ns; streams[s].records are stream s's records, which carry the il
     written in the dump; ``records`` lists them all in byte order."""
+
     version: int = 0
-    ratio: int = 0             # 4 (csa, lid) or 128 (hca): positions per compressed row
-    n_rows: int = 0            # rows per layer and stream: (pos_max + 1) / ratio clipped, or state_size
+    ratio: int = 0  # 4 (csa, lid) or 128 (hca): positions per compressed row
+    n_rows: int = 0  # rows per layer and stream: (pos_max + 1) / ratio clipped, or state_size
     n_layer: int = 0
-    layers: tuple[int, ...] = ()        # il of each layer, as written
-    state_size: int | None = None       # compressor states only
-    n_embd_state: int | None = None     # compressor states only
+    layers: tuple[int, ...] = ()  # il of each layer, as written
+    state_size: int | None = None  # compressor states only
+    n_embd_state: int | None = None  # compressor states only
     records: tuple[TensorRecord, ...] = field(default=(), repr=False)
 
 
@@ -355,8 +373,8 @@ class LayoutRow:
     part: str
     stream: int
     kind: str
-    layer: int                 # record index
-    il: int | None             # the model's layer, when the layer map is known
+    layer: int  # record index
+    il: int | None  # the model's layer, when the layer map is known
     type: str
     row_size: int
     header_offset: int
@@ -367,6 +385,7 @@ class LayoutRow:
 @dataclass(frozen=True)
 class Segment:
     """A run of bytes and what it is; a layout's segments tile the dump with no gap or overlap."""
+
     offset: int
     nbytes: int
     what: str
@@ -380,8 +399,8 @@ class Layout:
     metadata_bytes: int
     payload_bytes: int
     total_bytes: int
-    metadata_only: bool = False   # an ON_DEVICE dump: headers without rows
-    layers_known: bool = True     # False: "layer" numbers are record indices, not the model's il
+    metadata_only: bool = False  # an ON_DEVICE dump: headers without rows
+    layers_known: bool = True  # False: "layer" numbers are record indices, not the model's il
 
     def __len__(self) -> int:
         """The number of records (rows)."""
@@ -397,31 +416,39 @@ class Layout:
     def notes(self) -> list[str]:
         out = []
         if self.metadata_only:
-            out.append("metadata only (ON_DEVICE): every record is a header; its rows stayed in "
-                       "llama.cpp's device memory, so the payload is 0 bytes")
+            out.append(
+                "metadata only (ON_DEVICE): every record is a header; its rows stayed in "
+                "llama.cpp's device memory, so the payload is 0 bytes"
+            )
         if not self.layers_known:
-            out.append("il: layer numbers are record indices within each part that does not write "
-                       "them (no layer map: pass model= or keep a sidecar with 'layers')")
+            out.append(
+                "il: layer numbers are record indices within each part that does not write "
+                "them (no layer map: pass model= or keep a sidecar with 'layers')"
+            )
         return out
 
     def table(self, max_rows: int | None = None) -> str:
         kw = max([2] + [len(r.kind) for r in self.rows])  # KV, SCORE: a llama_kv_cache_dsv4 compressor state
-        head = f"{'part':<9} {'strm':>4} {'kv':<{kw}} {'#':>3} {'il':>4} {'type':<6} {'row':>6} {'hdr@':>10} {'data@':>10} {'bytes':>10}"
-        rows = list(self.rows)
+        head = (
+            f"{'part':<9} {'strm':>4} {'kv':<{kw}} {'#':>3} {'il':>4} {'type':<6} {'row':>6} "
+            f"{'hdr@':>10} {'data@':>10} {'bytes':>10}"
+        )
+        rows: list[LayoutRow | None] = list(self.rows)
         skipped = 0
         if max_rows is not None and len(rows) > max_rows:
             skipped = len(rows) - max_rows
-            rows = rows[:max_rows // 2] + [None] + rows[len(rows) - (max_rows - max_rows // 2):]
+            rows = rows[: max_rows // 2] + [None] + rows[len(rows) - (max_rows - max_rows // 2) :]
         lines = [head]
         for r in rows:
             if r is None:
                 lines.append(f"  ... {skipped} more records ...")
                 continue
             il = "-" if r.il is None else r.il
-            lines.append(f"{r.part:<9} {r.stream:>4} {r.kind:<{kw}} {r.layer:>3} {il:>4} {r.type:<6} {r.row_size:>6} "
-                         f"{r.header_offset:>10} {r.data_offset:>10} {r.nbytes:>10}")
-        lines.append(f"metadata {self.metadata_bytes:,} B + payload {self.payload_bytes:,} B = "
-                     f"{self.total_bytes:,} B")
+            lines.append(
+                f"{r.part:<9} {r.stream:>4} {r.kind:<{kw}} {r.layer:>3} {il:>4} {r.type:<6} {r.row_size:>6} "
+                f"{r.header_offset:>10} {r.data_offset:>10} {r.nbytes:>10}"
+            )
+        lines.append(f"metadata {self.metadata_bytes:,} B + payload {self.payload_bytes:,} B = {self.total_bytes:,} B")
         lines.extend(self.notes())
         return "\n".join(lines)
 

@@ -1,4 +1,5 @@
 """Recurrent memory's state (llama-memory-recurrent.cpp): R, optional P (PLE) and S records."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,9 @@ from ._parse import _count, _layer_header, _rows, parse_cells, row_record
 from ._records import MemoryPart, Stream, TensorRecord
 
 
-def ple_record(buf: Buffer, p: int, part: str, r: TensorRecord, n_cells: int, *, data: bool = True,
-               row_size: int | None = None) -> TensorRecord:
+def ple_record(
+    buf: Buffer, p: int, part: str, r: TensorRecord, n_cells: int, *, data: bool = True, row_size: int | None = None
+) -> TensorRecord:
     """A PLE conv row after R record ``r``: ``u64 p_size_row`` and the rows, no type field
     (llama_memory_recurrent::state_write_data: p_l[il] is made with type_r, like r_l[il]).
     ``row_size``: the size every P record must have (state_read_data checks each against
@@ -18,8 +20,11 @@ def ple_record(buf: Buffer, p: int, part: str, r: TensorRecord, n_cells: int, *,
     size = buf.u64(p, f"{what} row size")
     n_embd = r.type.n_values(size)
     if not size or n_embd is None or (row_size is not None and size != row_size):
-        want = f"{row_size}, as the first PLE record" if row_size is not None else \
-            f"a whole number of {r.type.name} blocks (the type of the R record before it)"
+        want = (
+            f"{row_size}, as the first PLE record"
+            if row_size is not None
+            else f"a whole number of {r.type.name} blocks (the type of the R record before it)"
+        )
         raise StateFormatError(f"PLE row size {size}, expected {want}", offset=p, what=f"{what} row size")
     rows = _rows(buf, p + 8, n_cells * size, f"{what} data ({n_cells} rows x {size} bytes)", data)
     return TensorRecord(part, 0, "P", r.layer, r.type, p, p + 8, n_cells, size, n_embd, False, None, rows)
@@ -43,8 +48,9 @@ def _part(buf, off, name, header, records) -> MemoryPart:
     return MemoryPart(name, "recurrent", off, None, (stream,), end)
 
 
-def parse_recurrent(buf: Buffer, off: int, name: str, tally: list[int] | None = None, *,
-                    data: bool = True) -> MemoryPart:
+def parse_recurrent(
+    buf: Buffer, off: int, name: str, tally: list[int] | None = None, *, data: bool = True
+) -> MemoryPart:
     """llama_memory_recurrent::state_write: u32 cell_count, cells, u32 s_trans (always 0),
     u32 n_layer, then an R record per layer that has one, each followed by a P record (PLE conv
     rows) when that layer has a PLE conv tensor, then an S record per layer; all written even
@@ -57,14 +63,14 @@ def parse_recurrent(buf: Buffer, off: int, name: str, tally: list[int] | None = 
     try:
         records = _plain_rs_records(buf, q, name, cell_count, n_layer, tally, data)
     except StateFormatError as plain_error:
-        records = next(_ple_records(buf, q, name, cell_count, n_layer, data), None)
-        if records is None:  # the PLE reading is taken only when it accounts for every byte
+        ple = next(_ple_records(buf, q, name, cell_count, n_layer, data), None)
+        if ple is None:  # the PLE reading is taken only when it accounts for every byte
             raise plain_error
+        records = ple
     return _part(buf, off, name, header, records)
 
 
-def parse_recurrent_splits(buf: Buffer, off: int, name: str, tally: list[int] | None = None, *,
-                           data: bool = True):
+def parse_recurrent_splits(buf: Buffer, off: int, name: str, tally: list[int] | None = None, *, data: bool = True):
     """The readings of a recurrent part that another part follows (llama_memory_hybrid_idx::
     state_write: the indexer cache after the recurrent state), most records first. The dump
     does not say where the records stop, so this yields every reading of k R and k S records
@@ -81,13 +87,12 @@ def _splits(buf, off, name, header, tally, data):
     records, p = [], q
     while p < buf.size and len(records) < 2 * n_layer:  # greedy: past the end, the next part's bytes
         try:
-            records.append(row_record(buf, p, name, 0, "R/S", len(records), cell_count, None,
-                                      data=data, empty_ok=True))
+            records.append(row_record(buf, p, name, 0, "R/S", len(records), cell_count, None, data=data, empty_ok=True))
         except StateFormatError:
             break
         p = _count(records, tally)
     for half in range(len(records) // 2, -1, -1):
-        r, s = records[:half], records[half:2 * half]
+        r, s = records[:half], records[half : 2 * half]
         if all(_same_header(x, r[0]) for x in r) and all(_same_header(x, s[0]) for x in s):
             yield _part(buf, off, name, header, _name_rs(r + s))
     for ple in _ple_records(buf, q, name, cell_count, n_layer, data, to_end=False):
@@ -96,31 +101,39 @@ def _splits(buf, off, name, header, tally, data):
 
 def _name_rs(records: list[TensorRecord]) -> list[TensorRecord]:
     half = len(records) // 2
-    return [dataclasses.replace(r, kind="R" if i < half else "S", layer=i % half if half else 0)
-            for i, r in enumerate(records)]
+    return [
+        dataclasses.replace(r, kind="R" if i < half else "S", layer=i % half if half else 0)
+        for i, r in enumerate(records)
+    ]
 
 
 def _plain_rs_records(buf, q, name, n_cells, n_layer, tally, data) -> list[TensorRecord]:
     what = f"{name} stream 0"
-    records = []
+    records: list[TensorRecord] = []
     while q < buf.size:
         if len(records) == 2 * n_layer:
-            raise StateFormatError(f"more than 2 x n_layer ({2 * n_layer}) R and S records",
-                                   offset=q, what=f"{what}: records")
+            raise StateFormatError(
+                f"more than 2 x n_layer ({2 * n_layer}) R and S records", offset=q, what=f"{what}: records"
+            )
         records.append(row_record(buf, q, name, 0, "R/S", len(records), n_cells, None, data=data, empty_ok=True))
         q = _count(records, tally)
     if len(records) % 2:
-        raise StateFormatError(f"{len(records)} records: expected as many R as S records",
-                               offset=q, what=f"{what}: records")
+        raise StateFormatError(
+            f"{len(records)} records: expected as many R as S records", offset=q, what=f"{what}: records"
+        )
     records = _name_rs(records)
     # every R row is n_embd_r() of type_r, every S row n_embd_s() of type_s (state_read_data
     # checks each layer against them): a record unlike the first of its kind is not this part's
     for r in records:
         first = records[0] if r.kind == "R" else records[len(records) // 2]
         if not _same_header(r, first):
-            raise StateFormatError(f"{r.type.name} rows of {r.row_size} bytes, but {first.kind}[0] has "
-                                   f"{first.type.name} rows of {first.row_size} bytes (one type and row "
-                                   f"size for every layer)", offset=r.header_offset, what=f"{what} {r.name}")
+            raise StateFormatError(
+                f"{r.type.name} rows of {r.row_size} bytes, but {first.kind}[0] has "
+                f"{first.type.name} rows of {first.row_size} bytes (one type and row "
+                f"size for every layer)",
+                offset=r.header_offset,
+                what=f"{what} {r.name}",
+            )
     return records
 
 
@@ -140,6 +153,7 @@ def _ple_records(buf, q0, name, n_cells, n_layer, data, *, to_end: bool = True):
     those checks; each wrong guess fails within a record or two, and (offset, R count, P size)
     states already refuted are not tried again.
     """
+
     def rec(kind, p, idx, p_size=None, first=None):
         try:
             if kind == "P":

@@ -1,4 +1,5 @@
 """``<dump>.json`` next to a dump: the facts the dump itself does not carry (head counts, model)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -141,7 +142,9 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
     layers = layer_map(fields)
     memory = None if layers else memory_for(fields)
     return {
-        "model": Path(path).name, "arch": arch, "n_layer": r(f"{arch}.block_count"),
+        "model": Path(path).name,
+        "arch": arch,
+        "n_layer": r(f"{arch}.block_count"),
         "n_head_kv": head_kv or None,
         "n_embd_head_k": r(f"{arch}.attention.key_length") or default_head,
         "n_embd_head_v": r(f"{arch}.attention.value_length") or default_head,

@@ -1,9 +1,11 @@
 """``parse()`` and the KVState it returns: records, views, layout, addresses, bytes out."""
+
 from __future__ import annotations
 
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -11,13 +13,25 @@ from . import _dsv4
 from ._buffer import Buffer, StateFormatError
 from ._memory import ON_DEVICE, PARTIAL_ONLY, memory_of, parse_memory, written_parts
 from ._parse import parse_header
-from ._records import (DumpKind, Dsv4Block, Header, LayerViews, Layout, LayoutRow, MemoryPart, Segment,
-                       Stream, TensorRecord)
+from ._records import (
+    Dsv4Block,
+    DumpKind,
+    Header,
+    LayerViews,
+    Layout,
+    LayoutRow,
+    MemoryPart,
+    Segment,
+    Stream,
+    TensorRecord,
+)
 from ._sidecar import model_facts, read_sidecar
 
 _SOURCES = {
-    DumpKind.SEQUENCE: "llama_state_seq_get_data", DumpKind.SEQ_FILE: "llama_state_seq_save_file",
-    DumpKind.CONTEXT: "llama_state_get_data", DumpKind.SESSION_FILE: "llama_state_save_file",
+    DumpKind.SEQUENCE: "llama_state_seq_get_data",
+    DumpKind.SEQ_FILE: "llama_state_seq_save_file",
+    DumpKind.CONTEXT: "llama_state_get_data",
+    DumpKind.SESSION_FILE: "llama_state_save_file",
 }
 
 
@@ -28,7 +42,7 @@ def _as_array(data, writable: bool | None) -> tuple[np.ndarray, str, Path | None
         if path.stat().st_size == 0:  # mmap cannot map an empty file; the parser reports it
             return np.zeros(0, np.uint8), str(path), path
         # "c": copy-on-write; edits stay in this process and never reach the file
-        arr = np.memmap(path, dtype=np.uint8, mode="c" if writable else "r")
+        arr: np.ndarray = np.memmap(path, dtype=np.uint8, mode="c" if writable else "r")
         return arr, str(path), path
     if isinstance(data, np.ndarray):
         if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
@@ -38,8 +52,9 @@ def _as_array(data, writable: bool | None) -> tuple[np.ndarray, str, Path | None
         try:
             arr = np.frombuffer(data, dtype=np.uint8)
         except TypeError:
-            raise TypeError(f"parse() takes bytes-like data, a uint8 array or a path, "
-                            f"not {type(data).__name__}") from None
+            raise TypeError(
+                f"parse() takes bytes-like data, a uint8 array or a path, not {type(data).__name__}"
+            ) from None
         source = type(data).__name__
     if writable and not arr.flags.writeable:
         arr, source = arr.copy(), f"{source} (copied: writable=True)"
@@ -49,10 +64,20 @@ def _as_array(data, writable: bool | None) -> tuple[np.ndarray, str, Path | None
     return arr, source, None
 
 
-def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | None = None,
-          memory: str | None = None, cell_ext: bool | None = None, has_v: bool | None = None,
-          metadata_only: bool | None = None, layers: dict | None = None, partial: bool | None = None,
-          flags: int | None = None) -> "KVState":
+def parse(
+    data,
+    *,
+    n_head_kv: int | None = None,
+    model=None,
+    writable: bool | None = None,
+    memory: str | None = None,
+    cell_ext: bool | None = None,
+    has_v: bool | None = None,
+    metadata_only: bool | None = None,
+    layers: dict | None = None,
+    partial: bool | None = None,
+    flags: int | None = None,
+) -> KVState:
     """Parse a state dump: bytes-like, a uint8 array, or a path (np.memmap'ed, never read whole).
 
     It may come from llama_state_seq_get_data(_ext), llama_state_get_data,
@@ -92,7 +117,7 @@ def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | No
     """
     arr, source, path = _as_array(data, writable)
     sidecar = read_sidecar(path) if path is not None else None
-    if flags is None and partial is None and (sidecar or {}).get("flags") is not None:
+    if flags is None and partial is None and sidecar and sidecar.get("flags") is not None:
         flags = sidecar["flags"]
     if flags is not None:
         if isinstance(flags, bool) or not isinstance(flags, (int, np.integer)) or flags & ~(PARTIAL_ONLY | ON_DEVICE):
@@ -116,14 +141,16 @@ def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | No
     if header.kind is not DumpKind.SEQUENCE:
         # llama_state_seq_save_file and llama_context::state_write_data write with flags 0
         if partial:
-            raise StateFormatError(f"a {header.kind} is written without PARTIAL_ONLY: it cannot be partial",
-                                   offset=0, what="dump kind")
+            raise StateFormatError(
+                f"a {header.kind} is written without PARTIAL_ONLY: it cannot be partial", offset=0, what="dump kind"
+            )
         partial = False
     # the sequence it was written for: llama_state_seq_get_data writes it; whole states are of
     # every sequence (-1); a seq file does not say
     seq_id = header.seq_id if header.kind is DumpKind.SEQUENCE else None if header.kind is DumpKind.SEQ_FILE else -1
-    kw = dict(cell_ext=cell_ext, has_v=has_v, n_head=n_head_kv, metadata_only=metadata_only, partial=partial,
-              seq_id=seq_id)
+    kw: dict[str, Any] = dict(
+        cell_ext=cell_ext, has_v=has_v, n_head=n_head_kv, metadata_only=metadata_only, partial=partial, seq_id=seq_id
+    )
     # the memory: memory=, else the layer map's, else the model's or sidecar's "memory" (an arch
     # whose memory _layers knows but not its layer rule)
     by_map = memory is None and (memory_of(layers) or facts.get("memory") or (sidecar or {}).get("memory"))
@@ -137,12 +164,16 @@ def parse(data, *, n_head_kv: int | None = None, model=None, writable: bool | No
             other, opts = parse_memory(buf, header.nbytes, **kw)
         except StateFormatError:
             raise e from None
-        want = " or ".join(str([n for _, n in written_parts(by_map, p)])
-                           for p in ((False, True) if partial is None else (partial,)))
+        want = " or ".join(
+            str([n for _, n in written_parts(by_map, p)]) for p in ((False, True) if partial is None else (partial,))
+        )
         raise StateFormatError(
-            f"the {'layer map' if layers else 'model'} is for memory {by_map!r} (parts {want}), but the dump reads as memory "
+            f"the {'layer map' if layers else 'model'} is for memory {by_map!r} (parts {want}), "
+            "but the dump reads as memory "
             f"{opts['memory']!r} (parts {[p.name for p in other]}): a dump of another model?",
-            offset=header.nbytes, what="memory layout") from None
+            offset=header.nbytes,
+            what="memory layout",
+        ) from None
     if layers:
         parts = tuple(_number_layers(p, layers.get(p.name)) for p in parts)
     options["layers"] = {p.name: layers[p.name] for p in parts if p.name in layers} if layers else None
@@ -166,9 +197,11 @@ def _number_layers(part: MemoryPart, ils) -> MemoryPart:
                 raise StateFormatError(
                     f"{len(recs)} {kind} records, but the layer map gives part {part.name} "
                     f"{len(ils)} layers {ils}: a dump of another model?",
-                    offset=recs[0].header_offset, what=f"{part.name} stream {s.index} {kind} records")
-        recs = tuple(dataclasses.replace(r, il=ils[r.layer]) for r in s.records)
-        streams.append(dataclasses.replace(s, records=recs))
+                    offset=recs[0].header_offset,
+                    what=f"{part.name} stream {s.index} {kind} records",
+                )
+        records = tuple(dataclasses.replace(r, il=ils[r.layer]) for r in s.records)
+        streams.append(dataclasses.replace(s, records=records))
     return dataclasses.replace(part, streams=tuple(streams))
 
 
@@ -177,8 +210,17 @@ class KVState:
     carry their byte offsets. ``k``/``v``/``cells`` read the only non-empty stream of the only
     part; ``stream(part=, stream=)`` picks one when there are several."""
 
-    def __init__(self, buf: Buffer, header: Header, parts: tuple[MemoryPart, ...], *, n_head_kv,
-                 options: dict, source: str, sidecar: dict | None):
+    def __init__(
+        self,
+        buf: Buffer,
+        header: Header,
+        parts: tuple[MemoryPart, ...],
+        *,
+        n_head_kv,
+        options: dict,
+        source: str,
+        sidecar: dict | None,
+    ):
         self._buf, self.header, self.parts = buf, header, parts
         self.n_head_kv, self.options, self.source, self.sidecar = n_head_kv, options, source, sidecar
 
@@ -226,8 +268,10 @@ class KVState:
     def part(self, name: str | None = None) -> MemoryPart:
         if name is None:
             if len(self.parts) != 1:
-                raise ValueError(f"this dump has parts {[p.name for p in self.parts]}: pass part="
-                                 + ("" if self.layers else " (or model= to index layers across parts)"))
+                raise ValueError(
+                    f"this dump has parts {[p.name for p in self.parts]}: pass part="
+                    + ("" if self.layers else " (or model= to index layers across parts)")
+                )
             return self.parts[0]
         for p in self.parts:
             if p.name == name:
@@ -259,8 +303,10 @@ class KVState:
         # several KV parts (iSWA): one index over all of them, which needs the model's layer numbers
         recs = [r for p in parts for r in self.stream(p.name).records if r.kind == kind]
         if not self.layers or any(r.il is None for r in recs):
-            raise ValueError(f"this dump has parts {[p.name for p in self.parts]} and no layer map: "
-                             f"pass part= (stream(part=...).{kind.lower()}) or model= for the model's layer numbers")
+            raise ValueError(
+                f"this dump has parts {[p.name for p in self.parts]} and no layer map: "
+                f"pass part= (stream(part=...).{kind.lower()}) or model= for the model's layer numbers"
+            )
         return LayerViews(sorted(recs, key=lambda r: r.il))
 
     @property
@@ -292,20 +338,41 @@ class KVState:
                 yield from s.records
 
     # --- where things are ----------------------------------------------------------------------------
-    def address(self, kind: str, layer: int, cell: int, head: int = 0, element: int = 0, *,
-                part: str | None = None, stream: int | None = None) -> int:
+    def address(
+        self,
+        kind: str,
+        layer: int,
+        cell: int,
+        head: int = 0,
+        element: int = 0,
+        *,
+        part: str | None = None,
+        stream: int | None = None,
+    ) -> int:
         """Byte offset in the dump of one value (``cell`` counts the dump's cells)."""
         return self.record(kind, layer, part=part, stream=stream).address(cell, head, element)
 
-    def tensor_offset(self, kind: str, layer: int, cell: int, head: int = 0, element: int = 0, *,
-                      kv_size: int, part: str | None = None, stream: int | None = None,
-                      dest_stream: int | None = None, n_embd_tensor: int | None = None) -> int:
+    def tensor_offset(
+        self,
+        kind: str,
+        layer: int,
+        cell: int,
+        head: int = 0,
+        element: int = 0,
+        *,
+        kv_size: int,
+        part: str | None = None,
+        stream: int | None = None,
+        dest_stream: int | None = None,
+        n_embd_tensor: int | None = None,
+    ) -> int:
         """Byte offset of one value in llama.cpp's per-layer cache tensor (see
         TensorRecord.tensor_offset: row-major for K and v_trans=0 V, value-major for v_trans=1).
         ``part``/``stream`` pick the record in the dump; ``cell``/``dest_stream`` the cache slot."""
         rec = self.record(kind, layer, part=part, stream=stream)  # no rows needed: metadata-only works
-        return rec.tensor_offset(cell, head, element, kv_size=kv_size, dest_stream=dest_stream,
-                                 n_embd_tensor=n_embd_tensor)
+        return rec.tensor_offset(
+            cell, head, element, kv_size=kv_size, dest_stream=dest_stream, n_embd_tensor=n_embd_tensor
+        )
 
     def segments(self) -> list[Segment]:
         """Every byte of the dump, in order, as header / field / cells / record header / payload."""
@@ -321,44 +388,74 @@ class KVState:
             for s in p.streams:
                 segs.append(Segment(s.offset, 4, f"{p.name} stream {s.index}: cell_count", False))
                 if s.cells_nbytes:
-                    segs.append(Segment(s.cells_offset, s.cells_nbytes, f"{p.name} stream {s.index}: "
-                                        f"{s.cell_count} cells", False))
+                    segs.append(
+                        Segment(
+                            s.cells_offset, s.cells_nbytes, f"{p.name} stream {s.index}: {s.cell_count} cells", False
+                        )
+                    )
                 if s.v_trans is not None:
-                    segs.append(Segment(s.cells_offset + s.cells_nbytes, 8,
-                                        f"{p.name} stream {s.index}: {'v' if p.kind == 'kv' else 's'}_trans, n_layer",
-                                        False))
+                    segs.append(
+                        Segment(
+                            s.cells_offset + s.cells_nbytes,
+                            8,
+                            f"{p.name} stream {s.index}: {'v' if p.kind == 'kv' else 's'}_trans, n_layer",
+                            False,
+                        )
+                    )
                 for r in s.records:
-                    segs.append(Segment(r.header_offset, r.header_size, f"{p.name} stream {s.index} "
-                                        f"{r.name} header", False))
+                    segs.append(
+                        Segment(r.header_offset, r.header_size, f"{p.name} stream {s.index} {r.name} header", False)
+                    )
                     if r.nbytes:
-                        segs.append(Segment(r.data_offset, r.nbytes, f"{p.name} stream {s.index} "
-                                            f"{r.name} data", True))
+                        segs.append(Segment(r.data_offset, r.nbytes, f"{p.name} stream {s.index} {r.name} data", True))
         return segs
 
     def layout(self) -> Layout:
         """One row per record plus metadata/payload totals, which add up to the input length."""
-        rows = tuple(LayoutRow(r.part, r.stream, r.kind, r.layer, r.il, r.type.name, r.row_size,
-                               r.header_offset, r.data_offset, r.nbytes) for r in self.records())
+        rows = tuple(
+            LayoutRow(
+                r.part,
+                r.stream,
+                r.kind,
+                r.layer,
+                r.il,
+                r.type.name,
+                r.row_size,
+                r.header_offset,
+                r.data_offset,
+                r.nbytes,
+            )
+            for r in self.records()
+        )
         segs = tuple(self.segments())
         payload = sum(s.nbytes for s in segs if s.payload)
         meta = sum(s.nbytes for s in segs if not s.payload)
-        return Layout(rows, segs, meta, payload, meta + payload, metadata_only=self.metadata_only,
-                      layers_known=all(r.il is not None for r in rows))
+        return Layout(
+            rows,
+            segs,
+            meta,
+            payload,
+            meta + payload,
+            metadata_only=self.metadata_only,
+            layers_known=all(r.il is not None for r in rows),
+        )
 
     # --- bytes out -----------------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
         """The dump as bytes, with any edits made through the views."""
         return self._buf.data.tobytes()
 
-    def select_cells(self, mask, *, part: str | None = None, stream: int | None = None) -> "KVState":
+    def select_cells(self, mask, *, part: str | None = None, stream: int | None = None) -> KVState:
         """A new, smaller dump keeping the selected cells (in every layer, K and V); see _write."""
         from ._write import select_cells
+
         return select_cells(self, mask, part=part, stream=stream)
 
     # --- text ----------------------------------------------------------------------------------------
     def describe(self, *, max_rows: int = 8, n_cells: int = 3, n_values: int = 4) -> str:
         """A readable summary: kind, header, parts and streams, layout table, first cells' K/V."""
         from ._describe import describe
+
         return describe(self, max_rows=max_rows, n_cells=n_cells, n_values=n_values)
 
     def __str__(self) -> str:
@@ -368,5 +465,7 @@ class KVState:
         cells = sum(s.cell_count for p in self.parts for s in p.streams)
         meta = ", metadata only (ON_DEVICE)" if self.metadata_only else ""
         meta += ", partial (PARTIAL_ONLY)" if self.partial else ""
-        return (f"<KVState {self.kind}{meta}: {self.nbytes:,} bytes, parts {[p.name for p in self.parts]}, "
-                f"{cells} cells, n_head_kv={self.n_head_kv}>")
+        return (
+            f"<KVState {self.kind}{meta}: {self.nbytes:,} bytes, parts {[p.name for p in self.parts]}, "
+            f"{cells} cells, n_head_kv={self.n_head_kv}>"
+        )

@@ -1,8 +1,9 @@
 """ggml types as they appear in a dump: ids, block sizes, numpy dtypes, dequantization (via gguf)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -11,17 +12,26 @@ from ._buffer import StateFormatError
 
 # Types a numpy view can show as they are. bf16 has no numpy dtype: its view holds the raw bits
 # (uint16) and dequantize() widens them.
-_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8",
-           "I8": "i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
+_DTYPES = {
+    "F32": "<f4",
+    "F16": "<f2",
+    "BF16": "<u2",
+    "F64": "<f8",
+    "I8": "i1",
+    "I16": "<i2",
+    "I32": "<i4",
+    "I64": "<i8",
+}
 
 
 @dataclass(frozen=True)
 class GGMLType:
     """One ``enum ggml_type`` value, with ggml's block size and bytes per block."""
+
     id: int
-    name: str          # lower case, as llama.cpp's --cache-type-k spells it: f16, q8_0 ...
-    block_size: int    # values per block (1 for plain types)
-    type_size: int     # bytes per block (ggml_type_size)
+    name: str  # lower case, as llama.cpp's --cache-type-k spells it: f16, q8_0 ...
+    block_size: int  # values per block (1 for plain types)
+    type_size: int  # bytes per block (ggml_type_size)
 
     @property
     def quantized(self) -> bool:
@@ -51,11 +61,11 @@ class GGMLType:
         if self.dtype is not None:
             return np.ascontiguousarray(raw).view(self.dtype).astype(np.float32)
         from gguf.quants import dequantize
-        return np.asarray(dequantize(np.ascontiguousarray(raw), GGMLQuantizationType(self.id)),
-                          dtype=np.float32)
+
+        return np.asarray(dequantize(np.ascontiguousarray(raw), GGMLQuantizationType(self.id)), dtype=np.float32)
 
 
-@lru_cache(maxsize=None)
+@cache
 def hadamard(n: int) -> np.ndarray:
     """The orthonormal n x n Walsh-Hadamard matrix of ggml_gen_hadamard (llama-kv-cache.cpp):
     symmetric, its own inverse."""
@@ -69,18 +79,20 @@ def hadamard(n: int) -> np.ndarray:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _table() -> dict[int, GGMLType]:
-    return {int(t): GGMLType(int(t), t.name.lower(), *GGML_QUANT_SIZES[t])
-            for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
+    return {
+        int(t): GGMLType(int(t), t.name.lower(), *GGML_QUANT_SIZES[t])
+        for t in GGMLQuantizationType
+        if t in GGML_QUANT_SIZES
+    }
 
 
 def ggml_type(type_id: int, *, offset: int, what: str) -> GGMLType:
     """The ggml type with id ``type_id``, or StateFormatError (an id the gguf package does not know)."""
     t = _table().get(type_id)
     if t is None:
-        raise StateFormatError(f"unknown ggml type {type_id} (known: {sorted(_table())})",
-                               offset=offset, what=what)
+        raise StateFormatError(f"unknown ggml type {type_id} (known: {sorted(_table())})", offset=offset, what=what)
     return t
 
 

@@ -1,4 +1,5 @@
 """Writing dumps back: a smaller dump that keeps only some cells."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,8 +38,10 @@ def select_cells(state, mask, *, part=None, stream=None):
     if state.metadata_only:
         # Its rows are in llama.cpp's memory, saved as one chunk per record and range; a blob with
         # other cells would not match them (llama_io_read_device aborts: "memory buffer mismatch").
-        raise ValueError("a metadata-only dump (StateFlags.ON_DEVICE) has no rows to select: "
-                         "select cells in a full dump (flags without ON_DEVICE) instead")
+        raise ValueError(
+            "a metadata-only dump (StateFlags.ON_DEVICE) has no rows to select: "
+            "select cells in a full dump (flags without ON_DEVICE) instead"
+        )
     if state.options.get("memory") == "dsv4":
         raise ValueError(
             "select_cells on a llama_kv_cache_dsv4 dump (DeepSeek V4): its compressed K caches hold one "
@@ -46,10 +49,15 @@ def select_cells(state, mask, *, part=None, stream=None):
             "summaries that fewer raw cells would contradict and that cannot be recomputed here; llama.cpp "
             "itself removes no cells but a whole sequence or the positions past its end "
             "(llama_kv_cache_dsv4::seq_rm refuses any range with p1 >= 0, and a cut inside the sequence "
-            "beyond its n_rs_seq rollback)")
+            "beyond its n_rs_seq rollback)"
+        )
     if callable(mask):
-        sel = {(p.name, s.index): _indices(mask(s.cells), s.cell_count, f"{p.name} stream {s.index}")
-               for p in state.parts for s in p.streams if s.cell_count}
+        sel = {
+            (p.name, s.index): _indices(mask(s.cells), s.cell_count, f"{p.name} stream {s.index}")
+            for p in state.parts
+            for s in p.streams
+            if s.cell_count
+        }
     else:
         s = state.stream(part, stream)
         sel = {(s.part, s.index): _indices(mask, s.cell_count, f"{s.part} stream {s.index}")}
@@ -82,6 +90,13 @@ def select_cells(state, mask, *, part=None, stream=None):
                 else:
                     chunks.append(r.rows[idx].tobytes())
     opts = state.options
-    return parse(bytearray(b"".join(chunks)), n_head_kv=state.n_head_kv, memory=opts["memory"],
-                 cell_ext=opts["cell_ext"], has_v=opts["has_v"], metadata_only=False,
-                 layers=opts.get("layers"), partial=opts.get("partial"))
+    return parse(
+        bytearray(b"".join(chunks)),
+        n_head_kv=state.n_head_kv,
+        memory=opts["memory"],
+        cell_ext=opts["cell_ext"],
+        has_v=opts["has_v"],
+        metadata_only=False,
+        layers=opts.get("layers"),
+        partial=opts.get("partial"),
+    )

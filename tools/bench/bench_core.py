@@ -31,6 +31,7 @@ Workloads:
             (tokens/s of the decode phase; the row's "native" column is generate). Not in the
             default list: ``-w text``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,14 @@ def settings(threads: int, n_predict: int, n_parallel_predict: int, text_pairs: 
     common = dict(threads=threads, n_ctx=1024, n_batch=512, n_ubatch=512, n_seq_max=1, kv_unified=0, warmup=1)
     return {
         "decode": {**common, "n_predict": n_predict, "prompt": PROMPT_DECODE},
-        "parallel": {**common, "n_seq_max": 8, "kv_unified": 1, "n_parallel": 8, "n_predict": n_parallel_predict,
-                     "prompt": PROMPT_PARALLEL},
+        "parallel": {
+            **common,
+            "n_seq_max": 8,
+            "kv_unified": 1,
+            "n_parallel": 8,
+            "n_predict": n_parallel_predict,
+            "prompt": PROMPT_PARALLEL,
+        },
         "prefill": {**common, "n_tokens": 512, "iters": 2},
         "fill": {**common, "n_tokens": 2048, "iters": 5000},
         "state": {**common, "n_tokens": 512, "iters": 20},
@@ -69,6 +76,7 @@ def settings(threads: int, n_predict: int, n_parallel_predict: int, text_pairs: 
 def synthetic_tokens(n: int, n_vocab: int):
     """The same formula as native_driver.c's synth(): ordinary tokens, no specials."""
     import numpy as np
+
     return ((1000 + 37 * np.arange(n, dtype=np.int64)) % n_vocab).astype(np.int32)
 
 
@@ -84,6 +92,7 @@ def checksum(tokens) -> int:
 def build_driver(verbose: bool = False) -> tuple[Path, list[str]]:
     """Compile native_driver.c with the system C compiler against the package's own llama.cpp."""
     import pyllamacpp as pl
+
     info = pl.build_info()
     source = info["llama_cpp_source"]
     if source.startswith("LLAMA_CPP_DIR="):
@@ -95,14 +104,30 @@ def build_driver(verbose: bool = False) -> tuple[Path, list[str]]:
     header = llama_dir / "include" / "llama.h"
     digest = hashlib.sha256(header.read_bytes()).hexdigest()
     if digest != info["llama_h_sha256"]:  # the driver must see the header the package was built from
-        raise SystemExit(f"bench: {header} (sha256 {digest[:12]}) is not the llama.h of this build "
-                         f"({info['llama_h_sha256'][:12]})")
+        raise SystemExit(
+            f"bench: {header} (sha256 {digest[:12]}) is not the llama.h of this build ({info['llama_h_sha256'][:12]})"
+        )
     lib_dir = info["lib_dir"]
     BUILD.mkdir(exist_ok=True)
     exe = BUILD / "native_driver"
-    cmd = [os.environ.get("CC", "cc"), "-O2", "-std=c11", "-D_POSIX_C_SOURCE=200809L", "-Wall", "-Wextra",
-           f"-I{llama_dir / 'include'}", f"-I{llama_dir / 'ggml' / 'include'}", str(HERE / "native_driver.c"),
-           "-o", str(exe), f"-L{lib_dir}", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{lib_dir}"]
+    cmd = [
+        os.environ.get("CC", "cc"),
+        "-O2",
+        "-std=c11",
+        "-D_POSIX_C_SOURCE=200809L",
+        "-Wall",
+        "-Wextra",
+        f"-I{llama_dir / 'include'}",
+        f"-I{llama_dir / 'ggml' / 'include'}",
+        str(HERE / "native_driver.c"),
+        "-o",
+        str(exe),
+        f"-L{lib_dir}",
+        "-lllama",
+        "-lggml",
+        "-lggml-base",
+        f"-Wl,-rpath,{lib_dir}",
+    ]
     if verbose:
         print("$", shlex.join(cmd), file=sys.stderr)
     subprocess.run(cmd, check=True)
@@ -129,8 +154,16 @@ def native_cmd(exe: Path, model: str, workload: str, s: dict) -> list[str]:
 
 
 def python_cmd(model: str, workload: str, s: dict) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", workload, "--model", model,
-            "--settings", json.dumps(s)]
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        workload,
+        "--model",
+        model,
+        "--settings",
+        json.dumps(s),
+    ]
 
 
 # -- the Python side (runs in its own process, like the native driver) -------------------------
@@ -161,9 +194,15 @@ def flash_attn_verdict(ctx) -> str:
 
 
 def py_context(model, s: dict, n_seq_max: int | None = None):
-    return model.context(n_ctx=s["n_ctx"], n_batch=s["n_batch"], n_ubatch=s["n_ubatch"],
-                         n_seq_max=n_seq_max or s["n_seq_max"], kv_unified=bool(s["kv_unified"]),
-                         n_threads=s["threads"], n_threads_batch=s["threads"])
+    return model.context(
+        n_ctx=s["n_ctx"],
+        n_batch=s["n_batch"],
+        n_ubatch=s["n_ubatch"],
+        n_seq_max=n_seq_max or s["n_seq_max"],
+        kv_unified=bool(s["kv_unified"]),
+        n_threads=s["threads"],
+        n_threads_batch=s["threads"],
+    )
 
 
 def native_lib():
@@ -172,11 +211,19 @@ def native_lib():
     import ctypes
 
     import pyllamacpp as pl
+
     c = ctypes
     so = c.CDLL(str(native_lib_path()))
     so.decode_in_process.restype = c.c_double
-    so.decode_in_process.argtypes = [c.c_void_p, c.c_void_p, c.POINTER(c.c_int32), c.c_int, c.c_int,
-                                     c.POINTER(c.c_int), c.POINTER(c.c_uint32)]
+    so.decode_in_process.argtypes = [
+        c.c_void_p,
+        c.c_void_p,
+        c.POINTER(c.c_int32),
+        c.c_int,
+        c.c_int,
+        c.POINTER(c.c_int),
+        c.POINTER(c.c_uint32),
+    ]
     so.state_step.restype = c.c_int
     so.state_step.argtypes = [c.c_void_p, c.POINTER(c.c_double), c.POINTER(c.c_double), c.POINTER(c.c_uint)]
     return so, lambda p: c.c_void_p(int(pl.ffi.cast("uintptr_t", p)))
@@ -191,6 +238,7 @@ def decode_in_process(ctx, tokens, sampler, clock: DecodeClock, s: dict, pairs: 
     import ctypes
 
     import pyllamacpp as pl
+
     so, addr = native_lib()
     prompt = (ctypes.c_int32 * tokens.size)(*tokens.tolist())
     n_dec, sums = ctypes.c_int(), ctypes.c_uint32()
@@ -199,8 +247,15 @@ def decode_in_process(ctx, tokens, sampler, clock: DecodeClock, s: dict, pairs: 
         ctx.memory.clear()
         sampler.reset()
         if (k % 2 == 0) == (k % 4 < 2):  # C, py, py, C, C, py ...
-            t = so.decode_in_process(addr(ctx.ptr), addr(sampler.ptr), prompt, tokens.size, s["n_predict"],
-                                     ctypes.byref(n_dec), ctypes.byref(sums))
+            t = so.decode_in_process(
+                addr(ctx.ptr),
+                addr(sampler.ptr),
+                prompt,
+                tokens.size,
+                s["n_predict"],
+                ctypes.byref(n_dec),
+                ctypes.byref(sums),
+            )
             nat.append(n_dec.value / t)
             checks.add(sums.value)
         else:
@@ -208,8 +263,11 @@ def decode_in_process(ctx, tokens, sampler, clock: DecodeClock, s: dict, pairs: 
             t = time.perf_counter() - clock.calls[-1][0]
             py.append((len(out) - 1) / t)  # every token but the last is decoded
             checks.add(checksum(out))
-    return {"inproc_native_tok_s": statistics.median(nat), "inproc_tok_s": statistics.median(py),
-            "inproc_same_tokens": len(checks) == 1}
+    return {
+        "inproc_native_tok_s": statistics.median(nat),
+        "inproc_tok_s": statistics.median(py),
+        "inproc_same_tokens": len(checks) == 1,
+    }
 
 
 def state_in_process(ctx, s: dict) -> dict:
@@ -223,6 +281,7 @@ def state_in_process(ctx, s: dict) -> dict:
     places. Here both copy from the same tensors. The C side's timing is C's own (CLOCK_MONOTONIC
     inside the call), so ctypes' call costs nothing to it."""
     import ctypes
+
     so, addr = native_lib()
     cptr = addr(ctx.ptr)
     t_get, t_set, off = ctypes.c_double(), ctypes.c_double(), ctypes.c_uint()
@@ -246,9 +305,15 @@ def state_in_process(ctx, s: dict) -> dict:
                 (ng if side == "c" else pg).append(g), (ns if side == "c" else ps).append(t)
     ms = lambda v: statistics.median(v) * 1e3  # noqa: E731
     trip = lambda a, b: statistics.median([x + y for x, y in zip(a, b)]) * 1e3  # noqa: E731
-    return {"inproc_native_get_ms": ms(ng), "inproc_native_set_ms": ms(ns), "inproc_native_roundtrip_ms": trip(ng, ns),
-            "inproc_get_ms": ms(pg), "inproc_set_ms": ms(ps), "inproc_roundtrip_ms": trip(pg, ps),
-            "inproc_native_page_offsets": sorted(offs)}
+    return {
+        "inproc_native_get_ms": ms(ng),
+        "inproc_native_set_ms": ms(ns),
+        "inproc_native_roundtrip_ms": trip(ng, ns),
+        "inproc_get_ms": ms(pg),
+        "inproc_set_ms": ms(ps),
+        "inproc_roundtrip_ms": trip(pg, ps),
+        "inproc_native_page_offsets": sorted(offs),
+    }
 
 
 def text_workload(model, s: dict) -> dict:
@@ -257,6 +322,7 @@ def text_workload(model, s: dict) -> dict:
     end of its prompt's decode (DecodeClock) to its last token; both decode every token but the
     last, so tokens/s = (tokens - 1) / time."""
     import pyllamacpp as pl
+
     ctx = py_context(model, s)
     tokens = model.tokenize(s["prompt"])
     sampler = pl.Sampler.greedy()
@@ -283,15 +349,23 @@ def text_workload(model, s: dict) -> dict:
             texts.add(text)
         rates[side].append((len(out) - 1) / t)
     ratios = [c / g for g, c in zip(rates["generate"], rates["complete"])]
-    return {"workload": "text", "flash_attn": flash_attn_verdict(ctx), "n_prompt": int(tokens.size),
-            "n_decoded": len(out) - 1, "generate_tok_s": statistics.median(rates["generate"]),
-            "complete_tok_s": statistics.median(rates["complete"]), "ratio": statistics.median(ratios),
-            "same_text": len(texts) == 1}
+    return {
+        "workload": "text",
+        "flash_attn": flash_attn_verdict(ctx),
+        "n_prompt": int(tokens.size),
+        "n_decoded": len(out) - 1,
+        "generate_tok_s": statistics.median(rates["generate"]),
+        "complete_tok_s": statistics.median(rates["complete"]),
+        "ratio": statistics.median(ratios),
+        "same_text": len(texts) == 1,
+    }
 
 
 def worker(workload: str, model_path: str, s: dict) -> dict:
     import numpy as np
+
     import pyllamacpp as pl
+
     model = pl.Model(model_path)
     if workload == "decode":
         ctx = py_context(model, s)
@@ -306,14 +380,22 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
         t = time.perf_counter() - clock.calls[-1][0]
         n_dec = len(out) - 1  # every token but the last is decoded (generate's convention)
         inproc = decode_in_process(ctx, tokens, sampler, clock, s) if native_lib_path().exists() else {}
-        return {"workload": workload, "flash_attn": flash_attn_verdict(ctx), "n_prompt": int(tokens.size),
-                "n_decoded": n_dec, "t_s": t, "tok_s": n_dec / t, "checksum": checksum(out), **inproc}
+        return {
+            "workload": workload,
+            "flash_attn": flash_attn_verdict(ctx),
+            "n_prompt": int(tokens.size),
+            "n_decoded": n_dec,
+            "t_s": t,
+            "tok_s": n_dec / t,
+            "checksum": checksum(out),
+            **inproc,
+        }
     if workload == "text":
         return text_workload(model, s)
     if workload == "decode_raw":
         # Diagnostic, not a user API: native_driver.c's loop written with pl.lib calls only, so the
         # cost of a Python process + cffi shows apart from the cost of pyllamacpp's layers.
-        ffi, lib = pl.ffi, pl.lib
+        lib = pl.lib
         ctx = py_context(model, s)
         cptr, tokens, sampler = ctx.ptr, model.tokenize(s["prompt"]), pl.Sampler.greedy()
         smpl, vocab = sampler.ptr, model._vocab_ptr()
@@ -350,8 +432,15 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
             lib.llama_sampler_reset(smpl)
         t, out = run(s["n_predict"])
         n_dec = len(out) - (1 if out and model.is_eog(out[-1]) else 0)
-        return {"workload": workload, "flash_attn": flash_attn_verdict(ctx), "n_prompt": int(tokens.size),
-                "n_decoded": n_dec, "t_s": t, "tok_s": n_dec / t, "checksum": checksum(out)}
+        return {
+            "workload": workload,
+            "flash_attn": flash_attn_verdict(ctx),
+            "n_prompt": int(tokens.size),
+            "n_decoded": n_dec,
+            "t_s": t,
+            "tok_s": n_dec / t,
+            "checksum": checksum(out),
+        }
     if workload == "parallel":
         ctx = py_context(model, s)
         sampler = pl.Sampler.greedy()
@@ -366,8 +455,15 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
         h = 0
         for r in res:
             h = (h * 31 + checksum(r.tokens)) & 0xFFFFFFFF
-        return {"workload": workload, "flash_attn": flash_attn_verdict(ctx), "n_prompt": clock.calls[0][1],
-                "n_decoded": n_dec, "t_s": t, "tok_s": n_dec / t, "checksum": h}
+        return {
+            "workload": workload,
+            "flash_attn": flash_attn_verdict(ctx),
+            "n_prompt": clock.calls[0][1],
+            "n_decoded": n_dec,
+            "t_s": t,
+            "tok_s": n_dec / t,
+            "checksum": h,
+        }
     if workload == "prefill":
         ctx = py_context(model, s)
         toks = synthetic_tokens(s["n_tokens"], model.n_vocab)
@@ -381,8 +477,14 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
             if it >= 0:
                 ts.append(t)
         m = statistics.median(ts)
-        return {"workload": workload, "flash_attn": flash_attn_verdict(ctx), "n_tokens": int(toks.size),
-                "t_s": ts, "t_median_s": m, "tok_s": toks.size / m}
+        return {
+            "workload": workload,
+            "flash_attn": flash_attn_verdict(ctx),
+            "n_tokens": int(toks.size),
+            "t_s": ts,
+            "t_median_s": m,
+            "tok_s": toks.size / m,
+        }
     if workload == "fill":
         toks = synthetic_tokens(s["n_tokens"], model.n_vocab)
         out = {"workload": workload, "n_tokens": int(toks.size), "iters": s["iters"]}
@@ -442,12 +544,13 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
         # size and copy calls from Python (under a log capture) instead of one C call; the result
         # is an own, read-only state as by default.
         import pyllamacpp.context_state as cs
+
         default_buffer = cs._new_state_buffer
         big = np.empty(size + 8192, dtype=np.uint8)
         pg, ps = [], []
         for k in range(8):
             at = (512 * k - big.ctypes.data) % 4096
-            cs._new_state_buffer = lambda n, at=at: big[at:at + n]
+            cs._new_state_buffer = lambda n, at=at: big[at : at + n]
             g, st_ = [], []
             for it in range(-s["warmup"], s["iters"]):
                 t0 = clock()
@@ -461,11 +564,22 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
             pg.append(ms(g)), ps.append(ms(st_))
         cs._new_state_buffer = default_buffer
         inproc = state_in_process(ctx, s) if native_lib_path().exists() else {}
-        return {**inproc, "workload": workload, "n_tokens": s["n_tokens"], "state_bytes": size,
-                "flash_attn": flash_attn_verdict(ctx), "get_ms": ms(tg), "set_ms": ms(ts), "set_empty_ms": ms(te),
-                "fast_get_ms": ms(fg), "fast_set_ms": ms(fs),
-                "fast_roundtrip_ms": statistics.median([a + b for a, b in zip(fg, fs)]) * 1e3,
-                "place_get_ms": pg, "place_set_ms": ps, "buf_page_offset": page_offset}
+        return {
+            **inproc,
+            "workload": workload,
+            "n_tokens": s["n_tokens"],
+            "state_bytes": size,
+            "flash_attn": flash_attn_verdict(ctx),
+            "get_ms": ms(tg),
+            "set_ms": ms(ts),
+            "set_empty_ms": ms(te),
+            "fast_get_ms": ms(fg),
+            "fast_set_ms": ms(fs),
+            "fast_roundtrip_ms": statistics.median([a + b for a, b in zip(fg, fs)]) * 1e3,
+            "place_get_ms": pg,
+            "place_set_ms": ps,
+            "buf_page_offset": page_offset,
+        }
     raise SystemExit(f"unknown workload {workload}")
 
 
@@ -485,7 +599,14 @@ ROWS = [
     ("state", "fast_roundtrip_ms", "round trip, out= + validate=False + keep_on_error=False", "ms", "time", "<= 1.1x"),
     ("state", "place_get_min_ms", "  get, defaults, dump at the best of 8 page offsets", "ms", "time", ""),
     ("state", "place_get_max_ms", "  get, defaults, dump at the worst of 8 page offsets", "ms", "time", ""),
-    ("state", "place_roundtrip_ms", "round trip, defaults, dump at 8 page offsets on both sides (median)", "ms", "time", "<= 1.1x"),
+    (
+        "state",
+        "place_roundtrip_ms",
+        "round trip, defaults, dump at 8 page offsets on both sides (median)",
+        "ms",
+        "time",
+        "<= 1.1x",
+    ),
 ]
 
 
@@ -506,9 +627,21 @@ def row(wl, metric, label, unit, kind, target, nat: list, py: list) -> dict:
     repeat ran back to back, so their ratio cancels the drift of the machine between repeats."""
     mn, mp = statistics.median(nat), statistics.median(py)
     paired = statistics.median(p / n for p, n in zip(py, nat))
-    return dict(workload=wl, metric=metric, label=label, unit=unit, kind=kind, native=mn, python=mp,
-                ratio=paired, ratio_of_medians=mp / mn, target=target, met=target_met(target, mp, paired),
-                native_all=nat, python_all=py)
+    return dict(
+        workload=wl,
+        metric=metric,
+        label=label,
+        unit=unit,
+        kind=kind,
+        native=mn,
+        python=mp,
+        ratio=paired,
+        ratio_of_medians=mp / mn,
+        target=target,
+        met=target_met(target, mp, paired),
+        native_all=nat,
+        python_all=py,
+    )
 
 
 def summarize(runs: dict) -> list[dict]:
@@ -530,25 +663,55 @@ def summarize(runs: dict) -> list[dict]:
     if runs.get("decode", {}).get("python_raw"):  # diagnostic: Python process + cffi, no pyllamacpp layers
         py = [r["tok_s"] for r in runs["decode"]["python_raw"]]
         nat = [r["tok_s"] for r in runs["decode"]["native"]]
-        rows.insert(1, row("decode", "raw_tok_s", "  same loop in raw pl.lib calls (diagnostic)", "tok/s", "rate", "",
-                           nat, py))
+        rows.insert(
+            1, row("decode", "raw_tok_s", "  same loop in raw pl.lib calls (diagnostic)", "tok/s", "rate", "", nat, py)
+        )
     pyd = runs.get("decode", {}).get("python", [])
     if pyd and "inproc_tok_s" in pyd[0]:  # both sides in one process, on one context
-        rows.insert(2 if runs["decode"].get("python_raw") else 1,
-                    row("decode", "inproc_tok_s", "  same, both sides in one process on one context", "tok/s", "rate",
-                        ">= 0.99x", [r["inproc_native_tok_s"] for r in pyd], [r["inproc_tok_s"] for r in pyd]))
+        rows.insert(
+            2 if runs["decode"].get("python_raw") else 1,
+            row(
+                "decode",
+                "inproc_tok_s",
+                "  same, both sides in one process on one context",
+                "tok/s",
+                "rate",
+                ">= 0.99x",
+                [r["inproc_native_tok_s"] for r in pyd],
+                [r["inproc_tok_s"] for r in pyd],
+            ),
+        )
     pys = runs.get("state", {}).get("python", [])
     if pys and "inproc_roundtrip_ms" in pys[0]:  # both sides in one process, on one context
         for metric, label, target in (
-                ("get_ms", "get, both sides in one process on one context", ""),
-                ("set_ms", "set (occupied), both sides in one process on one context", ""),
-                ("roundtrip_ms", "round trip, both sides in one process on one context", "<= 1.1x")):
-            rows.append(row("state", f"inproc_{metric}", label, "ms", "time", target,
-                            [r[f"inproc_native_{metric}"] for r in pys], [r[f"inproc_{metric}"] for r in pys]))
+            ("get_ms", "get, both sides in one process on one context", ""),
+            ("set_ms", "set (occupied), both sides in one process on one context", ""),
+            ("roundtrip_ms", "round trip, both sides in one process on one context", "<= 1.1x"),
+        ):
+            rows.append(
+                row(
+                    "state",
+                    f"inproc_{metric}",
+                    label,
+                    "ms",
+                    "time",
+                    target,
+                    [r[f"inproc_native_{metric}"] for r in pys],
+                    [r[f"inproc_{metric}"] for r in pys],
+                )
+            )
     if runs.get("text", {}).get("python"):  # Python only: complete(stream=True) against generate
         rs = runs["text"]["python"]
-        r = row("text", "complete_tok_s", "text: complete(stream=True) / generate, one process ('native' = generate)",
-                "tok/s", "rate", ">= 0.98x", [x["generate_tok_s"] for x in rs], [x["complete_tok_s"] for x in rs])
+        r = row(
+            "text",
+            "complete_tok_s",
+            "text: complete(stream=True) / generate, one process ('native' = generate)",
+            "tok/s",
+            "rate",
+            ">= 0.98x",
+            [x["generate_tok_s"] for x in rs],
+            [x["complete_tok_s"] for x in rs],
+        )
         r["ratio"] = statistics.median(x["ratio"] for x in rs)  # the paired runs' ratios, in the worker
         r["met"] = target_met(r["target"], r["python"], r["ratio"])
         rows.append(r)
@@ -556,8 +719,18 @@ def summarize(runs: dict) -> list[dict]:
         for metric in ("checked_best_us", "checked_median_us"):
             py = [r[metric] for r in runs["fill"]["python"]]
             nat = [r[metric.replace("checked_", "")] for r in runs["fill"]["native"]]
-            rows.append(row("fill", metric, f"  same, Batch(model=) vocab check, {metric.split('_')[1]}", "µs",
-                            "time", "< 50 µs", nat, py))
+            rows.append(
+                row(
+                    "fill",
+                    metric,
+                    f"  same, Batch(model=) vocab check, {metric.split('_')[1]}",
+                    "µs",
+                    "time",
+                    "< 50 µs",
+                    nat,
+                    py,
+                )
+            )
     return rows
 
 
@@ -572,10 +745,15 @@ def main(argv=None) -> int:
     ap.add_argument("-w", "--workloads", default="decode,parallel,prefill,fill,state")
     ap.add_argument("-n", "--n-predict", type=int, default=256, help="decode: tokens generated (256)")
     ap.add_argument("--n-parallel-predict", type=int, default=64, help="parallel: tokens per sequence (64)")
-    ap.add_argument("--text-pairs", type=int, default=3,
-                    help="text: generate / complete runs each per worker, alternating (3)")
-    ap.add_argument("--no-raw-cffi", dest="raw_cffi", action="store_false",
-                    help="skip the diagnostic third side of decode: the same loop in raw pl.lib calls")
+    ap.add_argument(
+        "--text-pairs", type=int, default=3, help="text: generate / complete runs each per worker, alternating (3)"
+    )
+    ap.add_argument(
+        "--no-raw-cffi",
+        dest="raw_cffi",
+        action="store_false",
+        help="skip the diagnostic third side of decode: the same loop in raw pl.lib calls",
+    )
     ap.add_argument("-m", "--model", default=None, help="default: pyllamacpp.default_model_path()")
     ap.add_argument("--json", metavar="PATH", help="also write every raw result and the table here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -587,6 +765,7 @@ def main(argv=None) -> int:
         return 0
 
     import pyllamacpp as pl
+
     model = str(a.model or pl.default_model_path())
     exe, build_cmd = build_driver(verbose=True)
     all_settings = settings(a.threads, a.n_predict, a.n_parallel_predict, a.text_pairs)
@@ -604,70 +783,124 @@ def main(argv=None) -> int:
             if w == "decode" and a.raw_cffi:  # the diagnostic third side, in the rotation
                 sides = sides + ["python_raw"] if rep % 3 != 1 else ["python_raw"] + sides
             for side in sides:
-                cmd = (native_cmd(exe, model, w, s) if side == "native" else python_cmd(model, w, s)
-                       if side == "python" else python_cmd(model, "decode_raw", s))
+                cmd = (
+                    native_cmd(exe, model, w, s)
+                    if side == "native"
+                    else python_cmd(model, w, s)
+                    if side == "python"
+                    else python_cmd(model, "decode_raw", s)
+                )
                 res = run_json(cmd)
                 runs[w][side].append(res)
                 loads.append(os.getloadavg()[0])
-                print(f"[rep {rep + 1}/{a.repeats}] {w:8s} {side:6s} "
-                      + " ".join(f"{k}={fmt(v) if isinstance(v, float) else v}" for k, v in res.items()
-                                 if k != "workload" and not isinstance(v, list)), file=sys.stderr, flush=True)
+                print(
+                    f"[rep {rep + 1}/{a.repeats}] {w:8s} {side:6s} "
+                    + " ".join(
+                        f"{k}={fmt(v) if isinstance(v, float) else v}"
+                        for k, v in res.items()
+                        if k != "workload" and not isinstance(v, list)
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
     load_after = os.getloadavg()
     rows = summarize(runs)
 
     print(f"\nmodel {model}; {a.threads} threads; {a.repeats} runs per side, alternating; medians")
-    print(f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
-          f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}; 1-min load after each run "
-          f"{min(loads):.2f}..{max(loads):.2f} (this benchmark alone adds up to ~{a.threads}); "
-          f"{time.time() - t_start:.0f} s\n")
+    print(
+        f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
+        f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}; 1-min load after each run "
+        f"{min(loads):.2f}..{max(loads):.2f} (this benchmark alone adds up to ~{a.threads}); "
+        f"{time.time() - t_start:.0f} s\n"
+    )
     print("| workload | unit | native | Python | Python / native | (of medians) | target | met |")
     print("|---|---|---:|---:|---:|---:|---|---|")
     for r in rows:
-        print(f"| {r['label']} | {r['unit']} | {fmt(r['native'])} | {fmt(r['python'])} | {r['ratio']:.3f} | "
-              f"{r['ratio_of_medians']:.3f} | {r['target']} | {r['met']} |")
+        print(
+            f"| {r['label']} | {r['unit']} | {fmt(r['native'])} | {fmt(r['python'])} | {r['ratio']:.3f} | "
+            f"{r['ratio_of_medians']:.3f} | {r['target']} | {r['met']} |"
+        )
     notes = []
-    fa = {f"{w}/{side}": res[0].get("flash_attn") for w in workloads for side in ("native", "python")
-          for res in [runs[w][side]] if res and "flash_attn" in res[0]}
-    notes.append("flash attention: requested auto on both sides; resolved to "
-                 + ", ".join(sorted({v for v in fa.values()})) + f" ({len(fa)} workload/side pairs)")
+    fa = {
+        f"{w}/{side}": res[0].get("flash_attn")
+        for w in workloads
+        for side in ("native", "python")
+        for res in [runs[w][side]]
+        if res and "flash_attn" in res[0]
+    }
+    notes.append(
+        "flash attention: requested auto on both sides; resolved to "
+        + ", ".join(sorted({v for v in fa.values()}))
+        + f" ({len(fa)} workload/side pairs)"
+    )
     for w in ("decode", "parallel"):
         if w in runs:
             same = {r["checksum"] for r in runs[w]["native"] + runs[w]["python"] + runs[w]["python_raw"]}
-            notes.append(f"{w}: generated tokens {'identical on both sides' if len(same) == 1 else 'DIFFER'} "
-                         f"({len(same)} distinct checksum(s)); decoded tokens per run: "
-                         f"native {runs[w]['native'][0]['n_decoded']}, python {runs[w]['python'][0]['n_decoded']}")
+            notes.append(
+                f"{w}: generated tokens {'identical on both sides' if len(same) == 1 else 'DIFFER'} "
+                f"({len(same)} distinct checksum(s)); decoded tokens per run: "
+                f"native {runs[w]['native'][0]['n_decoded']}, python {runs[w]['python'][0]['n_decoded']}"
+            )
     if runs.get("text", {}).get("python"):
         same = all(r["same_text"] for r in runs["text"]["python"])
-        notes.append(f"text: complete(stream=True) and generate alternated, {all_settings['text']['pairs']} runs each "
-                     f"per worker, {runs['text']['python'][0]['n_decoded']} decoded tokens per run; text "
-                     + ("identical" if same else "DIFFERS"))
+        notes.append(
+            f"text: complete(stream=True) and generate alternated, {all_settings['text']['pairs']} runs each "
+            f"per worker, {runs['text']['python'][0]['n_decoded']} decoded tokens per run; text "
+            + ("identical" if same else "DIFFERS")
+        )
     if runs.get("decode", {}).get("python") and "inproc_tok_s" in runs["decode"]["python"][0]:
         same = all(r["inproc_same_tokens"] for r in runs["decode"]["python"])
-        notes.append("decode, one process: native_driver.c's run_decode through ctypes on the Python side's context "
-                     "and sampler, alternating with pl.generate, 2 runs each per worker; tokens "
-                     + ("identical" if same else "DIFFER"))
+        notes.append(
+            "decode, one process: native_driver.c's run_decode through ctypes on the Python side's context "
+            "and sampler, alternating with pl.generate, 2 runs each per worker; tokens "
+            + ("identical" if same else "DIFFER")
+        )
     if "state" in runs:
-        notes.append(f"state bytes: native {runs['state']['native'][0]['state_bytes']}, "
-                     f"python {runs['state']['python'][0]['state_bytes']}")
-        offs = {side: sorted({r.get("buf_page_offset") for r in runs["state"][side]}, key=str)
-                for side in ("native", "python")}
-        notes.append(f"state: page offset of each side's fresh dump buffer (malloc in each process): native {offs['native']}, "
-                     f"python {offs['python']}")
+        notes.append(
+            f"state bytes: native {runs['state']['native'][0]['state_bytes']}, "
+            f"python {runs['state']['python'][0]['state_bytes']}"
+        )
+        offs = {
+            side: sorted({r.get("buf_page_offset") for r in runs["state"][side]}, key=str)
+            for side in ("native", "python")
+        }
+        notes.append(
+            f"state: page offset of each side's fresh dump buffer (malloc in each process): native {offs['native']}, "
+            f"python {offs['python']}"
+        )
         if runs["state"]["python"] and "inproc_native_page_offsets" in runs["state"]["python"][0]:
-            notes.append("state, one process: native_driver.c's state_step through ctypes on the Python side's "
-                         "context, alternating with seq_state + set_seq_state, "
-                         f"{3 * all_settings['state']['iters']} steps each per run; its malloc page offsets "
-                         f"{sorted({o for r in runs['state']['python'] for o in r['inproc_native_page_offsets']})}")
-    notes.append("Python / native: median over repeats of the ratio of the two back-to-back runs; rates (tok/s): "
-                 "higher is better, times: lower is better; 'met' uses it (the fill target: the Python µs)")
+            notes.append(
+                "state, one process: native_driver.c's state_step through ctypes on the Python side's "
+                "context, alternating with seq_state + set_seq_state, "
+                f"{3 * all_settings['state']['iters']} steps each per run; its malloc page offsets "
+                f"{sorted({o for r in runs['state']['python'] for o in r['inproc_native_page_offsets']})}"
+            )
+    notes.append(
+        "Python / native: median over repeats of the ratio of the two back-to-back runs; rates (tok/s): "
+        "higher is better, times: lower is better; 'met' uses it (the fill target: the Python µs)"
+    )
     print()
     for n in notes:
         print("-", n)
     if a.json:
-        Path(a.json).write_text(json.dumps(dict(model=model, threads=a.threads, repeats=a.repeats,
-                                                settings=all_settings, build_cmd=build_cmd,
-                                                load_before=load_before, load_after=load_after, loads=loads,
-                                                rows=rows, notes=notes, runs=runs), indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                dict(
+                    model=model,
+                    threads=a.threads,
+                    repeats=a.repeats,
+                    settings=all_settings,
+                    build_cmd=build_cmd,
+                    load_before=load_before,
+                    load_after=load_after,
+                    loads=loads,
+                    rows=rows,
+                    notes=notes,
+                    runs=runs,
+                ),
+                indent=1,
+            )
+        )
     return 0
 
 

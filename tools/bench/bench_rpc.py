@@ -11,6 +11,7 @@ the split model in the same run. ``--check-only`` skips the table.
 
     python tools/bench/bench_rpc.py [-r 5] [-ngl 30] [-t 2] [-p 512] [-n 64] [--check-only]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,12 @@ def free_port() -> int:
 
 
 def start(port: int, threads: int) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "pyllamacpp.cli", "rpc-server", "--port", str(port), "-t", str(threads)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pyllamacpp.cli", "rpc-server", "--port", str(port), "-t", str(threads)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=tempfile.gettempdir(),
+    )
     for _ in range(300):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
@@ -44,8 +49,17 @@ def start(port: int, threads: int) -> subprocess.Popen:
 def measure(model, n_prompt: int, n_gen: int, threads: int) -> tuple[float, float]:
     """One prefill of n_prompt tokens and n_gen greedy decode steps (ubatch-sweep's measurement)."""
     from pyllamacpp.experiments.sweep import measure as sweep_measure
-    r = sweep_measure(model, n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_ubatch=n_prompt, n_prompt=n_prompt,
-                      n_gen=n_gen, repeat=1, ctx_kwargs=dict(n_threads=threads, n_threads_batch=threads))
+
+    r = sweep_measure(
+        model,
+        n_ctx=n_prompt + n_gen + 16,
+        n_batch=n_prompt,
+        n_ubatch=n_prompt,
+        n_prompt=n_prompt,
+        n_gen=n_gen,
+        repeat=1,
+        ctx_kwargs=dict(n_threads=threads, n_threads_batch=threads),
+    )
     return r["prefill_tps"], r["decode_tps"]
 
 
@@ -54,8 +68,10 @@ def check_cost(model, n_prompt: int, n_gen: int, threads: int, repeat: int) -> N
     import numpy as np
 
     import pyllamacpp as pl
-    ctx = model.context(n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_ubatch=n_prompt,
-                        n_threads=threads, n_threads_batch=threads)
+
+    ctx = model.context(
+        n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_ubatch=n_prompt, n_threads=threads, n_threads_batch=threads
+    )
     links = [ctx._h.rpc, model._h.rpc]
     count = [0]
 
@@ -63,6 +79,7 @@ def check_cost(model, n_prompt: int, n_gen: int, threads: int, repeat: int) -> N
         def wrapper():
             count[0] += 1
             check()
+
         return wrapper
 
     n = 200_000
@@ -88,13 +105,19 @@ def check_cost(model, n_prompt: int, n_gen: int, threads: int, repeat: int) -> N
     per_step = statistics.median(c for _, c in steps)
     prefill_s = statistics.median(s for s, _ in prefills)
     per_prefill = statistics.median(c for _, c in prefills)
-    print(f"\nliveness check (Link.check, one poll() of {len(links[0]._conns)} connections): {check_us:.2f} us, "
-          f"best of 5 x {n}")
+    print(
+        f"\nliveness check (Link.check, one poll() of {len(links[0]._conns)} connections): {check_us:.2f} us, "
+        f"best of 5 x {n}"
+    )
     print("| | time | checks | checks' share |\n|---|---:|---:|---:|")
-    print(f"| greedy decode step (pl.generate) | {step_s * 1e3:.2f} ms | {per_step:.1f} | "
-          f"{check_us * per_step / (step_s * 1e6):.4%} |")
-    print(f"| prefill {n_prompt} tokens | {prefill_s * 1e3:.1f} ms | {per_prefill:.0f} | "
-          f"{check_us * per_prefill / (prefill_s * 1e6):.4%} |")
+    print(
+        f"| greedy decode step (pl.generate) | {step_s * 1e3:.2f} ms | {per_step:.1f} | "
+        f"{check_us * per_step / (step_s * 1e6):.4%} |"
+    )
+    print(
+        f"| prefill {n_prompt} tokens | {prefill_s * 1e3:.1f} ms | {per_prefill:.0f} | "
+        f"{check_us * per_prefill / (prefill_s * 1e6):.4%} |"
+    )
 
 
 def main() -> None:
@@ -107,6 +130,7 @@ def main() -> None:
     ap.add_argument("--check-only", action="store_true", help="only the liveness check's cost")
     args = ap.parse_args()
     import pyllamacpp as pl
+
     ports = [free_port(), free_port()]
     servers = [start(p, args.threads) for p in ports]
     local = split = None
@@ -121,11 +145,15 @@ def main() -> None:
             for name, m in (("local", local), ("split", split)) if i % 2 == 0 else (("split", split), ("local", local)):
                 res[name].append(measure(m, args.n_prompt, args.n_gen, args.threads))
         med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in res.items()}
-        print(f"default model, -t {args.threads}, -ngl {args.n_gpu_layers} on 2 loopback rpc-servers, "
-              f"{args.repeat} alternating runs, medians")
+        print(
+            f"default model, -t {args.threads}, -ngl {args.n_gpu_layers} on 2 loopback rpc-servers, "
+            f"{args.repeat} alternating runs, medians"
+        )
         print("| | local | split over RPC | split / local |\n|---|---:|---:|---:|")
         for i, what in enumerate((f"prefill {args.n_prompt} tok/s", f"decode {args.n_gen} tok/s")):
-            print(f"| {what} | {med['local'][i]:.1f} | {med['split'][i]:.1f} | {med['split'][i] / med['local'][i]:.3f} |")
+            print(
+                f"| {what} | {med['local'][i]:.1f} | {med['split'][i]:.1f} | {med['split'][i] / med['local'][i]:.3f} |"
+            )
         check_cost(split, args.n_prompt, args.n_gen, args.threads, args.repeat)
     finally:
         # models first: freeing a split model talks to its servers (one that is gone: left unfreed)

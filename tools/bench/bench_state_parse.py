@@ -9,6 +9,7 @@ cold (caches cleared each run) by pyllamacpp.state (its KV section only) against
 
     python tools/bench/bench_state_parse.py [--gib 1] [-r 5] [--dir /tmp] [--model GGUF]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,7 @@ MAGIC = 0xAF143CD8
 
 def write_dump(path: Path, target_bytes: int) -> int:
     per_cell = 12 + 2 * N_LAYER * ROW
-    head = 4 + 4 + 4 + 4          # magic, seq_id, n_stream, cell_count
+    head = 4 + 4 + 4 + 4  # magic, seq_id, n_stream, cell_count
     tail = 4 + 4 + 2 * N_LAYER * 12  # v_trans, n_layer, record headers
     n = (target_bytes - head - tail) // per_cell
     size = head + tail + n * per_cell
@@ -39,22 +40,21 @@ def write_dump(path: Path, target_bytes: int) -> int:
     def put(fmt, *v):
         nonlocal off
         b = struct.pack("<" + fmt, *v)
-        mm[off:off + len(b)] = np.frombuffer(b, np.uint8)
+        mm[off : off + len(b)] = np.frombuffer(b, np.uint8)
         off += len(b)
 
     put("IiII", MAGIC, 0, 1, n)
     cells = np.zeros((n, 3), dtype=np.int32)
     cells[:, 0] = np.arange(n)  # pos
-    cells[:, 1] = 1             # n_seq_id
-    mm[off:off + cells.nbytes] = cells.view(np.uint8).reshape(-1)
+    cells[:, 1] = 1  # n_seq_id
+    mm[off : off + cells.nbytes] = cells.view(np.uint8).reshape(-1)
     off += cells.nbytes
     put("II", 0, N_LAYER)
     for _kind in "KV":
         for _ in range(N_LAYER):
             put("iQ", TYPE_F16, ROW)
             off += n * ROW
-    mm.flush()
-    del mm
+    mm.flush()  # unmapped when put() and mm go at return
     assert off == size, (off, size)
     return n
 
@@ -93,6 +93,7 @@ def main() -> None:
         from gguf import GGUFReader
 
         from pyllamacpp.models import default_model_path
+
         gguf_path = Path(args.model) if args.model else default_model_path()
         t_model, t_reader = [], []
         for _ in range(args.repeat):
