@@ -3,6 +3,7 @@
 At import it checks that the extension was built for this Python package and from the same
 configure as the libraries next to it; a stale build raises ImportError saying what to rebuild.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ def _preload_nvidia_wheels() -> None:
     except (OSError, ValueError, ImportError):
         return
     import ctypes
+
     if sys.platform == "win32":  # nvidia/<name>/bin/cublas64_13.dll
         names, sub = ("cublasLt64_*.dll", "cublas64_*.dll"), "bin"
     else:
@@ -49,12 +51,16 @@ def _shadowing_source_tree() -> str | None:
     editable install), what to tell the user: typically `python` run from the clone's root after a
     non-editable `pip install .`, where the current folder comes first on sys.path."""
     pkg = Path(__file__).resolve().parent
-    if not (pkg.parent / "pyproject.toml").is_file() or any(pkg.glob("_pyllamacpp*.so")) \
-            or any(pkg.glob("_pyllamacpp*.pyd")):
+    if (
+        not (pkg.parent / "pyproject.toml").is_file()
+        or any(pkg.glob("_pyllamacpp*.so"))
+        or any(pkg.glob("_pyllamacpp*.pyd"))
+    ):
         return None
     installed = ""
     try:
         from importlib.metadata import distribution
+
         dist = distribution("pyllamacpp")
         url = json.loads(dist.read_text("direct_url.json") or "{}")
         if url.get("dir_info", {}).get("editable") and url.get("url") == pkg.parent.as_uri():
@@ -64,9 +70,11 @@ def _shadowing_source_tree() -> str | None:
             installed = f" (the installed pyllamacpp, with its extension, is in {Path(str(ext[0])).parent.parent})"
     except Exception:  # noqa: BLE001 (no or odd metadata: the message above is still right)
         pass
-    return (f"pyllamacpp was imported from the source tree at {pkg}, which has no compiled extension: it "
-            f"shadows the installed package{installed}, as the current folder comes first on sys.path; "
-            "run from another folder, or install with `pip install -e .`")
+    return (
+        f"pyllamacpp was imported from the source tree at {pkg}, which has no compiled extension: it "
+        f"shadows the installed package{installed}, as the current folder comes first on sys.path; "
+        "run from another folder, or install with `pip install -e .`"
+    )
 
 
 try:
@@ -86,7 +94,8 @@ EXTENSION_INFO: dict = json.loads(ffi.string(lib.pyllamacpp_build_info()).decode
 if EXTENSION_INFO.get("pyllamacpp_version") != __version__:
     raise ImportError(
         f"pyllamacpp's compiled extension was built for pyllamacpp "
-        f"{EXTENSION_INFO.get('pyllamacpp_version')}, but the Python package is {__version__}; {_REBUILD}")
+        f"{EXTENSION_INFO.get('pyllamacpp_version')}, but the Python package is {__version__}; {_REBUILD}"
+    )
 
 _installed_info = Path(_pyllamacpp.__file__).with_name("_build_info.json")
 if _installed_info.exists():
@@ -95,7 +104,8 @@ if _installed_info.exists():
         if _other.get(_key) != EXTENSION_INFO.get(_key):
             raise ImportError(
                 f"pyllamacpp's compiled extension says {_key}={EXTENSION_INFO.get(_key)!r} but the libraries "
-                f"installed with it say {_other.get(_key)!r} ({_installed_info}); {_REBUILD}")
+                f"installed with it say {_other.get(_key)!r} ({_installed_info}); {_REBUILD}"
+            )
 
 LIB_DIR = Path(_pyllamacpp.__file__).parent
 """Where the extension and libllama/libggml* live (found through RPATH $ORIGIN)."""
@@ -120,8 +130,10 @@ def _load_backend_modules() -> None:
     # ggml logs each module it loads; pyllamacpp's log callback (_log) is not installed yet, so
     # keep those lines (build_info()["backend_load_log"]) rather than let ggml print them.
     try:
-        cb = ffi.callback("ggml_log_callback",
-                          lambda level, text, ud: BACKEND_LOAD_LOG.append(ffi.string(text).decode("utf-8", "replace")))
+        cb = ffi.callback(
+            "ggml_log_callback",
+            lambda level, text, ud: BACKEND_LOAD_LOG.append(ffi.string(text).decode("utf-8", "replace")),
+        )
     except MemoryError:  # no writable+executable memory for a closure (hardened runtimes): ggml prints
         _load_backend_modules_quiet()
         return
@@ -141,15 +153,19 @@ def _load_backend_modules_quiet() -> None:
     if not variant:
         lib.ggml_backend_load_all_from_path(os.fsencode(LIB_DIR))
         if lib.ggml_backend_reg_by_name(b"CPU") == ffi.NULL:
-            raise ImportError(f"pyllamacpp: no CPU backend module in {LIB_DIR} could be loaded "
-                              f"(present: {cpu_variants_present()}); {_REBUILD}")
+            raise ImportError(
+                f"pyllamacpp: no CPU backend module in {LIB_DIR} could be loaded "
+                f"(present: {cpu_variants_present()}); {_REBUILD}"
+            )
         return
     names = [f"cpu-{variant}"] + [b for b in EXTENSION_INFO.get("backends", []) if b != "cpu"]
     for name in names:
         path = _module_path(name)
         if not path.exists():
-            raise ImportError(f"pyllamacpp: PYLLAMACPP_CPU_VARIANT={variant}: no {path.name} in {LIB_DIR} "
-                              f"(present: {cpu_variants_present()})")
+            raise ImportError(
+                f"pyllamacpp: PYLLAMACPP_CPU_VARIANT={variant}: no {path.name} in {LIB_DIR} "
+                f"(present: {cpu_variants_present()})"
+            )
         if lib.ggml_backend_load(os.fsencode(path)) == ffi.NULL:
             raise ImportError(f"pyllamacpp: ggml_backend_load({path}) failed (see the log above)")
 
@@ -157,7 +173,7 @@ def _load_backend_modules_quiet() -> None:
 def cpu_variants_present() -> list[str]:
     """The CPU backend variants installed beside the extension (release profile), e.g. ``haswell``."""
     pre = f"{_MODULE_PREFIX}cpu-"
-    return sorted(p.name[len(pre):-len(_MODULE_SUFFIX)] for p in LIB_DIR.glob(f"{pre}*{_MODULE_SUFFIX}"))
+    return sorted(p.name[len(pre) : -len(_MODULE_SUFFIX)] for p in LIB_DIR.glob(f"{pre}*{_MODULE_SUFFIX}"))
 
 
 def cpu_variant_loaded() -> str | None:
@@ -170,6 +186,7 @@ def cpu_variant_loaded() -> str | None:
 
 def _is_loaded(path: Path) -> bool:
     import ctypes
+
     if sys.platform == "win32":
         return bool(ctypes.WinDLL("kernel32").GetModuleHandleW(str(path)))
     try:  # RTLD_NOLOAD: a handle only if the library is already mapped, nothing is loaded
@@ -211,13 +228,15 @@ def build_info() -> dict:
     """What this build is: llama.cpp commit and source, backends (compiled, and registered now),
     devices, compiler and flags, where the libraries are, and ``llama_print_system_info()``."""
     info = dict(EXTENSION_INFO)
-    info["registered_backends"] = [_str(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)))
-                                   for i in range(lib.ggml_backend_reg_count())]
+    info["registered_backends"] = [
+        _str(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i))) for i in range(lib.ggml_backend_reg_count())
+    ]
     devices = []
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
-        devices.append({"name": _str(lib.ggml_backend_dev_name(dev)),
-                        "description": _str(lib.ggml_backend_dev_description(dev))})
+        devices.append(
+            {"name": _str(lib.ggml_backend_dev_name(dev)), "description": _str(lib.ggml_backend_dev_description(dev))}
+        )
     info["devices"] = devices
     info["system_info"] = _str(lib.llama_print_system_info()).strip()
     info["lib_dir"] = str(LIB_DIR)

@@ -20,6 +20,7 @@ Prints a summary and writes ``gpu_check.json`` to ``--out`` (default ``$OUT`` or
 folder). Exits 1 when a check fails. ``--cpu-only`` runs the same code with both contexts on the
 CPU, to try the script without a GPU (the offload checks are then skipped).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,25 +63,35 @@ def main(argv=None) -> int:
     results["devices"] = devs
     if gpu:
         check("cuda backend registered", "cuda" in info.get("backends", []), info.get("backends"))
-        check("a GPU device", any(d["type"] == "gpu" for d in devs),
-              [(d["name"], d["description"], d["memory_total"]) for d in devs])
+        check(
+            "a GPU device",
+            any(d["type"] == "gpu" for d in devs),
+            [(d["name"], d["description"], d["memory_total"]) for d in devs],
+        )
         if failed:
             return finish(args, results, failed)
 
     tmp = Path(tempfile.mkdtemp(prefix="pyl-gpu-"))
     # big enough that a GPU decode is not all launch overhead, small enough to make in seconds
-    path = make_model(tmp / "synth-llama.gguf", "llama", n_layer=8, n_embd=512, n_head=8, n_head_kv=4,
-                      n_vocab=2048, n_ff=1024, seed=1)
+    path = make_model(
+        tmp / "synth-llama.gguf", "llama", n_layer=8, n_embd=512, n_head=8, n_head_kv=4, n_vocab=2048, n_ff=1024, seed=1
+    )
     toks = (np.arange(48, dtype=np.int32) * 37 + 11) % 2048
     kw = dict(n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=4, n_threads_batch=4, flash_attn="on")
-    with pl.Model(path) as m_cpu, pl.Model(path, n_gpu_layers=99 if gpu else 0) as m_gpu, \
-            m_cpu.context(**kw) as c_cpu, m_gpu.context(**kw) as c_gpu:
+    with (
+        pl.Model(path) as m_cpu,
+        pl.Model(path, n_gpu_layers=99 if gpu else 0) as m_gpu,
+        m_cpu.context(**kw) as c_cpu,
+        m_gpu.context(**kw) as c_gpu,
+    ):
         results["buffers"] = {"cpu": c_cpu.buffers, "gpu": c_gpu.buffers}
         if gpu:
             on_gpu = [b for b in c_gpu.buffers if b.upper().startswith("CUDA")]
-            check("model and KV buffers on the GPU",
-                  any("model" in c_gpu.buffers[b] for b in on_gpu) and any("KV" in c_gpu.buffers[b] for b in on_gpu),
-                  c_gpu.buffers)
+            check(
+                "model and KV buffers on the GPU",
+                any("model" in c_gpu.buffers[b] for b in on_gpu) and any("KV" in c_gpu.buffers[b] for b in on_gpu),
+                c_gpu.buffers,
+            )
 
         # logits of the same prompt
         c_cpu.prefill(toks)
@@ -103,10 +114,14 @@ def main(argv=None) -> int:
         s_cpu, s_gpu = c_cpu.seq_state(0), c_gpu.seq_state(0)
         p_cpu, p_gpu = state.parse(s_cpu.data, model=str(path)), state.parse(s_gpu.data, model=str(path))
         lay_cpu, lay_gpu = p_cpu.layout(), p_gpu.layout()
-        same_layout = ([(r.kind, r.il, r.type, r.row_size, r.data_offset) for r in lay_cpu.rows]
-                       == [(r.kind, r.il, r.type, r.row_size, r.data_offset) for r in lay_gpu.rows])
-        check("GPU dump parses to the CPU dump's layout", same_layout and len(s_cpu) == len(s_gpu),
-              f"{len(s_gpu):,} bytes, {len(lay_gpu.rows)} records, metadata {lay_gpu.metadata_bytes:,} B")
+        same_layout = [(r.kind, r.il, r.type, r.row_size, r.data_offset) for r in lay_cpu.rows] == [
+            (r.kind, r.il, r.type, r.row_size, r.data_offset) for r in lay_gpu.rows
+        ]
+        check(
+            "GPU dump parses to the CPU dump's layout",
+            same_layout and len(s_cpu) == len(s_gpu),
+            f"{len(s_gpu):,} bytes, {len(lay_gpu.rows)} records, metadata {lay_gpu.metadata_bytes:,} B",
+        )
         k0 = float(np.abs(p_cpu.k[0].astype(np.float32) - p_gpu.k[0].astype(np.float32)).max())
         results["figures"]["k0_max_abs_diff"] = k0
         check("K of layer 0, GPU vs CPU", k0 <= 5e-2, f"max |diff| {k0:.3g}")
@@ -129,26 +144,38 @@ def main(argv=None) -> int:
         c_gpu.memory.seq_rm(0, toks.size)
         meta = c_gpu.seq_state(0, pl.StateFlags.ON_DEVICE)
         pm = state.parse(meta.data)
-        check("ON_DEVICE blob is metadata only", pm.metadata_only and len(meta) < len(s_gpu) // 10,
-              f"{len(meta):,} bytes against {len(s_gpu):,}")
+        check(
+            "ON_DEVICE blob is metadata only",
+            pm.metadata_only and len(meta) < len(s_gpu) // 10,
+            f"{len(meta):,} bytes against {len(s_gpu):,}",
+        )
         c_gpu.memory.clear()
         c_gpu.set_seq_state(0, meta, pl.StateFlags.ON_DEVICE)
         c_gpu.prefill(nxt, 0, toks.size)
         got = c_gpu.logits()
-        check("ON_DEVICE load gives the same next logits", np.array_equal(got, want),
-              f"max |diff| {float(np.abs(got - want).max()):.3g}")
+        check(
+            "ON_DEVICE load gives the same next logits",
+            np.array_equal(got, want),
+            f"max |diff| {float(np.abs(got - want).max()):.3g}",
+        )
 
         # generate against raw lib calls, same context
         rates = {}
         for side in ("raw", "generate", "raw", "generate"):
             c_gpu.memory.clear()
-            t, n = (raw_loop(pl, lib, c_gpu, toks, args.n_predict) if side == "raw"
-                    else timed_generate(pl, c_gpu, toks, args.n_predict))
+            t, n = (
+                raw_loop(pl, lib, c_gpu, toks, args.n_predict)
+                if side == "raw"
+                else timed_generate(pl, c_gpu, toks, args.n_predict)
+            )
             rates.setdefault(side, []).append(n / t)
         r = {k: float(np.median(v)) for k, v in rates.items()}
         results["figures"]["decode_tok_s"] = r
-        print(f"[figure] decode on {'GPU' if gpu else 'CPU'}: generate {r['generate']:.1f} tok/s, raw lib loop "
-              f"{r['raw']:.1f} tok/s, ratio {r['generate'] / r['raw']:.3f}", flush=True)
+        print(
+            f"[figure] decode on {'GPU' if gpu else 'CPU'}: generate {r['generate']:.1f} tok/s, raw lib loop "
+            f"{r['raw']:.1f} tok/s, ratio {r['generate'] / r['raw']:.3f}",
+            flush=True,
+        )
     return finish(args, results, failed)
 
 
@@ -191,8 +218,11 @@ def finish(args, results, failed) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"{len(results['checks']) - len(failed)}/{len(results['checks'])} checks passed; "
-          f"wrote {out / 'gpu_check.json'}", flush=True)
+    print(
+        f"{len(results['checks']) - len(failed)}/{len(results['checks'])} checks passed; "
+        f"wrote {out / 'gpu_check.json'}",
+        flush=True,
+    )
     return 1 if failed else 0
 
 
