@@ -53,7 +53,9 @@ class _BatchMem:
 
 
 class Batch:
-    """``llama_batch_init(capacity, embd, n_seq_max)``, freed with ``llama_batch_free``.
+    """A ``llama_batch`` with numpy views over its arrays.
+
+    Wraps ``llama_batch_init(capacity, embd, n_seq_max)``; ``llama_batch_free`` frees it.
 
     As in llama.cpp, ``n_seq_max`` is how many seq ids ONE token may carry (the width of the
     ``seq_id`` array), not a bound on their values: ``Batch(512)`` holds tokens of sequences 0, 1,
@@ -65,9 +67,15 @@ class Batch:
     is a numpy view over the memory ``llama_decode`` reads, valid as long as the view exists.
     Pass ``model=`` to have tokens checked against its vocabulary.
 
+    Args:
+        capacity: How many tokens (slots) the batch holds: ``n_tokens`` of ``llama_batch_init``.
+        n_seq_max: How many seq ids one token may carry (the width of ``seq_id``).
+        embd: 0 for a token batch; else the size of each embedding vector (an ``embd`` batch).
+        model: If given, tokens added are checked against its vocabulary (``n_vocab``).
+
     Raises:
-        ValueError: a non-positive capacity or n_seq_max, a negative embd; from the ``add*``
-            methods: a full batch, more seq ids for a token than ``n_seq_max``, a negative or
+        ValueError: A non-positive ``capacity`` or ``n_seq_max``, or a negative ``embd``; from the
+            ``add*`` methods: a full batch, more seq ids for a token than ``n_seq_max``, a negative or
             repeated seq id, a token outside the model's vocabulary.
     """
 
@@ -105,6 +113,7 @@ class Batch:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` was called."""
         return self._mem is None
 
     def __enter__(self) -> Batch:
@@ -115,7 +124,11 @@ class Batch:
 
     @property
     def struct(self) -> Any:
-        """The ``struct llama_batch`` to pass to ``llama_decode`` (by value)."""
+        """The ``struct llama_batch`` to pass to ``llama_decode`` (by value).
+
+        Raises:
+            ClosedError: The batch is closed.
+        """
         if self._mem is None:
             raise ClosedError("the batch is closed", func="llama_batch_free")
         return self._p[0]
@@ -126,41 +139,58 @@ class Batch:
 
     @property
     def n_tokens(self) -> int:
+        """``llama_batch.n_tokens``: how many slots are filled (``len(batch)``)."""
         return int(self._p.n_tokens)
 
     @property
     def token(self) -> np.ndarray:
+        """View of ``llama_batch.token`` over the filled slots (int32).
+
+        Raises:
+            AttributeError: An embedding batch (``embd > 0``) has no token array.
+        """
         if self._token is None:
             raise AttributeError("an embedding batch (embd > 0) has no token array")
         return self._token[: len(self)]
 
     @property
     def embd(self) -> np.ndarray:
+        """View of ``llama_batch.embd`` over the filled slots (float32, ``len x embd``).
+
+        Raises:
+            AttributeError: A token batch (``embd == 0``) has no embd array.
+        """
         if self._embd is None:
             raise AttributeError("a token batch (embd == 0) has no embd array")
         return self._embd[: len(self)]
 
     @property
     def pos(self) -> np.ndarray:
+        """View of ``llama_batch.pos`` over the filled slots (int32)."""
         return self._pos[: len(self)]
 
     @property
     def n_seq_id(self) -> np.ndarray:
+        """View of ``llama_batch.n_seq_id`` over the filled slots: how many seq ids each token carries."""
         return self._n_seq_id[: len(self)]
 
     @property
     def seq_id(self) -> np.ndarray:
+        """The seq ids of the filled slots (int32, ``len x n_seq_max``; ``llama_batch.seq_id`` points into it)."""
         return self._seq[: len(self)]
 
     @property
     def logits(self) -> np.ndarray:
+        """View of ``llama_batch.logits`` over the filled slots: int8 flags, 1 where an output is asked."""
         return self._logits[: len(self)]
 
     @property
     def n_outputs(self) -> int:
+        """How many filled slots ask for an output (nonzero ``logits`` flags)."""
         return int(np.count_nonzero(self.logits))
 
     def clear(self) -> None:
+        """Empty the batch (``n_tokens = 0``, as ``common_batch_clear``); capacity and views stay."""
         self._p.n_tokens = 0
 
     # -- filling -------------------------------------------------------------------------------
@@ -188,7 +218,23 @@ class Batch:
             raise ValueError(f"token {int(bad)} is outside the vocabulary [0, {self._n_vocab})")
 
     def add(self, token: int, pos: int, seq_ids: npt.ArrayLike = 0, logits: bool = False) -> int:
-        """Fill one slot; returns its index (the output index for ``ctx.logits`` when flagged)."""
+        """Fill one slot of a token batch (as ``common_batch_add``).
+
+        Args:
+            token: The token id.
+            pos: Its position in its sequence(s).
+            seq_ids: One seq id, or several (the token is shared by each listed sequence).
+            logits: Whether to ask for an output (logits or embeddings) at this token.
+
+        Returns:
+            The slot's index, which is the output index for ``ctx.logits`` when ``logits`` is set.
+
+        Raises:
+            TypeError: The batch is an embedding batch, or ``token``/``seq_ids`` are not integers.
+            ValueError: The batch is full, the token is outside the model's vocabulary or does not fit
+                in int32, or the seq ids are negative, repeated or more than ``n_seq_max``.
+            ClosedError: The batch is closed.
+        """
         if self._token is None:
             raise TypeError("an embedding batch takes add_embd(), not add()")
         if isinstance(token, (int, np.integer)) and isinstance(seq_ids, (int, np.integer)):
@@ -233,9 +279,27 @@ class Batch:
     ) -> slice:
         """Append ``tokens`` at positions ``start_pos, start_pos+1, ...`` for ``seq_ids``.
 
-        ``seq_ids``: one id or several (a shared prefix: each token stored once, in every listed
-        sequence). ``logits``: ``"last"``, ``"all"``, ``"none"`` or a boolean mask. Returns the
-        slice of slots filled. Vectorized: no Python loop per token.
+        Fills the slots as a loop of ``common_batch_add`` would, but vectorized: no Python loop per
+        token.
+
+        Args:
+            tokens: The token ids.
+            seq_ids: One id or several (a shared prefix: each token stored once, in every listed
+                sequence).
+            start_pos: The position of the first token.
+            logits: ``"last"``, ``"all"``, ``"none"`` or a boolean mask of ``len(tokens)``: which
+                tokens ask for an output.
+
+        Returns:
+            The slice of slots filled.
+
+        Raises:
+            TypeError: The batch is an embedding batch, or ``tokens``/``seq_ids`` are not integers.
+            ValueError: The tokens do not fit in the batch, a token is outside the model's vocabulary
+                or does not fit in int32, the seq ids are negative, repeated or more than
+                ``n_seq_max``, or ``logits`` is neither one of the three words nor a mask of the
+                right shape.
+            ClosedError: The batch is closed.
         """
         if self._token is None:
             raise TypeError("an embedding batch takes add_embd(), not add_sequence()")
@@ -265,7 +329,23 @@ class Batch:
         return slice(i0, i1)
 
     def add_embd(self, embd: npt.ArrayLike, pos: int, seq_ids: npt.ArrayLike = 0, logits: bool = False) -> int:
-        """Fill one slot of an embedding batch with a vector of size ``embd``."""
+        """Fill one slot of an embedding batch with a vector of size ``embd``.
+
+        Args:
+            embd: The embedding vector, ``embd`` values (converted to float32).
+            pos: Its position in its sequence(s).
+            seq_ids: One seq id, or several.
+            logits: Whether to ask for an output at this slot.
+
+        Returns:
+            The slot's index (the output index when ``logits`` is set).
+
+        Raises:
+            TypeError: The batch is a token batch (``embd == 0``), or ``seq_ids`` are not integers.
+            ValueError: The vector has the wrong size, the batch is full, or the seq ids are negative,
+                repeated or more than ``n_seq_max``.
+            ClosedError: The batch is closed.
+        """
         if self._embd is None:
             raise TypeError("a token batch (embd == 0) takes add(), not add_embd()")
         vec = np.asarray(embd, dtype=np.float32).reshape(-1)

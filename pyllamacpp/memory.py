@@ -28,10 +28,16 @@ _LLAMA_CLASS = {
 
 
 class Memory:
-    """``llama_get_memory(ctx)``: the context's sequences (KV cache or recurrent state).
+    """A context's sequences: its KV cache or recurrent state.
 
-    Sequence ids are checked against ``[0, n_seq_max)`` in Python first: llama.cpp asserts
-    (and aborts the process) on some out-of-range ids."""
+    Wraps ``llama_get_memory(ctx)`` and the ``llama_memory_*`` functions. Sequence ids are checked
+    against ``[0, n_seq_max)`` in Python first: llama.cpp asserts (and aborts the process) on some
+    out-of-range ids. The memory holds its context weakly: once the context is gone or closed,
+    every method raises :class:`~pyllamacpp.errors.ClosedError`.
+
+    Args:
+        ctx: The context whose memory this is.
+    """
 
     def __init__(self, ctx: Context):
         self._ctx = weakref.ref(ctx)
@@ -71,22 +77,56 @@ class Memory:
         return seq_id
 
     def clear(self, data: bool = True) -> None:
-        """``llama_memory_clear``."""
+        """Clear the memory of every sequence (``llama_memory_clear``).
+
+        Args:
+            data: Also clear the data buffers (``data`` of ``llama_memory_clear``), not only the
+                metadata.
+
+        Raises:
+            ClosedError: The context is closed or gone.
+        """
         mem, _ = self._mem()
         lib.llama_memory_clear(mem, data)
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """``llama_memory_seq_rm``: remove positions [p0, p1) of ``seq_id`` (-1: all sequences)."""
+        """Remove positions [p0, p1) of ``seq_id`` (``llama_memory_seq_rm``).
+
+        Args:
+            seq_id: The sequence; negative: every sequence.
+            p0: The first position removed (negative: from 0).
+            p1: One past the last position removed (negative: to the end).
+
+        Returns:
+            False if llama.cpp could not remove the range (e.g. a partial range of a recurrent
+            state), True otherwise.
+
+        Raises:
+            ValueError: ``seq_id`` is ``>= n_seq_max``.
+            ClosedError: The context is closed or gone.
+        """
         mem, ctx = self._mem()
         return bool(lib.llama_memory_seq_rm(mem, self._seq(ctx, seq_id, allow_all=True), p0, p1))
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """``llama_memory_seq_cp``.
+        """Copy positions [p0, p1) of sequence ``src`` into ``dst`` (``llama_memory_seq_cp``).
 
         With ``kv_unified=False`` each sequence has its own stream, and llama.cpp only queues a
         copy between streams: the buffers are copied at the start of the next ``decode``. Until
         then, loading a state into ``dst`` would be overwritten by that copy, so pyllamacpp refuses
-        such a load. A partial range across streams aborts llama.cpp (GGML_ASSERT): refused here."""
+        such a load. A partial range across streams aborts llama.cpp (GGML_ASSERT): refused here.
+
+        Args:
+            src: The sequence copied from.
+            dst: The sequence copied to.
+            p0: The first position copied (negative: from 0).
+            p1: One past the last position copied (negative: to the end).
+
+        Raises:
+            ValueError: ``src`` or ``dst`` is outside ``[0, n_seq_max)``, or a partial range between
+                two streams (``kv_unified=False``).
+            ClosedError: The context is closed or gone.
+        """
         mem, ctx = self._mem()
         src, dst = self._seq(ctx, src), self._seq(ctx, dst)
         cross = not ctx.params.kv_unified and src != dst and lib.llama_model_is_recurrent(ctx.model.ptr) == 0
@@ -100,19 +140,51 @@ class Memory:
             ctx._pending_stream_copies.add(dst)
 
     def seq_keep(self, seq_id: int) -> None:
-        """``llama_memory_seq_keep``."""
+        """Remove every sequence but ``seq_id`` (``llama_memory_seq_keep``).
+
+        Args:
+            seq_id: The sequence kept.
+
+        Raises:
+            ValueError: ``seq_id`` is outside ``[0, n_seq_max)``.
+            ClosedError: The context is closed or gone.
+        """
         mem, ctx = self._mem()
         lib.llama_memory_seq_keep(mem, self._seq(ctx, seq_id))
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
-        """``llama_memory_seq_add``: shift positions [p0, p1) by ``delta``."""
+        """Shift positions [p0, p1) of ``seq_id`` by ``delta`` (``llama_memory_seq_add``).
+
+        Args:
+            seq_id: The sequence.
+            p0: The first position shifted (negative: from 0).
+            p1: One past the last position shifted (negative: to the end).
+            delta: What is added to each position.
+
+        Raises:
+            LlamaError: This memory cannot shift positions (``llama_memory_can_shift`` is false).
+            ValueError: ``seq_id`` is outside ``[0, n_seq_max)``.
+            ClosedError: The context is closed or gone.
+        """
         mem, ctx = self._mem()
         if not lib.llama_memory_can_shift(mem):
             raise LlamaError("this memory cannot shift positions", func="llama_memory_seq_add")
         lib.llama_memory_seq_add(mem, self._seq(ctx, seq_id), p0, p1, delta)
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        """``llama_memory_seq_div``: integer-divide positions [p0, p1) by ``d``."""
+        """Integer-divide positions [p0, p1) of ``seq_id`` by ``d`` (``llama_memory_seq_div``).
+
+        Args:
+            seq_id: The sequence.
+            p0: The first position divided (negative: from 0).
+            p1: One past the last position divided (negative: to the end).
+            d: The divisor.
+
+        Raises:
+            ValueError: ``d <= 0``, or ``seq_id`` is outside ``[0, n_seq_max)``.
+            LlamaError: This memory cannot shift positions (``llama_memory_can_shift`` is false).
+            ClosedError: The context is closed or gone.
+        """
         mem, ctx = self._mem()
         if d <= 0:
             raise ValueError(f"seq_div: d must be positive, got {d}")
@@ -121,14 +193,43 @@ class Memory:
         lib.llama_memory_seq_div(mem, self._seq(ctx, seq_id), p0, p1, d)
 
     def seq_pos_min(self, seq_id: int) -> int:
+        """The smallest position of ``seq_id`` in the memory (``llama_memory_seq_pos_min``).
+
+        Args:
+            seq_id: The sequence.
+
+        Returns:
+            The position, or -1 if the sequence is empty.
+
+        Raises:
+            ValueError: ``seq_id`` is outside ``[0, n_seq_max)``.
+            ClosedError: The context is closed or gone.
+        """
         mem, ctx = self._mem()
         return lib.llama_memory_seq_pos_min(mem, self._seq(ctx, seq_id))
 
     def seq_pos_max(self, seq_id: int) -> int:
+        """The largest position of ``seq_id`` in the memory (``llama_memory_seq_pos_max``).
+
+        Args:
+            seq_id: The sequence.
+
+        Returns:
+            The position, or -1 if the sequence is empty.
+
+        Raises:
+            ValueError: ``seq_id`` is outside ``[0, n_seq_max)``.
+            ClosedError: The context is closed or gone.
+        """
         mem, ctx = self._mem()
         return lib.llama_memory_seq_pos_max(mem, self._seq(ctx, seq_id))
 
     @property
     def can_shift(self) -> bool:
+        """Whether positions can be shifted (``llama_memory_can_shift``): ``seq_add``, ``seq_div``.
+
+        Raises:
+            ClosedError: The context is closed or gone.
+        """
         mem, _ = self._mem()
         return bool(lib.llama_memory_can_shift(mem))

@@ -22,6 +22,20 @@ if TYPE_CHECKING:
 
 
 class Sampler(Owner):
+    """A ``llama_sampler`` chain: steps added in the order they run, ending with a step that picks a token.
+
+    Wraps ``llama_sampler_chain_init`` (``llama_sampler_chain_default_params``); each step method
+    adds one ``llama_sampler_init_*`` sampler with ``llama_sampler_chain_add`` and returns the
+    chain, so steps chain. ``llama_sampler_free`` frees it on ``close()``.
+
+    Args:
+        model: The model, needed by steps that know the vocabulary (``penalties``).
+        no_perf: ``llama_sampler_chain_params.no_perf``: skip llama.cpp's timing counters.
+
+    Raises:
+        LlamaError: ``llama_sampler_chain_init`` returned NULL.
+    """
+
     def __init__(self, model: Model | None = None, *, no_perf: bool = True) -> None:
         self.model = model  # needed by steps that know the vocabulary (penalties, grammar)
         params = lib.llama_sampler_chain_default_params()
@@ -34,6 +48,11 @@ class Sampler(Owner):
 
     @classmethod
     def greedy(cls) -> Sampler:
+        """A new chain of one step, ``llama_sampler_init_greedy``: always the most likely token.
+
+        Returns:
+            The new sampler.
+        """
         return cls()._add(lib.llama_sampler_init_greedy(), "greedy")
 
     _what, _free = "sampler", "llama_sampler_free"  # Owner: ptr, closed, close, with-statement
@@ -47,19 +66,86 @@ class Sampler(Owner):
 
     # -- steps ---------------------------------------------------------------------------------
     def top_k(self, k: int) -> Sampler:
+        """Add ``llama_sampler_init_top_k(k)``: keep the ``k`` most likely tokens.
+
+        Args:
+            k: How many tokens to keep (``<= 0`` keeps all, as in llama.cpp).
+
+        Returns:
+            This sampler, to chain calls.
+
+        Raises:
+            ValueError: llama.cpp refused the step (returned NULL).
+            ClosedError: The sampler is closed.
+        """
         return self._add(lib.llama_sampler_init_top_k(int(k)), f"top_k({k})")
 
     def top_p(self, p: float, min_keep: int = 1) -> Sampler:
+        """Add ``llama_sampler_init_top_p(p, min_keep)``: nucleus sampling.
+
+        Args:
+            p: Keep the most likely tokens whose probabilities add up to ``p``.
+            min_keep: Keep at least this many tokens.
+
+        Returns:
+            This sampler, to chain calls.
+
+        Raises:
+            ValueError: llama.cpp refused the step (returned NULL).
+            ClosedError: The sampler is closed.
+        """
         return self._add(lib.llama_sampler_init_top_p(float(p), int(min_keep)), f"top_p({p})")
 
     def min_p(self, p: float, min_keep: int = 1) -> Sampler:
+        """Add ``llama_sampler_init_min_p(p, min_keep)``: drop tokens below ``p`` times the best one's probability.
+
+        Args:
+            p: The fraction of the most likely token's probability a token needs to stay.
+            min_keep: Keep at least this many tokens.
+
+        Returns:
+            This sampler, to chain calls.
+
+        Raises:
+            ValueError: llama.cpp refused the step (returned NULL).
+            ClosedError: The sampler is closed.
+        """
         return self._add(lib.llama_sampler_init_min_p(float(p), int(min_keep)), f"min_p({p})")
 
     def temp(self, t: float) -> Sampler:
+        """Add ``llama_sampler_init_temp(t)``: divide the logits by the temperature ``t``.
+
+        Args:
+            t: The temperature (``<= 0`` keeps only the most likely token, as in llama.cpp).
+
+        Returns:
+            This sampler, to chain calls.
+
+        Raises:
+            ValueError: llama.cpp refused the step (returned NULL).
+            ClosedError: The sampler is closed.
+        """
         return self._add(lib.llama_sampler_init_temp(float(t)), f"temp({t})")
 
     def penalties(self, last_n: int = 64, repeat: float = 1.0, freq: float = 0.0, present: float = 0.0) -> Sampler:
-        """``llama_sampler_init_penalties(n_vocab, ...)``: needs ``Sampler(model)``."""
+        """Add ``llama_sampler_init_penalties``: repetition, frequency and presence penalties.
+
+        Needs ``Sampler(model)``: the penalties are over the model's ``n_vocab``.
+
+        Args:
+            last_n: How many of the last tokens to penalize (``penalty_last_n``; 0 disables it).
+            repeat: The repetition penalty (``penalty_repeat``; 1.0 disables it).
+            freq: The frequency penalty (``penalty_freq``; 0.0 disables it).
+            present: The presence penalty (``penalty_present``; 0.0 disables it).
+
+        Returns:
+            This sampler, to chain calls.
+
+        Raises:
+            ValueError: The sampler was made without a model, ``repeat <= 0``, or llama.cpp refused
+                the step.
+            ClosedError: The sampler is closed.
+        """
         if self.model is None:
             raise ValueError("penalties: make the sampler with Sampler(model), it needs n_vocab")
         if repeat <= 0:
@@ -72,7 +158,20 @@ class Sampler(Owner):
         )
 
     def grammar(self, model: Model, grammar: str, root: str = "root") -> Sampler:
-        """A GBNF grammar (``llama_sampler_init_grammar``)."""
+        """Add a GBNF grammar step (``llama_sampler_init_grammar``).
+
+        Args:
+            model: The model whose vocabulary the grammar is matched against.
+            grammar: The grammar, in GBNF.
+            root: The name of the grammar's start rule.
+
+        Returns:
+            This sampler, to chain calls.
+
+        Raises:
+            ValueError: llama.cpp rejected the grammar (the message carries the reason it logged).
+            ClosedError: The sampler or the model is closed.
+        """
         from . import _log
 
         with _log.capture() as cap:
@@ -82,16 +181,52 @@ class Sampler(Owner):
         return self._add(smpl, "grammar")
 
     def dist(self, seed: int = lib.LLAMA_DEFAULT_SEED) -> Sampler:
-        """Pick a token at random from the distribution; deterministic for a fixed ``seed``."""
+        """Add ``llama_sampler_init_dist(seed)``: pick a token at random from the distribution.
+
+        Deterministic for a fixed ``seed``.
+
+        Args:
+            seed: The RNG seed (taken modulo 2**32); ``LLAMA_DEFAULT_SEED`` draws a random one.
+
+        Returns:
+            This sampler, to chain calls.
+
+        Raises:
+            ValueError: llama.cpp refused the step (returned NULL).
+            ClosedError: The sampler is closed.
+        """
         return self._add(lib.llama_sampler_init_dist(int(seed) & 0xFFFFFFFF), f"dist({seed})")
 
     def pick_greedy(self) -> Sampler:
+        """Add ``llama_sampler_init_greedy``: pick the most likely token.
+
+        Returns:
+            This sampler, to chain calls.
+
+        Raises:
+            ValueError: llama.cpp refused the step (returned NULL).
+            ClosedError: The sampler is closed.
+        """
         return self._add(lib.llama_sampler_init_greedy(), "greedy")
 
     # -- use -----------------------------------------------------------------------------------
     def sample(self, ctx: Context, i: int = -1) -> int:
-        """``llama_sampler_sample(chain, ctx, i)``: a token from output ``i`` of the last batch
-        (the chain accepts it, as llama.cpp does)."""
+        """Sample a token from output ``i`` of the last batch (``llama_sampler_sample(chain, ctx, i)``).
+
+        The chain accepts the token, as llama.cpp does.
+
+        Args:
+            ctx: The context that decoded the batch.
+            i: The output index (negative: from the end; -1 is the last output).
+
+        Returns:
+            The token id.
+
+        Raises:
+            IndexError: The last decode asked for no outputs, or llama.cpp failed for output ``i``
+                (for instance an index out of range).
+            ClosedError: The sampler or the context is closed.
+        """
         if ctx.n_outputs == 0:
             raise IndexError("no outputs to sample from: the last decode asked for no logits")
         from . import _log
@@ -103,10 +238,22 @@ class Sampler(Owner):
         return int(tok)
 
     def accept(self, token: int) -> None:
-        """``llama_sampler_accept``: tell stateful steps (penalties, grammar) about a token."""
+        """Tell stateful steps (penalties, grammar) about a token (``llama_sampler_accept``).
+
+        Args:
+            token: The token id chosen.
+
+        Raises:
+            ClosedError: The sampler is closed.
+        """
         lib.llama_sampler_accept(self.ptr, int(token))
 
     def reset(self) -> None:
+        """Reset the state of every step (``llama_sampler_reset``), e.g. the penalties' history.
+
+        Raises:
+            ClosedError: The sampler is closed.
+        """
         lib.llama_sampler_reset(self.ptr)
 
     def __repr__(self) -> str:
