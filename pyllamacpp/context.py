@@ -52,9 +52,10 @@ PerfContextData.__module__ = __name__
 
 
 class Context(StateMethods, Owner):
-    """``llama_init_from_model(model, params)``; a context manager; ``close()`` frees it.
+    """A ``llama_context``: decode batches, read outputs, its sequences' memory and state.
 
-    Keeps its model alive. Any use after ``close()`` raises :class:`ClosedError`.
+    Wraps ``llama_init_from_model(model, params)``; a context manager; ``close()`` frees it
+    (``llama_free``). Keeps its model alive. Any use after ``close()`` raises :class:`ClosedError`.
     Keywords are fields of :class:`ContextParams` (``n_ctx``, ``n_batch``, ``n_ubatch``,
     ``n_seq_max``, ``type_k``, ``flash_attn``, ``kv_unified``...).
 
@@ -68,9 +69,17 @@ class Context(StateMethods, Owner):
     through the abort callback and raises :class:`DecodeInterrupted` (a KeyboardInterrupt); the
     context stays usable.
 
+    Args:
+        model: The model (kept alive by the context).
+        params: A :class:`ContextParams`; ``kwargs`` override its fields.
+        handle_sigint: Turn Ctrl-C during a decode on the main thread into an abort.
+        **kwargs: Fields of :class:`ContextParams`.
+
     Raises:
         ContextError: ``llama_init_from_model`` returned NULL (llama.cpp's logged reason attached).
-        ValueError, TypeError: a bad or unknown parameter, before anything reaches C.
+        ValueError: A bad parameter value, before anything reaches C.
+        TypeError: An unknown parameter, before anything reaches C.
+        ClosedError: The model is closed.
     """
 
     def __init__(
@@ -126,7 +135,10 @@ class Context(StateMethods, Owner):
     _what, _free = "context", "llama_free"  # Owner: ptr, closed, with-statement
 
     def close(self) -> None:
-        """``llama_free`` (idempotent). Output views still alive keep the memory valid until they go."""
+        """Free the context (``llama_free``); idempotent.
+
+        Output views still alive keep the memory valid until they go.
+        """
         self._h = None
         self._batch = None
 
@@ -140,48 +152,112 @@ class Context(StateMethods, Owner):
     # -- effective sizes (after llama.cpp's clamps) --------------------------------------------
     @property
     def n_ctx(self) -> int:
+        """``llama_n_ctx``: the context size, after llama.cpp's clamps and padding.
+
+        Raises:
+            ClosedError: The context is closed.
+        """
         return lib.llama_n_ctx(self.ptr)
 
     @property
     def n_ctx_seq(self) -> int:
+        """``llama_n_ctx_seq``: the context size of one sequence (``n_ctx / n_seq_max`` unless ``kv_unified``).
+
+        Raises:
+            ClosedError: The context is closed.
+        """
         return lib.llama_n_ctx_seq(self.ptr)
 
     @property
     def n_batch(self) -> int:
+        """``llama_n_batch``: the most tokens one ``decode`` takes.
+
+        Raises:
+            ClosedError: The context is closed.
+        """
         return lib.llama_n_batch(self.ptr)
 
     @property
     def n_ubatch(self) -> int:
+        """``llama_n_ubatch``: the most tokens of one micro-batch (one graph computation).
+
+        Raises:
+            ClosedError: The context is closed.
+        """
         return lib.llama_n_ubatch(self.ptr)
 
     @property
     def n_seq_max(self) -> int:
+        """``llama_n_seq_max``: how many sequences the context holds (seq ids ``0..n_seq_max-1``).
+
+        Raises:
+            ClosedError: The context is closed.
+        """
         return lib.llama_n_seq_max(self.ptr)
 
     @property
     def n_threads(self) -> int:
+        """``llama_n_threads``: threads used for generation (single-token batches).
+
+        Raises:
+            ClosedError: The context is closed.
+        """
         return lib.llama_n_threads(self.ptr)
 
     # -- decode --------------------------------------------------------------------------------
     def abort(self) -> None:
-        """Stop the running (or next) ``decode`` through the abort callback; it raises DecodeAborted
-        (Ctrl-C raises :class:`DecodeInterrupted` instead, a KeyboardInterrupt).
+        """Stop the running (or next) ``decode`` through the abort callback.
+
+        Sets the flag the context's ``abort_callback`` (``ggml_abort_callback``) reads; that decode
+        then raises :class:`DecodeAborted` (Ctrl-C raises :class:`DecodeInterrupted` instead, a
+        KeyboardInterrupt).
 
         The exception's ``seq_pos_max`` maps each sequence of the batch to the last position now
         in memory (ubatches computed before the abort stay); from ``prefill`` it also carries
-        ``resume_from``, the index of the first token to feed again."""
+        ``resume_from``, the index of the first token to feed again.
+        """
         self._abort_state.abort_requested = 1
 
     def decode(self, batch: Batch) -> None:
-        """``llama_decode``. Return codes become exceptions: 1 KVCacheFullError, 2 DecodeAborted
-        (DecodeInterrupted, a KeyboardInterrupt, when Ctrl-C stopped it), -1 InvalidBatchError (with
-        llama.cpp's logged reason), other negatives DecodeError.
+        """Decode a batch (``llama_decode``).
 
-        Output views (``logits()``...) of the previous decode are overwritten by this one."""
+        Return codes become exceptions: 1 KVCacheFullError, 2 DecodeAborted (DecodeInterrupted, a
+        KeyboardInterrupt, when Ctrl-C stopped it), -1 InvalidBatchError (with llama.cpp's logged
+        reason), other negatives DecodeError. Output views (``logits()``...) of the previous decode
+        are overwritten by this one.
+
+        Args:
+            batch: The batch; what llama.cpp would not survive (more than ``n_batch`` tokens, a
+                seq id outside ``[0, n_seq_max)``, a token outside the vocabulary) is refused first.
+
+        Raises:
+            KVCacheFullError: No KV cells for the batch (return code 1).
+            DecodeAborted: :meth:`abort` stopped it (2); ``seq_pos_max`` says what reached memory.
+            DecodeInterrupted: Ctrl-C stopped it (2), a KeyboardInterrupt.
+            InvalidBatchError: The batch was refused, here or by llama.cpp (-1).
+            DecodeError: Another failure (other negative codes).
+            LlamaError: Output views of an earlier decode are alive and this batch asks for more
+                outputs than are reserved (llama.cpp would reallocate under them).
+            RuntimeError: Another thread is using the context.
+            ClosedError: The context or the batch is closed.
+        """
         self._run(lib.llama_decode, batch)
 
     def encode(self, batch: Batch) -> None:
-        """``llama_encode`` (encoder models), same error mapping as ``decode``."""
+        """Encode a batch with an encoder model (``llama_encode``); errors as in :meth:`decode`.
+
+        Args:
+            batch: The batch.
+
+        Raises:
+            InvalidBatchError: The batch was refused, here or by llama.cpp (-1).
+            DecodeAborted: :meth:`abort` stopped it.
+            DecodeInterrupted: Ctrl-C stopped it, a KeyboardInterrupt.
+            DecodeError: Another failure.
+            LlamaError: Output views of an earlier decode would be reallocated (see :meth:`decode`).
+            RuntimeError: Another thread is using the context.
+            ClosedError: The context or the batch is closed.
+        """
         self._run(lib.llama_encode, batch)
 
     def _run(self, fn, batch: Batch) -> None:
@@ -354,10 +430,28 @@ class Context(StateMethods, Owner):
         return self._batch
 
     def prefill(self, tokens: npt.ArrayLike, seq_id: int = 0, start_pos: int | None = None) -> int:
-        """Feed ``tokens`` to ``seq_id`` as consecutive ``llama_decode`` calls of at most
-        ``n_batch`` tokens (5000 at n_batch 2048: 2048, 2048, 904), logits for the last token only.
+        """Feed ``tokens`` to ``seq_id`` in chunks of at most ``n_batch`` tokens, logits for the last only.
 
-        ``start_pos`` defaults to the sequence's ``seq_pos_max + 1``. Returns the next position."""
+        Consecutive ``llama_decode`` calls (5000 tokens at n_batch 2048: 2048, 2048, 904).
+
+        Args:
+            tokens: The token ids (at least one).
+            seq_id: The sequence.
+            start_pos: The position of the first token; None: the sequence's ``seq_pos_max + 1``.
+
+        Returns:
+            The next position (``start_pos + len(tokens)``).
+
+        Raises:
+            ValueError: No tokens, a token outside the vocabulary, or a bad ``seq_id``.
+            KVCacheFullError: No KV cells for a chunk (chunks before it stay in memory).
+            DecodeAborted: :meth:`abort` stopped it; ``resume_from`` is the index of the first
+                token to feed again.
+            DecodeInterrupted: Ctrl-C stopped it (a KeyboardInterrupt), with ``resume_from`` too.
+            InvalidBatchError: llama.cpp refused a chunk.
+            DecodeError: Another ``llama_decode`` failure.
+            ClosedError: The context is closed.
+        """
         toks = np.asarray(tokens)
         if toks.size == 0:
             raise ValueError("prefill: no tokens")
@@ -392,8 +486,20 @@ class Context(StateMethods, Owner):
         return self._n_outputs
 
     def logits(self, i: int = -1) -> np.ndarray:
-        """``llama_get_logits_ith``: (n_vocab,) float32 view of output ``i`` of the last batch
-        (``i`` is the batch slot; -1 the last output). Overwritten by the next decode."""
+        """The logits of output ``i`` of the last batch: a (n_vocab,) float32 view.
+
+        Wraps ``llama_get_logits_ith``. Overwritten by the next decode.
+
+        Args:
+            i: The batch slot (-1: the last output).
+
+        Returns:
+            A view over llama.cpp's output buffer.
+
+        Raises:
+            IndexError: The last decode asked for no logits (or failed), or slot ``i`` has none.
+            ClosedError: The context is closed.
+        """
         ptr = self.ptr
         if self._n_outputs == 0:
             raise IndexError("no outputs: the last decode asked for no logits (or failed)")
@@ -402,21 +508,53 @@ class Context(StateMethods, Owner):
         return self._view(p, (self.model.n_vocab,), "llama_get_logits_ith")
 
     def logits_all(self) -> np.ndarray:
-        """``llama_get_logits``: (n_outputs, n_vocab) view, rows in output order."""
+        """The logits of every output of the last batch (``llama_get_logits``).
+
+        Returns:
+            A (n_outputs, n_vocab) float32 view, rows in output order.
+
+        Raises:
+            IndexError: The last decode asked for no logits (or failed).
+            ClosedError: The context is closed.
+        """
         ptr = self.ptr
         if self._n_outputs == 0:
             raise IndexError("no outputs: the last decode asked for no logits (or failed)")
         return self._view(lib.llama_get_logits(ptr), (self._n_outputs, self.model.n_vocab), "llama_get_logits")
 
     def embeddings(self, i: int = -1) -> np.ndarray:
-        """``llama_get_embeddings_ith``: (n_embd_out,) view (context made with ``embeddings=True``)."""
+        """The embedding of output ``i`` of the last batch (``llama_get_embeddings_ith``).
+
+        Needs a context made with ``embeddings=True``.
+
+        Args:
+            i: The batch slot (-1: the last output).
+
+        Returns:
+            A (n_embd_out,) float32 view.
+
+        Raises:
+            IndexError: llama.cpp has no embedding for slot ``i`` (returned NULL).
+            ClosedError: The context is closed.
+        """
         ptr = self.ptr
         with _log.capture():
             p = lib.llama_get_embeddings_ith(ptr, int(i))
         return self._view(p, (lib.llama_model_n_embd_out(self.model.ptr),), "llama_get_embeddings_ith")
 
     def seq_embeddings(self, seq_id: int) -> np.ndarray:
-        """``llama_get_embeddings_seq``: pooled embedding of ``seq_id`` (pooling_type != none)."""
+        """The pooled embedding of ``seq_id`` (``llama_get_embeddings_seq``; pooling_type != none).
+
+        Args:
+            seq_id: The sequence.
+
+        Returns:
+            A (n_embd_out,) float32 view; (n_cls_out,) for rank pooling.
+
+        Raises:
+            IndexError: llama.cpp has no pooled embedding for ``seq_id`` (returned NULL).
+            ClosedError: The context is closed.
+        """
         ptr = self.ptr
         p = lib.llama_get_embeddings_seq(ptr, int(seq_id))
         n = lib.llama_model_n_embd_out(self.model.ptr)
@@ -426,14 +564,27 @@ class Context(StateMethods, Owner):
 
     # -- performance ---------------------------------------------------------------------------
     def perf(self) -> PerfContextData:
-        """``llama_perf_context`` (times need a context made with ``no_perf=False``).
+        """The context's performance counters (``llama_perf_context``).
 
-        Synchronizes first: llama.cpp adds a decode to the counters only at the next
-        synchronization (next decode or output read), so without it the last decode is missing."""
+        Times need a context made with ``no_perf=False``. Synchronizes first
+        (``llama_synchronize``): llama.cpp adds a decode to the counters only at the next
+        synchronization (next decode or output read), so without it the last decode is missing.
+
+        Returns:
+            Every field of ``llama_perf_context_data``.
+
+        Raises:
+            ClosedError: The context is closed.
+        """
         ptr = self.ptr
         lib.llama_synchronize(ptr)
         d = lib.llama_perf_context(ptr)
         return PerfContextData(**{f.name: getattr(d, f.name) for f in dataclasses.fields(PerfContextData)})
 
     def perf_reset(self) -> None:
+        """Reset the performance counters (``llama_perf_context_reset``).
+
+        Raises:
+            ClosedError: The context is closed.
+        """
         lib.llama_perf_context_reset(self.ptr)

@@ -55,7 +55,15 @@ class Generation:
         error: the :class:`KVCacheFullError` that ended it with ``"ctx_full"`` (llama.cpp's
             reason in ``error.reason``), else None.
         n_prompt: tokens prefilled before the first sample.
-        ctx, seq_id: where it decodes.
+        ctx: The context it decodes in.
+        seq_id: The sequence it extends.
+
+    Args:
+        ctx: The context.
+        tokens: The prompt's token ids.
+        n_predict: Most tokens to sample; 0 prefills only; -1 has no limit.
+        sampler: The sampler (greedy when None).
+        seq_id: The sequence to extend.
     """
 
     def __init__(
@@ -69,14 +77,17 @@ class Generation:
 
     @property
     def tokens(self) -> list[int]:
+        """The tokens yielded so far."""
         return self._out.tokens
 
     @property
     def finish_reason(self) -> FinishReason | None:
+        """``"eog"``, ``"n_predict"`` or ``"ctx_full"`` once exhausted; None while it runs, closed early or raised."""
         return self._out.finish_reason
 
     @property
     def error(self) -> KVCacheFullError | None:
+        """The :class:`KVCacheFullError` that ended it with ``"ctx_full"``, else None."""
         return self._out.error
 
     def __iter__(self) -> Generation:
@@ -137,8 +148,11 @@ def _run(
 def generate(
     ctx: Context, tokens: npt.ArrayLike, n_predict: int, sampler: Sampler | None = None, seq_id: int = 0
 ) -> Generation:
-    """Prefill ``tokens`` into ``seq_id`` (after what it holds), then yield up to ``n_predict``
-    sampled tokens, one ``llama_decode`` each (``n_predict=-1``: no limit).
+    """Prefill ``tokens`` into ``seq_id``, then yield up to ``n_predict`` sampled tokens.
+
+    The prompt goes after what the sequence holds, in ``llama_decode`` calls of at most ``n_batch``
+    tokens (:meth:`Context.prefill`); then each sampled token costs one ``llama_decode``
+    (``n_predict=-1``: no limit), sampled with ``llama_sampler_sample``.
 
     Generation ends at an end-of-generation token (yielded), after ``n_predict`` tokens, or when
     the context is full; the returned :class:`Generation` says which (``finish_reason``). The
@@ -147,26 +161,38 @@ def generate(
     decode and the next sample are one C call (``Context._generation_step``).
 
     Args:
-        ctx: the :class:`Context`.
-        tokens: the prompt's token ids (at least one).
-        n_predict: most tokens to sample; 0 prefills only; -1 has no limit.
-        sampler: the :class:`Sampler` (greedy when None), used as is (not reset).
-        seq_id: the sequence to extend.
+        ctx: The :class:`Context`.
+        tokens: The prompt's token ids (at least one).
+        n_predict: Most tokens to sample; 0 prefills only; -1 has no limit.
+        sampler: The :class:`Sampler` (greedy when None), used as is (not reset).
+        seq_id: The sequence to extend.
 
     Returns:
         A :class:`Generation`, an iterator of token ids.
 
     Raises:
-        ValueError: no tokens, or a bad ``seq_id`` (at the first ``next``).
-        KVCacheFullError: the prompt itself does not fit.
-        DecodeAborted: ``ctx.abort()`` or Ctrl-C stopped a decode.
-        ClosedError: the context or sampler was closed.
+        ValueError: No tokens, a token outside the vocabulary, or a bad ``seq_id`` (at the first
+            ``next``).
+        KVCacheFullError: The prompt itself does not fit.
+        DecodeAborted: ``ctx.abort()`` stopped a decode.
+        DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
+        DecodeError: Another ``llama_decode`` failure.
+        ClosedError: The context or sampler was closed.
     """
     return Generation(ctx, tokens, n_predict, sampler, seq_id)
 
 
 @dataclass
 class ParallelResult:
+    """One sequence's outcome in :func:`generate_parallel`.
+
+    Attributes:
+        seq_id: The sequence.
+        tokens: The tokens sampled for it.
+        text: Those tokens, end-of-generation tokens left out, detokenized.
+        finish_reason: ``"eog"``, ``"n_predict"`` or ``"ctx_full"``, as ``Generation.finish_reason``.
+    """
+
     seq_id: int
     tokens: list[int] = field(default_factory=list)
     text: str = ""
@@ -187,7 +213,7 @@ def generate_parallel(
     *,
     shared_prompt: bool | None = None,
 ) -> list[ParallelResult]:
-    """llama.cpp's ``examples/batched`` in Python.
+    """Generate ``n_parallel`` sequences from one prompt: llama.cpp's ``examples/batched`` in Python.
 
     The prompt goes in once, each token carrying all sequence ids 0..n_parallel-1 (one KV copy of
     the prompt). This needs a unified KV cache; with ``kv_unified=False`` llama.cpp rejects such
@@ -197,6 +223,29 @@ def generate_parallel(
     and all live sequences end with ``"ctx_full"`` when a step's decode finds no KV cell. As with
     :func:`generate`, a sequence's last sampled token is not decoded.
     One sampler serves all sequences, as in the example; greedy by default.
+
+    Args:
+        ctx: The context; its ``n_seq_max`` must be at least ``n_parallel``.
+        prompt: Text (tokenized with ``llama_tokenize``) or token ids.
+        n_parallel: How many sequences (ids 0..n_parallel-1).
+        n_predict: Most tokens to sample per sequence.
+        sampler: The :class:`Sampler` (greedy when None).
+        shared_prompt: True: decode the prompt once with every seq id; False: decode it into
+            sequence 0 and ``seq_cp`` it; None: True when ``kv_unified`` (or one sequence).
+
+    Returns:
+        One :class:`ParallelResult` per sequence, in seq id order.
+
+    Raises:
+        ValueError: ``n_parallel`` is outside ``[1, n_seq_max]``, or a prompt token is outside the
+            vocabulary.
+        KVCacheFullError: The prompt itself does not fit.
+        InvalidBatchError: llama.cpp rejected the batch (e.g. coupled sequences with
+            ``shared_prompt=True`` and ``kv_unified=False``).
+        DecodeAborted: ``ctx.abort()`` stopped a decode.
+        DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
+        DecodeError: Another ``llama_decode`` failure.
+        ClosedError: The context or sampler was closed.
     """
     model = ctx.model
     if not 1 <= n_parallel <= ctx.n_seq_max:

@@ -29,10 +29,16 @@ _BUFFER_LINE = re.compile(
 
 
 def parse_buffer_sizes(lines: Iterable[tuple[int, str]]) -> dict[str, dict[str, float]]:
-    """``{backend buffer name: {kind: MiB}}`` from llama.cpp's ``... buffer size = N MiB`` log lines.
+    """Buffer sizes from llama.cpp's ``... buffer size = N MiB`` log lines.
 
     Kinds are llama.cpp's words: ``model`` (weights), ``KV`` (KV cache), ``RS`` (recurrent state),
     ``compute`` (scheduler's compute buffer), ``output`` (logits/embeddings).
+
+    Args:
+        lines: Captured log lines, ``(level, text)`` pairs.
+
+    Returns:
+        ``{backend buffer name: {kind: MiB}}``, sizes of one name and kind summed.
     """
     out: dict[str, dict[str, float]] = {}
     for _, text in lines:
@@ -57,12 +63,27 @@ def _string(fn, *args, size: int = 256) -> str:
 
 
 class Model(Owner):
-    """``llama_model_load_from_file``: a model and its vocabulary.
+    """A loaded GGUF model (``llama_model``) and its vocabulary.
+
+    Wraps ``llama_model_load_from_file``; ``close()`` frees it (``llama_model_free``).
 
     ``path=None`` loads the default model (``pyllamacpp.default_model_path()``). Every field of
     ``llama_model_params`` is a keyword (``n_gpu_layers``, ``vocab_only``, ``load_mode``...);
     ``use_mmap=False`` is kept as a shorthand for ``load_mode="none"``. ``rpc=["host:port", ...]``
     adds ggml RPC servers (see :mod:`pyllamacpp.rpc`) and offloads ``n_gpu_layers`` to them.
+
+    Args:
+        path: The GGUF file; None: the default model.
+        rpc: One ``"host:port"`` or a list of them: ggml RPC servers to offload to.
+        **params: Fields of ``llama_model_params`` (see :func:`pyllamacpp.params.model_params`).
+
+    Raises:
+        ModelLoadError: No such file, or ``llama_model_load_from_file`` returned NULL (llama.cpp's
+            logged reason attached).
+        ValueError: A bad parameter value, or an RPC endpoint that is not ``host:port``.
+        TypeError: An unknown parameter.
+        RPCError: An RPC server cannot be reached or reports no devices, or the build has no RPC
+            backend.
     """
 
     _sha256_prefix: str  # set by Context.sidecar_facts on first use (context_state.py)
@@ -111,7 +132,8 @@ class Model(Owner):
     def close(self) -> None:
         """Close this model's contexts, then free the model (``llama_model_free``); idempotent.
 
-        Memory still viewed by a numpy array stays valid until the view goes."""
+        Memory still viewed by a numpy array stays valid until the view goes.
+        """
         for ctx in list(self._contexts):
             ctx.close()
         self._h = None
@@ -123,51 +145,116 @@ class Model(Owner):
     # -- properties, read from the library -------------------------------------------------------
     @property
     def description(self) -> str:
+        """``llama_model_desc``: a short description (architecture, size, type).
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return _string(lib.llama_model_desc, self.ptr)
 
     @property
     def arch(self) -> str:
+        """``general.architecture`` from the GGUF metadata (empty when absent).
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return self.meta("general.architecture") or ""
 
     @property
     def n_params(self) -> int:
+        """``llama_model_n_params``: the number of parameters.
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return lib.llama_model_n_params(self.ptr)
 
     @property
     def size(self) -> int:
-        """Bytes of all tensors (``llama_model_size``)."""
+        """Bytes of all tensors (``llama_model_size``).
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return lib.llama_model_size(self.ptr)
 
     @property
     def n_layer(self) -> int:
+        """``llama_model_n_layer``: the number of layers.
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return lib.llama_model_n_layer(self.ptr)
 
     @property
     def n_embd(self) -> int:
+        """``llama_model_n_embd``: the embedding size.
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return lib.llama_model_n_embd(self.ptr)
 
     @property
     def n_head(self) -> int:
+        """``llama_model_n_head``: attention heads (layer 0's count).
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return lib.llama_model_n_head(self.ptr)
 
     @property
     def n_head_kv(self) -> int:
+        """``llama_model_n_head_kv``: KV heads (layer 0's count; see :meth:`kv_head_counts`).
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return lib.llama_model_n_head_kv(self.ptr)
 
     @property
     def n_ctx_train(self) -> int:
+        """``llama_model_n_ctx_train``: the context size the model was trained with.
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return lib.llama_model_n_ctx_train(self.ptr)
 
     @property
     def n_swa(self) -> int:
+        """``llama_model_n_swa``: the sliding-window size (0: no sliding-window attention).
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return lib.llama_model_n_swa(self.ptr)
 
     @property
     def n_vocab(self) -> int:
+        """``llama_vocab_n_tokens``: the vocabulary size.
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return lib.llama_vocab_n_tokens(self._vocab_ptr())
 
     def meta(self, key: str) -> str | None:
-        """One GGUF metadata value as a string (``llama_model_meta_val_str``), or None."""
+        """One GGUF metadata value as a string (``llama_model_meta_val_str``).
+
+        Args:
+            key: The GGUF key, e.g. ``"general.architecture"``.
+
+        Returns:
+            The value as llama.cpp renders it, or None when the key is absent (or an array, which
+            llama.cpp leaves out).
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         buf = ffi.new("char[]", 512)
         n = lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, 512)
         if n < 0:
@@ -179,7 +266,11 @@ class Model(Owner):
 
     @property
     def metadata(self) -> dict[str, str]:
-        """All GGUF key/values as llama.cpp renders them (``llama_model_meta_*_by_index``)."""
+        """All GGUF key/values as llama.cpp renders them (``llama_model_meta_*_by_index``).
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         if self._metadata is None:
             ptr = self.ptr
             self._metadata = {
@@ -205,16 +296,33 @@ class Model(Owner):
         return nums if len(nums) == n else [nums[0]] * n
 
     def kv_head_counts(self) -> list[int]:
-        """KV heads per layer, ``<arch>.attention.head_count_kv`` as llama.cpp's hparams read it
-        (a number or one per layer; 0 for a layer without attention, as in hybrid models).
-        ``n_head_kv`` is llama_model_n_head_kv, layer 0's count only."""
+        """KV heads per layer, ``<arch>.attention.head_count_kv`` as llama.cpp's hparams read it.
+
+        The key holds a number or one per layer; 0 for a layer without attention, as in hybrid
+        models. ``n_head_kv`` is ``llama_model_n_head_kv``, layer 0's count only.
+
+        Returns:
+            One count per layer (``n_layer`` values).
+
+        Raises:
+            ClosedError: The model is closed.
+            OSError: The GGUF file cannot be read (when llama.cpp's metadata leaves the array out).
+        """
         if self._kv_head_counts is None:
             self._kv_head_counts = self._meta_list("attention.head_count_kv", self.n_head_kv)
         return list(self._kv_head_counts)
 
     def kv_head_sizes(self) -> tuple[int, int]:
-        """K and V head sizes: ``<arch>.attention.key_length`` / ``value_length`` from the GGUF,
-        default ``n_embd / n_head`` (as llama.cpp's hparams read them)."""
+        """K and V head sizes, as llama.cpp's hparams read them.
+
+        ``<arch>.attention.key_length`` / ``value_length`` from the GGUF, default ``n_embd / n_head``.
+
+        Returns:
+            ``(key_length, value_length)``.
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         head_dim = self.n_embd // max(self.n_head, 1)
         return (
             int(self.meta(f"{self.arch}.attention.key_length") or head_dim),
@@ -229,6 +337,17 @@ class Model(Owner):
         from the GGUF metadata as llama.cpp's hparams do: ``<arch>.attention.head_count_kv`` (a
         number or one per layer; 0 for a layer without attention), ``<arch>.attention.key_length``
         / ``value_length`` (default ``n_embd / n_head``). Cell metadata is not included.
+
+        Args:
+            type_k: The K cache type, a ggml type name (``"f16"``, ``"q8_0"``...) or number.
+            type_v: The V cache type, likewise.
+
+        Returns:
+            Bytes per token.
+
+        Raises:
+            ValueError: An unknown ggml type.
+            ClosedError: The model is closed.
         """
         tk, tv = ggml_type(type_k, "type_k"), ggml_type(type_v, "type_v")
         k_len, v_len = self.kv_head_sizes()
@@ -244,7 +363,21 @@ class Model(Owner):
         return self._vocab
 
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
-        """``llama_tokenize`` -> int32 array."""
+        """Text to token ids (``llama_tokenize``).
+
+        Args:
+            text: The text (str, encoded as UTF-8, or bytes).
+            add_special: Add BOS/EOS where the model wants them (``add_special``).
+            parse_special: Read special-token text such as ``<|im_start|>`` as one token
+                (``parse_special``).
+
+        Returns:
+            An int32 array of token ids.
+
+        Raises:
+            ValueError: ``llama_tokenize`` failed.
+            ClosedError: The model is closed.
+        """
         raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         vocab = self._vocab_ptr()
         cap = len(raw) + 8
@@ -269,7 +402,19 @@ class Model(Owner):
         return token
 
     def token_to_bytes(self, token: int, special: bool = False) -> bytes:
-        """``llama_token_to_piece``: the bytes of one token (may be part of a UTF-8 character)."""
+        """The bytes of one token (``llama_token_to_piece``); they may be part of a UTF-8 character.
+
+        Args:
+            token: The token id.
+            special: Render special (control) tokens as their text; else they give no bytes.
+
+        Returns:
+            The token's bytes.
+
+        Raises:
+            ValueError: The token is outside the vocabulary.
+            ClosedError: The model is closed.
+        """
         token = self._check_token(token)
         buf = ffi.new("char[]", 64)
         n = lib.llama_token_to_piece(self._vocab_ptr(), token, buf, 64, 0, special)
@@ -279,10 +424,36 @@ class Model(Owner):
         return ffi.buffer(buf, n)[:]
 
     def token_to_piece(self, token: int, special: bool = False) -> str:
+        """The text of one token (``llama_token_to_piece``), an incomplete UTF-8 character as U+FFFD.
+
+        Args:
+            token: The token id.
+            special: Render special (control) tokens as their text.
+
+        Returns:
+            The token's text.
+
+        Raises:
+            ValueError: The token is outside the vocabulary.
+            ClosedError: The model is closed.
+        """
         return self.token_to_bytes(token, special).decode("utf-8", "replace")
 
     def detokenize(self, tokens: Any, remove_special: bool = False, unparse_special: bool = False) -> str:
-        """``llama_detokenize``."""
+        """Token ids to text (``llama_detokenize``).
+
+        Args:
+            tokens: The token ids.
+            remove_special: Leave out BOS/EOS where the model adds them (``remove_special``).
+            unparse_special: Render special tokens as their text (``unparse_special``).
+
+        Returns:
+            The text (invalid UTF-8 as U+FFFD).
+
+        Raises:
+            ValueError: A token outside the vocabulary, or ``llama_detokenize`` failed.
+            ClosedError: The model is closed.
+        """
         arr = np.ascontiguousarray(tokens, dtype=np.int32)
         n_vocab = self.n_vocab
         if arr.size and (arr.min() < 0 or arr.max() >= n_vocab):
@@ -306,25 +477,64 @@ class Model(Owner):
 
     @property
     def bos(self) -> int:
+        """``llama_vocab_bos``: the beginning-of-sentence token (-1: none).
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return lib.llama_vocab_bos(self._vocab_ptr())
 
     @property
     def eos(self) -> int:
+        """``llama_vocab_eos``: the end-of-sentence token (-1: none).
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return lib.llama_vocab_eos(self._vocab_ptr())
 
     @property
     def eot(self) -> int:
+        """``llama_vocab_eot``: the end-of-turn token (-1: none).
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return lib.llama_vocab_eot(self._vocab_ptr())
 
     def is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends generation (``llama_vocab_is_eog``: EOS, EOT and the like).
+
+        Args:
+            token: The token id.
+
+        Raises:
+            ClosedError: The model is closed.
+        """
         return bool(lib.llama_vocab_is_eog(self._vocab_ptr(), int(token)))
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_assistant: bool = True, template: str | None = None
     ) -> str:
-        """``llama_chat_apply_template`` with the model's template (or ``template``).
+        """Format a conversation with a chat template (``llama_chat_apply_template``).
 
-        ``messages``: a list of ``{"role": ..., "content": ...}``."""
+        The template is the model's (``llama_model_chat_template``) unless ``template`` is given.
+
+        Args:
+            messages: A list of ``{"role": ..., "content": ...}``.
+            add_assistant: Open the assistant's turn at the end (``add_ass``).
+            template: A template, or a built-in template's name (e.g. ``"chatml"``), instead of the
+                model's.
+
+        Returns:
+            The formatted prompt.
+
+        Raises:
+            ValueError: The model has no chat template and none was given, or llama.cpp does not
+                support the template.
+            KeyError: A message without ``role`` or ``content``.
+            ClosedError: The model is closed.
+        """
         tmpl = template.encode() if template is not None else lib.llama_model_chat_template(self.ptr, ffi.NULL)
         if tmpl == ffi.NULL:
             raise ValueError("the model has no chat template; pass template=")
@@ -358,10 +568,36 @@ class Model(Owner):
         parse_special: bool = False,
         seq_id: int = 0,
     ) -> Completion | TextStream:
-        """Text after ``prompt``, or with ``stream=True`` an iterator of UTF-8-safe pieces; stops
-        at an end-of-generation token, after ``n_predict`` tokens or when the context is full
+        """Text after ``prompt``, or with ``stream=True`` an iterator of UTF-8-safe pieces.
+
+        Stops at an end-of-generation token, after ``n_predict`` tokens or when the context is full
         (``.finish_reason``). Greedy unless ``sampler``; ``ctx=None`` makes and closes a context,
-        a given ``ctx`` has ``seq_id`` cleared first. See :func:`pyllamacpp.text.complete`."""
+        a given ``ctx`` has ``seq_id`` cleared first. See :func:`pyllamacpp.text.complete`, which
+        this calls (``llama_tokenize``, ``llama_decode``, ``llama_token_to_piece``).
+
+        Args:
+            prompt: The text to continue.
+            n_predict: Most tokens to sample (-1: no limit).
+            sampler: A :class:`Sampler` used as is; greedy when None.
+            ctx: A :class:`Context` to decode in; None: one is made and closed after.
+            stream: Return a :class:`~pyllamacpp.text.TextStream` instead of the whole text.
+            add_special: ``llama_tokenize``'s ``add_special``.
+            parse_special: ``llama_tokenize``'s ``parse_special``.
+            seq_id: The sequence to use in ``ctx``.
+
+        Returns:
+            A :class:`~pyllamacpp.text.Completion`, or with ``stream=True`` a
+            :class:`~pyllamacpp.text.TextStream`.
+
+        Raises:
+            TypeError: ``prompt`` is not a str.
+            ValueError: An empty prompt, a prompt longer than the context, a ``ctx`` of another
+                model, a bad ``seq_id``.
+            DecodeAborted: ``ctx.abort()`` stopped a decode.
+            DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
+            DecodeError: Another ``llama_decode`` failure.
+            ClosedError: The model, context or sampler was closed.
+        """
         from .text import complete
 
         return complete(
@@ -387,9 +623,33 @@ class Model(Owner):
         template: str | None = None,
         seq_id: int = 0,
     ) -> Completion | TextStream:
-        """The assistant's answer to ``messages`` through the GGUF's chat template, special tokens
-        parsed; same return forms and context rules as :meth:`complete`. See
-        :func:`pyllamacpp.text.chat`."""
+        """The assistant's answer to ``messages`` through the GGUF's chat template.
+
+        ``llama_chat_apply_template``, special tokens parsed; same return forms and context rules as
+        :meth:`complete`. See :func:`pyllamacpp.text.chat`, which this calls.
+
+        Args:
+            messages: ``[{"role": ..., "content": ...}, ...]``.
+            n_predict: Most tokens to sample (-1: no limit).
+            sampler: A :class:`Sampler` used as is; greedy when None.
+            ctx: A :class:`Context` to decode in; None: one is made and closed after.
+            stream: Return a :class:`~pyllamacpp.text.TextStream` instead of the whole answer.
+            template: A template (or a built-in template's name) instead of the model's.
+            seq_id: The sequence to use in ``ctx``.
+
+        Returns:
+            A :class:`~pyllamacpp.text.Completion`, or with ``stream=True`` a
+            :class:`~pyllamacpp.text.TextStream`.
+
+        Raises:
+            ValueError: No messages, no usable template, a prompt longer than the context, a
+                ``ctx`` of another model.
+            TypeError: A message that is not a dict with ``role`` and ``content`` strings.
+            DecodeAborted: ``ctx.abort()`` stopped a decode.
+            DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
+            DecodeError: Another ``llama_decode`` failure.
+            ClosedError: The model, context or sampler was closed.
+        """
         from .text import chat
 
         return chat(
@@ -398,7 +658,21 @@ class Model(Owner):
 
     # -- contexts ------------------------------------------------------------------------------
     def context(self, params: ContextParams | None = None, **kwargs: Any) -> Context:
-        """A :class:`pyllamacpp.Context` over this model (``llama_init_from_model``)."""
+        """A :class:`pyllamacpp.Context` over this model (``llama_init_from_model``).
+
+        Args:
+            params: A :class:`ContextParams`; ``kwargs`` override its fields.
+            **kwargs: Fields of :class:`ContextParams` (``n_ctx``, ``n_batch``...).
+
+        Returns:
+            The new context (close it, or use it in a ``with`` block).
+
+        Raises:
+            ContextError: ``llama_init_from_model`` returned NULL.
+            ValueError: A bad parameter value.
+            TypeError: An unknown parameter.
+            ClosedError: The model is closed.
+        """
         from .context import Context
 
         return Context(self, params, **kwargs)
