@@ -196,6 +196,10 @@ class Link:
     :class:`~pyllamacpp._handle.Handle` asks it before every use (:meth:`check`) and before
     freeing (:meth:`must_leak`). Made right after the object is created, when the connections its
     buffers hold are open.
+
+    Args:
+        servers: The servers' connections (as ggml knows them) the object lives on.
+        what: What the object is (``"model x.gguf"``, ``"context"``), for messages.
     """
 
     def __init__(self, servers, what: str):
@@ -217,11 +221,22 @@ class Link:
         self._exiting, self._is_finalizing = _exiting, sys.is_finalizing  # module globals may be None at exit
 
     def child(self, what: str) -> Link:
-        """A link for an object made over this one (a context over its model)."""
+        """A link for an object made over this one (a context over its model).
+
+        Args:
+            what: What the new object is, for messages.
+
+        Returns:
+            A new link on the same servers.
+        """
         return Link(self.servers, what)
 
     def down(self) -> _Conn | None:
-        """The first of the servers known to be gone, polling ggml's connections (no network)."""
+        """The first of the servers known to be gone, polling ggml's connections (no network).
+
+        Returns:
+            That server's connection (its ``down`` says why), or None when none is known gone.
+        """
         for srv in self.servers:
             if srv.down is not None:
                 return srv
@@ -245,7 +260,11 @@ class Link:
         return None
 
     def check(self) -> None:
-        """Raise :class:`RPCError` when one of the servers is known to be gone."""
+        """Raise :class:`RPCError` when one of the servers is known to be gone.
+
+        Raises:
+            RPCError: A server is gone; the object on it can only be closed.
+        """
         srv = self.down()
         if srv is not None:
             raise RPCError(
@@ -255,8 +274,14 @@ class Link:
             )
 
     def must_leak(self) -> bool:
-        """True when freeing the object must not call into ggml: at interpreter exit, or when a
-        server is gone (then a warning, once). Called by ``Handle.__del__``."""
+        """Whether freeing the object must not call into ggml.
+
+        True at interpreter exit, or when a server is gone (then a warning, once). Called by
+        ``Handle.__del__``.
+
+        Returns:
+            True to leave the object unfreed.
+        """
         if self._exiting[0] or self._is_finalizing():
             return True  # the servers free this connection's buffers when the process's sockets close
         srv = self.down()
@@ -284,7 +309,18 @@ class Link:
 
 
 def link(endpoints, what: str) -> Link | None:
-    """A :class:`Link` for an object made on these RPC endpoints (None without endpoints)."""
+    """A :class:`Link` for an object made on these RPC endpoints.
+
+    Args:
+        endpoints: One ``"host:port"`` or a list of them.
+        what: What the object is, for messages.
+
+    Returns:
+        The link, or None without endpoints.
+
+    Raises:
+        ValueError: An endpoint is not ``host:port``.
+    """
     if not endpoints:
         return None
     return Link([_server(ep).conn for ep in ([endpoints] if isinstance(endpoints, str) else endpoints)], what)
@@ -308,9 +344,14 @@ def _usable(srv: _Server, timeout: float) -> bool:
 def devices() -> list[dict]:
     """Every device this process can see (CPU, CUDA, RPC servers added so far), with memory.
 
-    An RPC server that is gone or unreachable keeps its row with ``memory_free`` and
-    ``memory_total`` None (asking ggml would abort); devices of a connection that died (a server
-    since restarted) are not listed."""
+    Reads ``ggml_backend_dev_get`` / ``ggml_backend_dev_memory`` for each device. An RPC server
+    that is gone or unreachable keeps its row with ``memory_free`` and ``memory_total`` None (asking
+    ggml would abort); devices of a connection that died (a server since restarted) are not listed.
+
+    Returns:
+        One dict per device: ``index``, ``name``, ``description``, ``type``, ``backend``,
+        ``memory_free``, ``memory_total`` (bytes).
+    """
     out = []
     free, total = ffi.new("size_t *"), ffi.new("size_t *")
     local = [(lib.ggml_backend_dev_get(i), None) for i in range(lib.ggml_backend_dev_count())]
@@ -335,8 +376,18 @@ def devices() -> list[dict]:
 
 
 def check_reachable(endpoint: str, timeout: float = 3.0) -> None:
-    """Raise RPCError unless ``endpoint`` accepts a TCP connection within ``timeout`` seconds
-    (ggml-rpc would abort the process instead)."""
+    """Raise RPCError unless ``endpoint`` accepts a TCP connection within ``timeout`` seconds.
+
+    Checked before ``ggml_backend_rpc_add_server``, which would abort the process instead.
+
+    Args:
+        endpoint: ``"host:port"``.
+        timeout: Seconds to wait for the connection.
+
+    Raises:
+        RPCError: The server is not reachable.
+        ValueError: ``endpoint`` is not ``host:port``.
+    """
     host, port = _split(endpoint)
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -346,15 +397,24 @@ def check_reachable(endpoint: str, timeout: float = 3.0) -> None:
 
 
 def add_servers(endpoints, timeout: float = 3.0) -> list:
-    """``ggml_backend_rpc_add_server`` for each endpoint (checked first); returns the device handles
-    they bring, for a model's ``devices`` list. They are not put in ggml's global registry (see
-    below). Adding the same endpoint twice returns its devices again; after its server went away
-    (restarted on the same port), new devices on a new connection.
+    """Add RPC servers: ``ggml_backend_rpc_add_server`` for each endpoint (checked first).
+
+    The devices they bring are not put in ggml's global registry (a registered device would be
+    used by every later model loaded with default devices). Adding the same endpoint twice returns
+    its devices again; after its server went away (restarted on the same port), new devices on a
+    new connection.
+
+    Args:
+        endpoints: ``"host:port"`` strings.
+        timeout: Seconds to wait for each server's TCP connection.
+
+    Returns:
+        The device handles (``ggml_backend_dev_t``) they bring, for a model's ``devices`` list.
 
     Raises:
-        RPCError: a server is not reachable (TCP connect within ``timeout``) or reports no devices;
+        RPCError: A server is not reachable (TCP connect within ``timeout``) or reports no devices;
             the build has no RPC backend.
-        ValueError: an endpoint is not ``host:port``.
+        ValueError: An endpoint is not ``host:port``.
     """
     if "rpc" not in EXTENSION_INFO["backends"]:
         raise RPCError("this build has no RPC backend (build with -DGGML_RPC=ON)")
@@ -394,7 +454,20 @@ def _rpc_start_server():
 
 
 def start_server(host: str = "127.0.0.1", port: int = 50052, *, threads: int = 2, cache_dir: str | None = None) -> None:
-    """``ggml_backend_rpc_start_server`` on this process's CPU device; blocks until the process ends."""
+    """Serve this process's CPU device over RPC (``ggml_backend_rpc_start_server``).
+
+    Blocks until the process ends.
+
+    Args:
+        host: The address to listen on.
+        port: The port to listen on.
+        threads: CPU threads the server computes with.
+        cache_dir: A directory for the server's tensor cache; None: no cache.
+
+    Raises:
+        RPCError: No CPU device to serve.
+        AttributeError: The build has no RPC backend (``ggml_backend_rpc_start_server`` not found).
+    """
     cpu = [
         lib.ggml_backend_dev_get(i)
         for i in range(lib.ggml_backend_dev_count())
@@ -429,10 +502,19 @@ def run_in_subprocess(fn, /, *args, timeout: float | None = None, **kwargs):
     child loads its own models (nothing C-side crosses processes): ``fn`` must be a module-level
     function, and ``args``, the result and any exception must pickle.
 
+    Args:
+        fn: A module-level function.
+        *args: Its positional arguments.
+        timeout: Seconds to wait for the result; None: no limit.
+        **kwargs: Its keyword arguments.
+
+    Returns:
+        What ``fn`` returned.
+
     Raises:
-        RPCError: the child died without a result (an abort: ``exitcode`` is minus the signal) or
+        RPCError: The child died without a result (an abort: ``exitcode`` is minus the signal) or
             ran past ``timeout`` seconds (then it is killed).
-        Exception: whatever ``fn`` raised in the child, re-raised here.
+        Exception: Whatever ``fn`` raised in the child, re-raised here.
     """
     import multiprocessing
 

@@ -40,6 +40,10 @@ class Detokenizer:
     Each token's bytes come from ``llama_token_to_piece`` (:meth:`Model.token_to_bytes`); an
     incremental UTF-8 decoder keeps the bytes of a character not yet complete. Special (control)
     tokens give no text unless ``special=True``, as in llama.cpp's server by default.
+
+    Args:
+        model: The model whose vocabulary the tokens are from.
+        special: Render special (control) tokens as their text.
     """
 
     def __init__(self, model: Model, special: bool = False):
@@ -47,15 +51,26 @@ class Detokenizer:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token: int) -> str:
-        """The text ``token`` completes ("" while a character is still incomplete).
+        """The text ``token`` completes (``llama_token_to_piece``).
+
+        Args:
+            token: The next token id.
+
+        Returns:
+            The text it completes; "" while a character is still incomplete.
 
         Raises:
-            ValueError: the token is outside the vocabulary.
+            ValueError: The token is outside the vocabulary.
+            ClosedError: The model is closed.
         """
         return self._decoder.decode(self.model.token_to_bytes(token, self.special))
 
     def flush(self) -> str:
-        """What is held back, as U+FFFD for an incomplete character (then ready for new text)."""
+        """What is held back, as U+FFFD for an incomplete character (then ready for new text).
+
+        Returns:
+            The held-back text ("" when nothing is held back).
+        """
         return self._decoder.decode(b"", True)
 
 
@@ -64,8 +79,8 @@ class Completion(str):
 
     Attributes:
         finish_reason: ``"eog"``, ``"n_predict"`` or ``"ctx_full"`` (see :mod:`pyllamacpp.generation`).
-        tokens: every sampled token (an end-of-generation token included; it adds no text).
-        n_prompt: the prompt's tokens.
+        tokens: Every sampled token (an end-of-generation token included; it adds no text).
+        n_prompt: The prompt's tokens.
     """
 
     finish_reason: FinishReason
@@ -101,22 +116,38 @@ class _StreamState:
 
 
 class TextStream:
-    """The iterator ``complete(..., stream=True)`` / ``chat(..., stream=True)`` return: pieces of
-    text as tokens are generated (whole characters only; a token that ends inside a character
-    yields nothing until the next one completes it).
+    """Pieces of text as tokens are generated: what ``complete``/``chat`` return with ``stream=True``.
+
+    Whole characters only: a token that ends inside a character yields nothing until the next one
+    completes it.
 
     ``close()`` (or leaving a ``with`` block, or dropping the stream) stops generation and closes
     the context when the call made it. Its attributes fill in as it runs.
 
     Attributes:
-        ctx: the :class:`Context` it decodes in (its own, or the ``ctx=`` given).
-        seq_id: the sequence it uses.
-        n_prompt: the prompt's tokens.
-        tokens: the tokens sampled so far.
-        text: the text yielded so far.
+        ctx: The :class:`Context` it decodes in (its own, or the ``ctx=`` given).
+        seq_id: The sequence it uses.
+        n_prompt: The prompt's tokens.
+        tokens: The tokens sampled so far.
+        text: The text yielded so far.
         finish_reason: ``"eog"``, ``"n_predict"`` or ``"ctx_full"`` once exhausted, else None.
-        generation: the underlying :class:`Generation` once started (its ``error`` says why
+        generation: The underlying :class:`Generation` once started (its ``error`` says why
             the context was full).
+
+    Args:
+        model: The model.
+        tokens: The prompt's token ids.
+        n_predict: Most tokens to sample (-1: no limit).
+        sampler: A :class:`Sampler` used as is; None: a greedy one, closed with the stream.
+        ctx: A context to decode in; None: one is made for the prompt and ``n_predict`` tokens,
+            and closed with the stream.
+        seq_id: The sequence to use.
+
+    Raises:
+        ValueError: No tokens, a bad ``seq_id``, a ``ctx`` of another model, or a prompt longer
+            than the context (``n_ctx_seq``).
+        ContextError: A context could not be made.
+        ClosedError: The model or ``ctx`` is closed.
     """
 
     def __init__(
@@ -287,29 +318,36 @@ def complete(
     parse_special: bool = False,
     seq_id: int = 0,
 ) -> Completion | TextStream:
-    """Generate text after ``prompt``: ``llama_tokenize``, then :func:`pyllamacpp.generate`, then
-    :class:`Detokenizer` (``llama_token_to_piece`` per token).
+    """Generate text after ``prompt``.
+
+    ``llama_tokenize``, then :func:`pyllamacpp.generate` (``llama_decode``, ``llama_sampler_sample``),
+    then :class:`Detokenizer` (``llama_token_to_piece`` per token).
 
     Args:
-        model: the :class:`Model`.
-        prompt: the text to continue.
-        n_predict: most tokens to sample (-1: until an end-of-generation token or a full context).
-        sampler: a :class:`Sampler`, used as is (not reset, not closed); greedy when None.
-        ctx: a :class:`Context` to decode in; sequence ``seq_id`` is cleared first and the context
+        model: The :class:`Model`.
+        prompt: The text to continue.
+        n_predict: Most tokens to sample (-1: until an end-of-generation token or a full context).
+        sampler: A :class:`Sampler`, used as is (not reset, not closed); greedy when None.
+        ctx: A :class:`Context` to decode in; sequence ``seq_id`` is cleared first and the context
             stays open. None: a context of ``n_prompt + n_predict`` cells is made and closed after.
-        stream: return a :class:`TextStream` of pieces instead of the whole text.
+        stream: Return a :class:`TextStream` of pieces instead of the whole text.
         add_special: ``llama_tokenize``'s ``add_special`` (BOS where the model wants one).
         parse_special: ``llama_tokenize``'s ``parse_special`` (``<|im_start|>`` as one token).
-        seq_id: the sequence to use in ``ctx``.
+        seq_id: The sequence to use in ``ctx``.
 
     Returns:
         A :class:`Completion` (a ``str`` with ``finish_reason``, ``tokens``, ``n_prompt``), or with
         ``stream=True`` a :class:`TextStream`.
 
     Raises:
-        ValueError: an empty prompt, a prompt longer than the context, a ``ctx`` of another model.
-        DecodeAborted: ``ctx.abort()`` or Ctrl-C stopped a decode.
-        ClosedError: the model, context or sampler was closed.
+        TypeError: ``prompt`` is not a str (token ids go to :func:`pyllamacpp.generate`).
+        ValueError: An empty prompt, a prompt longer than the context, a ``ctx`` of another model,
+            a bad ``seq_id``.
+        ContextError: The context could not be made.
+        DecodeAborted: ``ctx.abort()`` stopped a decode.
+        DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
+        DecodeError: Another ``llama_decode`` failure.
+        ClosedError: The model, context or sampler was closed.
     """
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a str, not {type(prompt).__name__} (use generate() for token ids)")
@@ -319,9 +357,26 @@ def complete(
 
 
 def chat_tokens(model: Model, messages: list[dict[str, str]], template: str | None = None) -> np.ndarray:
-    """The prompt :func:`chat` decodes: ``llama_chat_apply_template`` with the assistant's turn
-    opened, tokenized with special tokens parsed (``<|im_start|>`` is one control token, not
-    text), and BOS added where the model wants one but not twice when the template wrote it."""
+    """The prompt :func:`chat` decodes, as token ids.
+
+    ``llama_chat_apply_template`` with the assistant's turn opened, tokenized (``llama_tokenize``)
+    with special tokens parsed (``<|im_start|>`` is one control token, not text), and BOS added
+    where the model wants one but not twice when the template wrote it.
+
+    Args:
+        model: The :class:`Model`.
+        messages: ``[{"role": ..., "content": ...}, ...]``.
+        template: A template (or a built-in template's name) instead of the model's.
+
+    Returns:
+        An int32 array of token ids.
+
+    Raises:
+        ValueError: No messages, the model has no chat template and none was given, or llama.cpp
+            does not support the template.
+        TypeError: A message that is not a dict with ``role`` and ``content`` strings.
+        ClosedError: The model is closed.
+    """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages: a non-empty list of {'role': ..., 'content': ...} dicts")
     for i, m in enumerate(messages):
@@ -388,29 +443,34 @@ def chat(
     template: str | None = None,
     seq_id: int = 0,
 ) -> Completion | TextStream:
-    """The assistant's answer to ``messages``, through the GGUF's chat template
-    (``llama_chat_apply_template``; see :func:`chat_tokens`), then as :func:`complete`.
+    """The assistant's answer to ``messages``, through the GGUF's chat template.
+
+    ``llama_chat_apply_template`` (see :func:`chat_tokens`), then as :func:`complete`.
 
     The whole conversation is decoded each call (sequence ``seq_id`` of ``ctx`` is cleared first).
 
     Args:
-        model: the :class:`Model`.
+        model: The :class:`Model`.
         messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
-        n_predict: most tokens to sample (-1: no limit).
-        sampler: a :class:`Sampler` used as is; greedy when None.
-        ctx: a :class:`Context` to decode in (see :func:`complete`).
-        stream: return a :class:`TextStream` instead of the whole answer.
-        template: a template (or a built-in template's name, e.g. ``"chatml"``) instead of the model's.
-        seq_id: the sequence to use in ``ctx``.
+        n_predict: Most tokens to sample (-1: no limit).
+        sampler: A :class:`Sampler` used as is; greedy when None.
+        ctx: A :class:`Context` to decode in (see :func:`complete`).
+        stream: Return a :class:`TextStream` instead of the whole answer.
+        template: A template (or a built-in template's name, e.g. ``"chatml"``) instead of the model's.
+        seq_id: The sequence to use in ``ctx``.
 
     Returns:
         A :class:`Completion`, or with ``stream=True`` a :class:`TextStream`.
 
     Raises:
-        ValueError: no messages, no usable template, a prompt longer than the context.
-        TypeError: a message that is not a dict with ``role`` and ``content`` strings.
-        DecodeAborted: ``ctx.abort()`` or Ctrl-C stopped a decode.
-        ClosedError: the model, context or sampler was closed.
+        ValueError: No messages, no usable template, a prompt longer than the context, a ``ctx``
+            of another model, a bad ``seq_id``.
+        TypeError: A message that is not a dict with ``role`` and ``content`` strings.
+        ContextError: The context could not be made.
+        DecodeAborted: ``ctx.abort()`` stopped a decode.
+        DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
+        DecodeError: Another ``llama_decode`` failure.
+        ClosedError: The model, context or sampler was closed.
     """
     tokens = chat_tokens(model, messages, template)
     s = TextStream(model, tokens, int(n_predict), sampler, ctx, seq_id)
