@@ -10,9 +10,10 @@ import enum
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _log
 from ._lib import ffi, lib
@@ -223,7 +224,13 @@ class StateMethods:
         return st
 
     def set_seq_state(
-        self, seq_id: int, data, flags: int = 0, *, validate: bool = True, keep_on_error: bool = True
+        self,
+        seq_id: int,
+        data: SeqState | npt.ArrayLike,
+        flags: int = 0,
+        *,
+        validate: bool = True,
+        keep_on_error: bool = True,
     ) -> int:
         """``llama_state_seq_set_data_ext``: load a sequence state into ``seq_id``.
 
@@ -261,18 +268,22 @@ class StateMethods:
             self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
         flags = int(flags)
         made = data._made if isinstance(data, SeqState) else None
+        state = cast(SeqState, data)  # read only once made is set, which only a SeqState has
         own = (
-            made is not None and made[0] is self._state_token and made[1] is data.data and not data.data.flags.writeable
+            made is not None
+            and made[0] is self._state_token
+            and made[1] is state.data
+            and not state.data.flags.writeable
         )
         if own:
-            buf = data.data
-            if (data.flags ^ flags) & _PARTIAL_ONLY:
+            buf = state.data
+            if (state.flags ^ flags) & _PARTIAL_ONLY:
                 own = False  # made with the other PARTIAL_ONLY setting: checked like any blob
-            if (data.flags ^ flags) & _ON_DEVICE:
+            if (state.flags ^ flags) & _ON_DEVICE:
                 raise StateError(
                     "state does not fit this context: a metadata-only dump (seq_state(seq, ON_DEVICE))"
                     " loads with flags=StateFlags.ON_DEVICE only"
-                    if data.flags & _ON_DEVICE
+                    if state.flags & _ON_DEVICE
                     else "a full dump loads without StateFlags.ON_DEVICE",
                     func="llama_state_seq_set_data_ext",
                 )
@@ -436,7 +447,7 @@ class StateMethods:
 
         return written_parts(memory, True) != written_parts(memory, False)
 
-    def check_state(self, data, *, kind: str = "sequence", flags: int = 0) -> None:
+    def check_state(self, data: SeqState | npt.ArrayLike, *, kind: str = "sequence", flags: int = 0) -> None:
         """Parse a state blob with :mod:`pyllamacpp.state` and check it against this context before
         anything reaches C: dump kind, the memory parts llama.cpp will read with ``flags``
         (``StateFlags.PARTIAL_ONLY``: an iSWA cache reads only its swa part, a hybrid memory only
@@ -454,7 +465,7 @@ class StateMethods:
         if parsed.kind not in want:
             raise StateError(f"this is a {parsed.kind}, not a {want[0]}", func="pyllamacpp.state.parse")
 
-        def bad(what: str):
+        def bad(what: str) -> NoReturn:
             raise StateError(f"state does not fit this context: {what}", func="pyllamacpp.state.parse")
 
         if parsed.metadata_only:
@@ -586,7 +597,9 @@ class StateMethods:
                 func=func,
             )
 
-    def save_seq_state(self, path, seq_id: int, tokens=(), *, sidecar: bool = False) -> int:
+    def save_seq_state(
+        self, path: str | os.PathLike, seq_id: int, tokens: npt.ArrayLike = (), *, sidecar: bool = False
+    ) -> int:
         """``llama_state_seq_save_file`` (written to a temporary file, then renamed); with
         ``sidecar=True`` also ``path + ".json"`` (:meth:`sidecar_facts`)."""
         ptr = self.ptr
@@ -606,7 +619,7 @@ class StateMethods:
             write_sidecar(path, **self.sidecar_facts(toks, flags=0))  # the file holds a flags-0 dump
         return int(n)
 
-    def load_seq_state(self, path, seq_id: int, max_tokens: int | None = None) -> np.ndarray:
+    def load_seq_state(self, path: str | os.PathLike, seq_id: int, max_tokens: int | None = None) -> np.ndarray:
         """``llama_state_seq_load_file`` into ``seq_id``; returns the tokens stored in the file."""
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
@@ -638,7 +651,7 @@ class StateMethods:
             raise StateError(f"llama_state_get_data() wrote {n} of {size} bytes", func="llama_state_get_data")
         return out
 
-    def set_state(self, data) -> int:
+    def set_state(self, data: npt.ArrayLike) -> int:
         """``llama_state_set_data``: load a whole-context state."""
         ptr = self.ptr
         self._check_no_pending_copy(None, "llama_state_set_data")
@@ -657,7 +670,7 @@ class StateMethods:
         self._out_reserved = max(self._out_reserved, self.n_batch)
         return int(n)
 
-    def save_state(self, path, tokens=()) -> None:
+    def save_state(self, path: str | os.PathLike, tokens: npt.ArrayLike = ()) -> None:
         """``llama_state_save_file`` (session file; temporary file, then renamed)."""
         ptr = self.ptr
         toks = np.ascontiguousarray(tokens, dtype=np.int32)
@@ -668,7 +681,7 @@ class StateMethods:
             if not ok:
                 raise OSError(f"llama_state_save_file() could not write {path}: {cap.reason() or 'failed'}")
 
-    def load_state(self, path, max_tokens: int | None = None) -> np.ndarray:
+    def load_state(self, path: str | os.PathLike, max_tokens: int | None = None) -> np.ndarray:
         """``llama_state_load_file``; returns the tokens stored in the session file."""
         ptr = self.ptr
         if not Path(path).is_file():
@@ -703,7 +716,7 @@ class StateMethods:
                 return False
         return self.params.flash_attn_type == lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
 
-    def sidecar_facts(self, tokens=None, *, flags: int = 0) -> dict:
+    def sidecar_facts(self, tokens: npt.ArrayLike | None = None, *, flags: int = 0) -> dict:
         """What a dump of this context does not say about itself (see ``pyllamacpp.state`` sidecars);
         ``flags``: the ``llama_state_seq_flags`` the dump is made with (PARTIAL_ONLY, ON_DEVICE)."""
         from ._lib import EXTENSION_INFO
@@ -738,7 +751,15 @@ class StateMethods:
             facts["tokens"] = [int(t) for t in np.asarray(tokens).reshape(-1)]
         return facts
 
-    def save_seq_dump(self, path, seq_id: int, *, flags: int = 0, tokens=None, sidecar: bool = True) -> int:
+    def save_seq_dump(
+        self,
+        path: str | os.PathLike,
+        seq_id: int,
+        *,
+        flags: int = 0,
+        tokens: npt.ArrayLike | None = None,
+        sidecar: bool = True,
+    ) -> int:
         """Write ``seq_state(seq_id, flags)`` (raw ``llama_state_seq_get_data_ext`` bytes) to ``path``
         atomically, and ``path + ".json"`` with :meth:`sidecar_facts` (``flags`` included, so
         ``parse`` reads a PARTIAL_ONLY dump as one) unless ``sidecar=False``."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class LlamaError(RuntimeError):
     """Base class of every error pyllamacpp raises for llama.cpp.
@@ -77,7 +79,9 @@ class RPCError(LlamaError):
     """An RPC server (ggml-rpc) could not be used: unreachable, or gone while objects lived on it."""
 
 
-def check_ptr(ptr, func: str, *, error=LlamaError, reason: str | None = None, what: str = ""):
+def check_ptr(
+    ptr: Any, func: str, *, error: type[LlamaError] = LlamaError, reason: str | None = None, what: str = ""
+) -> Any:
     """Return ``ptr``, or raise ``error`` naming ``func`` when it is NULL."""
     from ._lib import ffi
 

@@ -74,7 +74,7 @@ _FLASH_ATTN = {
 }
 
 
-def ggml_type(value, field: str = "type") -> int:
+def ggml_type(value: str | int, field: str = "type") -> int:
     """A ggml type from its name or value; ValueError naming ``field`` otherwise."""
     if isinstance(value, str):
         key = value.lower()
@@ -246,7 +246,7 @@ ContextParams._check = _check_context
 _ALIASES = {"flash_attn": "flash_attn_type"}
 
 
-def context_params(params: ContextParams | None = None, **kwargs) -> ContextParams:
+def context_params(params: ContextParams | None = None, **kwargs: Any) -> ContextParams:
     """A ContextParams from an optional base and keyword overrides (``flash_attn`` = ``flash_attn_type``)."""
     for alias, real in _ALIASES.items():
         if alias in kwargs:
@@ -258,7 +258,7 @@ def context_params(params: ContextParams | None = None, **kwargs) -> ContextPara
     return dataclasses.replace(base, **kwargs)
 
 
-def model_params(**kwargs) -> ModelParams:
+def model_params(**kwargs: Any) -> ModelParams:
     """A ModelParams from keywords. ``use_mmap=True/False`` maps to ``load_mode`` MMAP/NONE
     (this llama.cpp replaced the ``use_mmap`` field by ``load_mode``)."""
     if "use_mmap" in kwargs:
