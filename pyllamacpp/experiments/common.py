@@ -21,9 +21,19 @@ def add_model_flags(
     n_parallel: int = 1,
     threads: int | None = None,
 ) -> None:
-    """-m -c -b -ub -np -fa -ctk -ctv -ngl -t --kv-unified/--no-kv-unified --json.
+    """Add llama.cpp's model and context flags to ``p``, under llama.cpp's own short names.
 
-    ``threads`` None: the physical core count (``default_n_threads()``, as llama.cpp's tools)."""
+    The flags: -m -c -b -ub -np -fa -ctk -ctv -ngl -t --kv-unified/--no-kv-unified --json.
+
+    Args:
+        p: The parser (a subcommand's).
+        ctx: The default of ``-c`` (``n_ctx``).
+        batch: The default of ``-b`` (``n_batch``).
+        ubatch: The default of ``-ub`` (``n_ubatch``).
+        n_parallel: The default of ``-np`` (``n_seq_max``).
+        threads: The default of ``-t``; None: the physical core count (``default_n_threads()``, as
+            llama.cpp's tools).
+    """
     p.add_argument(
         "-m", "--model", type=Path, default=None, help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)"
     )
@@ -61,6 +71,15 @@ def add_model_flags(
 
 
 def context_kwargs(args, **override) -> dict:
+    """The :class:`~pyllamacpp.Context` keywords the flags of :func:`add_model_flags` ask for.
+
+    Args:
+        args: The parsed flags.
+        **override: Keywords that replace the flags' values.
+
+    Returns:
+        Keywords for ``model.context(**kw)``; ``kv_unified`` only when a flag set it.
+    """
     kw = dict(
         n_ctx=args.ctx_size,
         n_batch=args.batch_size,
@@ -79,12 +98,35 @@ def context_kwargs(args, **override) -> dict:
 
 
 def load_model(args):
+    """Load ``-m`` (the default model when not given) with ``-ngl`` layers offloaded.
+
+    Args:
+        args: The parsed flags of :func:`add_model_flags`.
+
+    Returns:
+        The :class:`~pyllamacpp.Model` (the caller closes it).
+
+    Raises:
+        ModelLoadError: The file is missing or llama.cpp cannot load it.
+    """
     from ..model import Model
 
     return Model(args.model, n_gpu_layers=args.n_gpu_layers)
 
 
 def median_time(fn, repeat: int) -> float:
+    """The median wall time of ``repeat`` calls of ``fn``, in seconds.
+
+    Args:
+        fn: A callable without arguments.
+        repeat: How many calls (at least 1).
+
+    Returns:
+        The median, in seconds.
+
+    Raises:
+        statistics.StatisticsError: ``repeat`` is less than 1.
+    """
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -94,8 +136,18 @@ def median_time(fn, repeat: int) -> float:
 
 
 def progress(iterable, desc: str, total: int | None = None):
-    """Progress on stderr: a tqdm bar on a terminal, otherwise (piped, logged) one line per step,
-    ``desc: step i/n (t s)``, so a long command never sits silent."""
+    """Progress on stderr, so a long command never sits silent.
+
+    A tqdm bar on a terminal, otherwise (piped, logged) one line per step, ``desc: step i/n (t s)``.
+
+    Args:
+        iterable: The steps.
+        desc: What is running, the start of each line.
+        total: How many steps; None: ``len(iterable)`` where it has one.
+
+    Returns:
+        An iterator over ``iterable``'s items.
+    """
     if sys.stderr is not None and sys.stderr.isatty():
         from tqdm import tqdm
 
@@ -116,7 +168,13 @@ def _progress_lines(iterable, desc: str, total: int | None):
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]], file=None) -> None:
-    """columns: (key, header, format spec)."""
+    """Print ``rows`` as a right-aligned text table, a dashed line under the headers.
+
+    Args:
+        rows: One dict per row; a missing or None value prints as ``-``.
+        columns: ``(key, header, format spec)`` per column.
+        file: Where to print; None: ``sys.stdout``.
+    """
     file = file or sys.stdout  # looked up now: tests swap sys.stdout
     cells = [[h for _, h, _ in columns]]
     for r in rows:
@@ -129,6 +187,13 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]], file=None
 
 
 def emit(args, data, printer) -> None:
+    """Print ``data`` as JSON with ``--json``, else with ``printer``.
+
+    Args:
+        args: The parsed flags (``args.json``).
+        data: What the command's ``run`` returned.
+        printer: The command's ``print_report``.
+    """
     if getattr(args, "json", False):
         print(json.dumps(data, indent=2, default=str))
     else:

@@ -38,6 +38,26 @@ def _decode_rows(ctx, model, items):
 
 
 def run(args) -> dict:
+    """Decode the prompts together and each alone, for each ``-ub``, and compare the logits.
+
+    Each ``-ub`` value gets a context with ``kv_unified=True`` and one sequence per prompt; the
+    batch is decoded with ``llama_decode`` and the last token's logits read with
+    ``llama_get_logits_ith``.
+
+    Args:
+        args: The parsed flags: ``prompt``, ``ubatch_list``, ``tolerance`` and those of
+            :func:`~pyllamacpp.experiments.common.add_model_flags`.
+
+    Returns:
+        ``model``, ``prompts``, ``tolerance``, ``runs`` (per ``-ub``: ``n_ubatch``, ``n_batch``,
+        ``seqs`` with each prompt's ``max_abs_diff`` and greedy tokens, ``isolated``,
+        ``control_breaks``) and ``verdict``.
+
+    Raises:
+        ModelLoadError: The model cannot be loaded.
+        ContextError: llama.cpp cannot make a context with these settings.
+        DecodeError: A decode failed (``KVCacheFullError``, ``InvalidBatchError``...).
+    """
     prompts = args.prompt or DEFAULT_PROMPTS
     ubs = [int(x) for x in str(args.ubatch_list).split(",") if x]
     model = load_model(args)
@@ -107,6 +127,11 @@ def run(args) -> dict:
 
 
 def print_report(data: dict) -> None:
+    """Print what :func:`run` returned: a table per ``-ub`` value, then the verdict.
+
+    Args:
+        data: What :func:`run` returned.
+    """
     from .common import print_table
 
     print(f"model {data['model']}; tolerance {data['tolerance']:g} on max |Δ logit| at each prompt's last token")

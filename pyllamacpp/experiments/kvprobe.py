@@ -43,6 +43,15 @@ _ARITY = {
 
 @dataclasses.dataclass
 class Op:
+    """One parsed op.
+
+    Attributes:
+        index: Its place in the spec, from 1.
+        text: The op as written.
+        name: The op's name (``text``, ``gen``, ``save``...).
+        args: Its fields, converted (seq ids as ints, files as paths...).
+    """
+
     index: int
     text: str
     name: str
@@ -50,11 +59,23 @@ class Op:
 
 
 class OpError(ValueError):
-    pass
+    """A bad op, refused before anything runs; the message names the op and why."""
 
 
 def parse_ops(spec: str, n_seq_max: int) -> list[Op]:
-    """Check every op before any runs; raise OpError naming the op and why."""
+    """Parse the ops of ``--ops``, checking every op before any runs.
+
+    Args:
+        spec: The ops, separated by ``;`` (see the module's docstring).
+        n_seq_max: The context's ``n_seq_max``: seq ids must be in ``[0, n_seq_max)``.
+
+    Returns:
+        The ops, in order.
+
+    Raises:
+        OpError: An unknown op, a wrong number of fields, a bad seq id, number or file, or no ops
+            at all; the message names the op and why.
+    """
     ops = []
     saved: set[Path] = set()  # files an earlier save op will have written
     for i, raw in enumerate(s for s in spec.split(";") if s.strip()):
@@ -118,6 +139,13 @@ def _seq(text: str, n_seq_max: int) -> int:
 
 
 class Probe:
+    """Runs ops on one context, remembering the tokens each sequence holds where it knows them.
+
+    Args:
+        model: The :class:`~pyllamacpp.Model`.
+        ctx: The :class:`~pyllamacpp.Context` the ops work on.
+    """
+
     def __init__(self, model, ctx):
         from ..batch import Batch
 
@@ -135,6 +163,22 @@ class Probe:
         return f"seq {seq}: decoded {len(toks)} tokens at pos {p0}..{p0 + len(toks) - 1}"
 
     def run(self, op: Op) -> dict:
+        """Run one op (``llama_decode``, ``llama_memory_*``, ``llama_state_seq_*_data_ext``...).
+
+        Args:
+            op: The op, from :func:`parse_ops`.
+
+        Returns:
+            ``op`` (its text), ``did`` (what it did, in words) and what it produced (``tokens``,
+            ``bytes``, positions and cells for ``show``).
+
+        Raises:
+            OpError: ``gen`` on a sequence whose last token is unknown.
+            ValueError: A bad argument caught by the library (a seq id, a token).
+            LlamaError: llama.cpp failed: ``DecodeError`` (``KVCacheFullError``...), ``StateError``
+                on a save or load, a memory that cannot shift.
+            OSError: A file cannot be read or written.
+        """
         ctx, mem, model = self.ctx, self.ctx.memory, self.model
         name, a = op.name, op.args
         info: dict = {"op": op.text}
@@ -226,6 +270,18 @@ class Probe:
         return info
 
     def show(self, seq: int) -> dict:
+        """Positions, cells and state bytes of ``seq`` (``llama_state_seq_get_data``, parsed).
+
+        Args:
+            seq: The sequence.
+
+        Returns:
+            ``pos_min``, ``pos_max``, ``cells`` and ``bytes``.
+
+        Raises:
+            StateError: llama.cpp could not write the sequence's state.
+            StateFormatError: The state cannot be parsed.
+        """
         from ..state import parse
 
         mem = self.ctx.memory
@@ -237,6 +293,24 @@ class Probe:
 
 
 def run(args) -> dict:
+    """Parse ``--ops``, load the model, make a context and run the ops in order.
+
+    An op that fails stops the run; what ran so far is returned with ``error`` and ``ok`` False.
+
+    Args:
+        args: The parsed flags: ``ops`` and those of
+            :func:`~pyllamacpp.experiments.common.add_model_flags`.
+
+    Returns:
+        ``model``, ``n_ctx``, ``n_seq_max``, ``kv_unified``, ``flash_attn``, ``ops`` (one dict per
+        op that ran) and, after a failure, ``error`` and ``ok``.
+
+    Raises:
+        OpError: A bad op (before the model is loaded).
+        ModelLoadError: The model cannot be loaded.
+        ContextError: llama.cpp cannot make a context with these settings.
+        OSError: A file of a save or load op cannot be written or read.
+    """
     ops = parse_ops(args.ops, args.parallel)  # refused before the model is even loaded
     model = load_model(args)
     out: dict[str, Any] = {"model": str(model.path), "ops": []}
@@ -262,6 +336,11 @@ def run(args) -> dict:
 
 
 def print_report(data: dict) -> None:
+    """Print what :func:`run` returned: the context, then each op and what it did.
+
+    Args:
+        data: What :func:`run` returned.
+    """
     print(
         f"model {data['model']}: n_ctx {data['n_ctx']}, -np {data['n_seq_max']}, "
         f"kv_unified {data['kv_unified']}, flash_attn {data['flash_attn']}"

@@ -52,6 +52,29 @@ def _continue(ctx, model, n_seq: int, first_out: dict, pos0: int, n_gen: int):
 
 
 def run_mode(model, prompt, n_seq: int, n_gen: int, unified: bool, kw: dict) -> dict:
+    """One row: the prompt shared by ``n_seq`` sequences, against ``n_seq`` copies of it.
+
+    Shared: with ``unified`` one ``llama_decode`` of a batch whose tokens carry every seq id; else
+    ``prefill`` into sequence 0 and ``llama_memory_seq_cp`` into each other stream. Then ``n_gen``
+    greedy tokens per sequence, decoded together. Cells are counted from a state dump.
+
+    Args:
+        model: The :class:`~pyllamacpp.Model`.
+        prompt: The prompt's token ids.
+        n_seq: How many sequences (``n_seq_max``).
+        n_gen: Greedy tokens to generate per sequence.
+        unified: ``kv_unified`` of the contexts.
+        kw: Further context keywords (``flash_attn``, ``type_k``...).
+
+    Returns:
+        The row: ``shared_cells``, ``copies_cells``, ``shared_prefill_s``, ``copies_prefill_s``,
+        ``decode_tps``, ``tokens`` (per sequence) and the settings.
+
+    Raises:
+        ContextError: llama.cpp cannot make a context with these settings.
+        DecodeError: A decode failed (``KVCacheFullError``, ``InvalidBatchError``...).
+        StateError: The state dump cannot be read (``llama_state_get_data``).
+    """
     from ..batch import Batch
 
     p = len(prompt)
@@ -90,6 +113,22 @@ def run_mode(model, prompt, n_seq: int, n_gen: int, unified: bool, kw: dict) -> 
 
 
 def run(args) -> dict:
+    """Run :func:`run_mode` for each mode (``unified``, ``split``) and compare with the prompt alone.
+
+    Args:
+        args: The parsed flags: ``prompt_text``, ``n_prompt``, ``n_gen``, ``modes`` and those of
+            :func:`~pyllamacpp.experiments.common.add_model_flags`.
+
+    Returns:
+        ``model``, ``n_prompt``, ``rows`` (one per mode, each with ``matches_alone`` per
+        sequence) and ``ok`` (every continuation matches the prompt generated alone).
+
+    Raises:
+        ModelLoadError: The model cannot be loaded.
+        ContextError: llama.cpp cannot make a context with these settings.
+        DecodeError: A decode failed (``KVCacheFullError``, ``InvalidBatchError``...).
+        StateError: The state dump cannot be read (``llama_state_get_data``).
+    """
     model = load_model(args)
     try:
         prompt = model.tokenize(args.prompt_text or DEFAULT_PROMPT)
@@ -123,6 +162,11 @@ def run(args) -> dict:
 
 
 def print_report(data: dict) -> None:
+    """Print what :func:`run` returned as a table, one row per mode.
+
+    Args:
+        data: What :func:`run` returned.
+    """
     from .common import print_table
 
     print(

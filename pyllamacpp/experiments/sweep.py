@@ -24,6 +24,29 @@ def _prompt(model, n: int) -> np.ndarray:
 def measure(
     model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_prompt: int, n_gen: int, repeat: int, ctx_kwargs: dict
 ) -> dict:
+    """One row of the sweep: a context with these sizes, its buffers, prefill and decode speed.
+
+    The sizes are read back with ``llama_n_batch`` / ``llama_n_ubatch`` (after llama.cpp's clamps)
+    and the buffers from the sizes llama.cpp logged at ``llama_init_from_model``.
+
+    Args:
+        model: The :class:`~pyllamacpp.Model`.
+        n_ctx: ``n_ctx`` of the context.
+        n_batch: ``n_batch`` asked for.
+        n_ubatch: ``n_ubatch`` asked for.
+        n_prompt: Prompt tokens to prefill.
+        n_gen: Tokens to decode one at a time after the prompt (greedy).
+        repeat: Runs; the speeds are their medians.
+        ctx_kwargs: Further context keywords (``flash_attn``, ``type_k``...).
+
+    Returns:
+        The row: the sizes asked and got, ``buffers``, ``compute_mib``, ``kv_mib``,
+        ``prefill_tps``, ``decode_tps`` (None without ``n_gen``).
+
+    Raises:
+        ContextError: llama.cpp cannot make a context with these settings.
+        DecodeError: A decode failed (``KVCacheFullError`` when the prompt does not fit...).
+    """
     from ..batch import Batch
 
     prompt = _prompt(model, n_prompt)
@@ -61,6 +84,21 @@ def measure(
 
 
 def run(args) -> dict:
+    """:func:`measure` for each ``-ub`` of the list, plus one row with ``-b`` below ``-ub`` (the clamp).
+
+    Args:
+        args: The parsed flags: ``ubatch_list``, ``clamp_b``, ``n_prompt``, ``n_gen``, ``repeat``
+            and those of :func:`~pyllamacpp.experiments.common.add_model_flags`.
+
+    Returns:
+        ``model``, ``n_ctx``, ``threads`` and ``rows`` (``clamp_row`` marks the last).
+
+    Raises:
+        ModelLoadError: The model cannot be loaded.
+        ValueError: An empty ``-ub`` list.
+        ContextError: llama.cpp cannot make a context with these settings.
+        DecodeError: A decode failed (``KVCacheFullError`` when the prompt does not fit...).
+    """
     ubs = [int(x) for x in str(args.ubatch_list).split(",") if x]
     kw = dict(
         flash_attn=args.flash_attn,
@@ -93,6 +131,11 @@ def run(args) -> dict:
 
 
 def print_report(data: dict) -> None:
+    """Print what :func:`run` returned as a table, one row per ``-ub``.
+
+    Args:
+        data: What :func:`run` returned.
+    """
     from .common import print_table
 
     rows = []
@@ -124,6 +167,12 @@ def print_report(data: dict) -> None:
 
 
 def plot(data: dict, path) -> None:
+    """Draw the compute buffers and the speeds against ``n_ubatch`` (matplotlib) into ``path``.
+
+    Args:
+        data: What :func:`run` returned.
+        path: The image file to write (its suffix picks the format).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
