@@ -223,8 +223,18 @@ def test_import_from_a_source_tree_says_so(tmp_path):
     assert last.startswith("ImportError: pyllamacpp was imported from the source tree at "), proc.stderr
     assert str(tmp_path / "pyllamacpp") in last and "no compiled extension" in last
     assert "run from another folder, or install with `pip install -e .`" in last
-    # the checkout this venv's editable install builds is not "shadowing": it imports fine
-    ok = subprocess.run(
+    # From this checkout's root: with an editable install (the checkout is what is installed) it
+    # imports fine; with a regular install (`pip install .`, as CI does) it is the shadowing case.
+    where = subprocess.run(
+        [sys.executable, "-c", "import pyllamacpp; print(pyllamacpp.__file__)"],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path.parent,
+        timeout=60,
+    ).stdout.strip()
+    editable = Path(where).resolve().is_relative_to(ROOT.resolve())
+    at_root = subprocess.run(
         [sys.executable, "-c", "import pyllamacpp; pyllamacpp.lib"],
         check=False,
         capture_output=True,
@@ -232,4 +242,8 @@ def test_import_from_a_source_tree_says_so(tmp_path):
         cwd=ROOT,
         timeout=60,
     )
-    assert ok.returncode == 0, ok.stderr
+    if editable:
+        assert at_root.returncode == 0, at_root.stderr
+    else:
+        assert at_root.returncode == 1
+        assert f"source tree at {ROOT / 'pyllamacpp'}" in at_root.stderr, at_root.stderr
