@@ -41,6 +41,14 @@ _BINS = np.concatenate([[0.0], np.logspace(-7, 1, 17)])  # |Δ logit| histogram 
 
 
 def add_parser(sub):
+    """Add the ``placement`` subcommand and its flags.
+
+    Args:
+        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
+
+    Returns:
+        The subcommand's parser (its ``func`` is :func:`main`).
+    """
     import argparse
 
     p = sub.add_parser(
@@ -123,7 +131,30 @@ def run_one(
     type_v: str = "f16",
     n_threads: int | None = None,
 ) -> list[dict]:
-    """The two restores of ``toks[:-1]`` with ``flash_attn`` ("on"/"off"): one row per case."""
+    """The two restores of ``toks[:-1]`` with ``flash_attn`` ("on"/"off"): one row per case.
+
+    The dump is ``llama_state_seq_get_data_ext`` of sequence 0, the restores
+    ``llama_state_seq_set_data_ext``; the logits are ``llama_get_logits_ith`` of the last token.
+
+    Args:
+        model: The :class:`~pyllamacpp.Model`.
+        toks: The prompt's token ids (at least 2).
+        flash_attn: ``"on"`` or ``"off"``.
+        occupy: Tokens decoded into sequence 1 before the "other cells" restore.
+        type_k: The K cache type.
+        type_v: The V cache type.
+        n_threads: ``n_threads`` and ``n_threads_batch``; None: the physical core count.
+
+    Returns:
+        One row per case (``CASES``): ``max_abs_diff``, ``mean_abs_diff``, ``n_differ``, the
+        argmax tokens, ``bit_identical``, ``abs_diff_hist``...
+
+    Raises:
+        ContextError: llama.cpp cannot make a context with these settings.
+        DecodeError: A decode failed (``KVCacheFullError``...).
+        StateError: The sequence's state could not be written or loaded
+            (``llama_state_seq_get_data_ext`` / ``llama_state_seq_set_data_ext``).
+    """
     n, m = int(toks.size), int(occupy)
     threads = n_threads or default_n_threads()
     kw = {
@@ -157,6 +188,23 @@ def run_one(
 
 
 def run(args) -> dict:
+    """:func:`run_one` for each ``-fa`` value asked.
+
+    Args:
+        args: The parsed flags of :func:`add_parser`.
+
+    Returns:
+        The settings, ``hist_edges``, ``rows`` (those of :func:`run_one`) and ``ok`` (every
+        flash-attention-off row bit-identical).
+
+    Raises:
+        ValueError: The prompt has fewer than 2 tokens.
+        ModelLoadError: The model cannot be loaded.
+        ContextError: llama.cpp cannot make a context with these settings.
+        DecodeError: A decode failed (``KVCacheFullError``...).
+        StateError: The sequence's state could not be written or loaded
+            (``llama_state_seq_get_data_ext`` / ``llama_state_seq_set_data_ext``).
+    """
     from .common import load_model, progress
 
     args.n_gpu_layers = getattr(args, "n_gpu_layers", 0)
@@ -193,6 +241,11 @@ def run(args) -> dict:
 
 
 def print_report(data: dict) -> None:
+    """Print what :func:`run` returned as a table, one row per ``-fa`` value and case.
+
+    Args:
+        data: What :func:`run` returned.
+    """
     from .common import print_table
 
     print(
@@ -231,6 +284,12 @@ def print_report(data: dict) -> None:
 
 
 def plot(data: dict, path: str) -> None:
+    """Draw max |Δ logit| per case and the histograms of the differences (matplotlib) into ``path``.
+
+    Args:
+        data: What :func:`run` returned.
+        path: The image file to write (PNG).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -270,8 +329,15 @@ def plot(data: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    """The command: run, print (table or --json), plot with -o; exit 1 when a flash-attention-off
-    restore changed the logits, 2 on bad input."""
+    """The command: run, print (table or --json), plot with -o.
+
+    Args:
+        args: The parsed flags of :func:`add_parser`.
+
+    Returns:
+        The exit status: 0, 1 when a flash-attention-off restore changed the logits, 2 on bad input
+        (a ValueError, printed on stderr).
+    """
     from .common import emit
 
     try:
