@@ -34,7 +34,14 @@ class EvalTrace:
     """A ``cb_eval`` that records, per forward pass, the shapes of the attention inputs.
 
     Called from the thread that runs ``llama_decode``; an exception never crosses into C: the
-    first one is stored, the decode is aborted (``on_error``) and :meth:`check` re-raises it."""
+    first one is stored, the decode is aborted (``on_error``) and :meth:`check` re-raises it.
+
+    Attributes:
+        cb: The cffi callback to pass as ``cb_eval`` (``ggml_backend_sched_eval_callback``).
+        passes: One dict per forward pass seen while recording.
+        n_unrecorded: Callbacks that fired while not recording (context creation).
+        on_error: Called once when the callback catches an exception (e.g. ``ctx.abort``).
+    """
 
     def __init__(self):
         from .._lib import ffi, lib
@@ -62,12 +69,23 @@ class EvalTrace:
         return False  # need no data: the scheduler computes the whole split in one go
 
     def begin(self, call: int) -> None:
+        """Record the passes that follow as those of decode call ``call``.
+
+        Args:
+            call: The planner's index of the decode call.
+        """
         self.recording, self.call, self.cur = True, call, None
 
     def end(self) -> None:
+        """Stop recording (callbacks are counted in ``n_unrecorded`` until the next :meth:`begin`)."""
         self.recording, self.cur = False, None
 
     def check(self) -> None:
+        """Re-raise the exception the callback stored, once.
+
+        Raises:
+            BaseException: The first exception raised inside the callback, if any.
+        """
         if self.error is not None:
             err, self.error = self.error, None
             raise err
@@ -126,7 +144,15 @@ class EvalTrace:
 
 
 def summarize(p: dict) -> dict:
-    """One pass's engine figures from its attention nodes; 'problems' if they do not add up."""
+    """One pass's engine figures from its attention nodes.
+
+    Args:
+        p: One entry of ``EvalTrace.passes``.
+
+    Returns:
+        ``call``, ``n_attn``, ``pos``, ``n_outputs``, and from the first KQ mask ``n_kv``,
+        ``n_stream``, ``n_tokens``, ``mask_ne``...; ``problems`` lists what does not add up.
+    """
     out = {"call": p["call"], "n_attn": len(p["attn"]), "pos": p["pos"], "n_outputs": p["n_outputs"], "problems": []}
     if not p["attn"]:
         out["problems"].append("no attention node with a KQ mask seen in this pass")
@@ -157,7 +183,15 @@ def summarize(p: dict) -> dict:
 
 
 def compare(pl: dict, engine: list[dict]) -> list[str]:
-    """Planner ubatches against engine passes, call by call; one message per disagreement."""
+    """Planner ubatches against engine passes, call by call.
+
+    Args:
+        pl: The plan, as ``Plan.to_dict(rows=True)``.
+        engine: The passes, as :func:`summarize` gives them.
+
+    Returns:
+        One message per disagreement (empty when they agree).
+    """
     bad = []
     for c in pl["calls"]:
         eng = [e for e in engine if e["call"] == c["index"]]
@@ -192,8 +226,27 @@ def _prompt_tokens(model, n: int) -> np.ndarray:
 
 
 def trace(model, shape: dict, *, tracer: EvalTrace | None = None, **ctx_kw) -> dict:
-    """Plan ``shape`` (``splits.plan`` keywords), run it on ``model`` with a tracing context made
-    from ``ctx_kw`` (``Context`` keywords), return planner, engine and disagreements."""
+    """Plan ``shape``, run it on ``model`` with a tracing context, and compare.
+
+    The context has a ``cb_eval`` callback (``ggml_backend_sched_eval_callback``); each planned
+    decode call is one ``llama_decode``.
+
+    Args:
+        model: The :class:`~pyllamacpp.Model`.
+        shape: Keywords of :func:`~pyllamacpp.experiments.splits.plan` (the batch's shape).
+        tracer: The :class:`EvalTrace` to use; None: a new one.
+        **ctx_kw: :class:`~pyllamacpp.Context` keywords.
+
+    Returns:
+        ``plan``, ``engine`` (one summary per pass), ``disagreements``, ``ok``,
+        ``callbacks_at_creation``, ``graphs_reused``, ``attn_ops``, ``first_node``.
+
+    Raises:
+        PlanError: The planner refuses the shape (what llama.cpp would reject).
+        ContextError: llama.cpp cannot make a context with these settings.
+        DecodeError: A decode failed (``KVCacheFullError``, ``InvalidBatchError``...).
+        Exception: Whatever the ``cb_eval`` callback raised, re-raised after the decode.
+    """
     from ..batch import Batch
     from ..context import Context
     from ..errors import DecodeAborted
@@ -262,6 +315,14 @@ def trace(model, shape: dict, *, tracer: EvalTrace | None = None, **ctx_kw) -> d
 
 
 def add_parser(sub):
+    """Add the ``trace-ubatches`` subcommand and its flags.
+
+    Args:
+        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
+
+    Returns:
+        The subcommand's parser (its ``func`` is :func:`main`).
+    """
     import argparse
 
     p = sub.add_parser(
@@ -277,6 +338,21 @@ def add_parser(sub):
 
 
 def run(args) -> dict:
+    """:func:`trace` for the shape and context the flags ask for.
+
+    Args:
+        args: The parsed flags of :func:`add_parser`.
+
+    Returns:
+        What :func:`trace` returns, plus ``model`` and ``threads``.
+
+    Raises:
+        ModelLoadError: The model cannot be loaded.
+        PlanError: The planner refuses the shape (what llama.cpp would reject).
+        ContextError: llama.cpp cannot make a context with these settings.
+        DecodeError: A decode failed (``KVCacheFullError``, ``InvalidBatchError``...).
+        Exception: Whatever the ``cb_eval`` callback raised, re-raised after the decode.
+    """
     shape = shape_from_args(args)
     model = load_model(args)
     try:
@@ -289,6 +365,11 @@ def run(args) -> dict:
 
 
 def print_report(data: dict) -> None:
+    """Print what :func:`run` returned: planner and engine side by side, one row per ubatch.
+
+    Args:
+        data: What :func:`run` returned.
+    """
     from .common import print_table
     from .splits import summary_line
 
@@ -361,7 +442,15 @@ def print_report(data: dict) -> None:
 
 
 def main(args) -> int:
-    """The command: run, print (table or --json); exit 1 with a message when they disagree."""
+    """The command: run, print (table or --json).
+
+    Args:
+        args: The parsed flags of :func:`add_parser`.
+
+    Returns:
+        The exit status: 0, 1 (with a message) when planner and engine disagree, 2 when the planner
+        refuses the shape.
+    """
     from .common import emit
 
     try:
