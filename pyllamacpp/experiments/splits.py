@@ -36,7 +36,15 @@ class PlanError(ValueError):
 
 
 def pad(x: int, n: int) -> int:
-    """GGML_PAD."""
+    """``x`` rounded up to a multiple of ``n``, as ``GGML_PAD``.
+
+    Args:
+        x: The value.
+        n: The multiple.
+
+    Returns:
+        The smallest multiple of ``n`` that is ``>= x``.
+    """
     return (x + n - 1) // n * n
 
 
@@ -45,8 +53,15 @@ def pad(x: int, n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One token slot: its index in the decode call's batch, its sequence, its index among that
-    sequence's submitted tokens, its position, and whether logits are asked for it."""
+    """One token slot of a decode call's batch.
+
+    Attributes:
+        slot: Its index in the decode call's batch.
+        seq_id: Its sequence.
+        token: Its index among that sequence's submitted tokens.
+        pos: Its position.
+        output: Whether logits are asked for it.
+    """
 
     slot: int
     seq_id: int
@@ -72,10 +87,12 @@ class UBatch:
 
     @property
     def n_tokens(self) -> int:
+        """Rows of the ubatch (``llama_ubatch.n_tokens``)."""
         return len(self.rows)
 
     @property
     def n_outputs(self) -> int:
+        """Rows that ask for logits."""
         return sum(r.output for r in self.rows)
 
     @property
@@ -94,11 +111,17 @@ class DecodeCall:
 
     @property
     def n_tokens(self) -> int:
+        """Tokens of the call's batch."""
         return len(self.rows)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """A submission planned: the context's sizes after llama.cpp's clamps, and the decode calls.
+
+    Made by :func:`plan`; each field's comment says what it is.
+    """
+
     tokens: tuple[int, ...]  # submitted tokens per sequence
     n_past: tuple[int, ...]  # tokens already in the cache per sequence
     layout: str
@@ -119,9 +142,19 @@ class Plan:
 
     @property
     def ubatches(self) -> list[UBatch]:
+        """Every ubatch of every decode call, in order."""
         return [u for c in self.calls for u in c.ubatches]
 
     def to_dict(self, rows: bool = True) -> dict:
+        """The plan as plain data (for ``--json``, the HTML page and ``trace-ubatches``).
+
+        Args:
+            rows: Include each ubatch's rows (``[slot, seq_id, token, pos, output]``); the runs
+                are always there.
+
+        Returns:
+            The plan's fields, ``row_fields`` and ``calls`` (each with its ``ubatches``).
+        """
         d = {
             k: getattr(self, k)
             for k in (
@@ -171,7 +204,15 @@ class Plan:
 
 
 def runs(rows: Sequence[Row]) -> list[dict]:
-    """Rows grouped into runs of consecutive tokens of one sequence."""
+    """Rows grouped into runs of consecutive tokens of one sequence.
+
+    Args:
+        rows: The rows, in ubatch order.
+
+    Returns:
+        One dict per run: ``seq_id``, ``token0``/``token1``, ``pos0``/``pos1``, ``slot0``/``slot1``
+        and ``n``.
+    """
     out: list[dict] = []
     for r in rows:
         last = out[-1] if out else None
@@ -202,7 +243,14 @@ class BatchAllocr:
     a set to its tokens, the coupled-sequence flag and the ``used`` marks.
 
     ``seq_ids[i]`` lists token i's sequence ids in batch order (``seq_id[i][0]`` matters to
-    ``split_equal``'s sequential rule)."""
+    ``split_equal``'s sequential rule).
+
+    Args:
+        seq_ids: Each token's sequence ids, in batch order.
+
+    Raises:
+        PlanError: No tokens (``llama_decode`` returns -1).
+    """
 
     def __init__(self, seq_ids: Sequence[Sequence[int]]):
         if not seq_ids:
@@ -217,9 +265,11 @@ class BatchAllocr:
 
     @property
     def n_tokens(self) -> int:
+        """Tokens of the batch."""
         return len(self.seq_ids)
 
     def split_reset(self) -> None:
+        """Mark every token unused (``llama_batch_allocr::split_reset``)."""
         self.used = [False] * self.n_tokens
         self.n_used = 0
 
@@ -228,7 +278,14 @@ class BatchAllocr:
         self.n_used += 1
 
     def split_simple(self, n_ubatch: int):
-        """The next ``n_ubatch`` unused tokens in batch order. Returns (idxs, n_seqs, equal_seqs) or None."""
+        """The next ``n_ubatch`` unused tokens in batch order (``llama_batch_allocr::split_simple``).
+
+        Args:
+            n_ubatch: The most tokens of the ubatch.
+
+        Returns:
+            ``(idxs, n_seqs, equal_seqs)``, or None when every token is used.
+        """
         cur = 0
         while cur < self.n_tokens and self.used[cur]:
             cur += 1
@@ -244,7 +301,22 @@ class BatchAllocr:
         return idxs, len(idxs), False
 
     def split_equal(self, n_ubatch: int, sequential: bool, n_keep_tail: int = 0):
-        """Non-overlapping sequence sets, the same number of tokens from each."""
+        """Non-overlapping sequence sets, the same number of tokens from each.
+
+        As ``llama_batch_allocr::split_equal``.
+
+        Args:
+            n_ubatch: The most tokens of the ubatch.
+            sequential: Accept only consecutive sequence ids (one KV stream per sequence).
+            n_keep_tail: Leave at least this many tokens of a sequence for the last ubatch.
+
+        Returns:
+            ``(idxs, n_seqs, equal_seqs)``, or None when every token is used.
+
+        Raises:
+            PlanError: ``sequential`` with coupled sequences (tokens of several sequences), or
+                ``n_ubatch <= n_keep_tail`` (llama.cpp's GGML_ASSERT).
+        """
         if sequential and self.has_cpl:
             raise PlanError(
                 "split_equal: sequential split is not supported when there are coupled sequences "
@@ -318,7 +390,16 @@ class BatchAllocr:
         return idxs, n_seqs, True
 
     def split_seq(self, n_ubatch: int):
-        """From the first unused token on, tokens whose sequence set is a subset of the current one."""
+        """From the first unused token on, tokens whose sequence set is a subset of the current one.
+
+        As ``llama_batch_allocr::split_seq``.
+
+        Args:
+            n_ubatch: The most tokens of the ubatch.
+
+        Returns:
+            ``(idxs, 1, True)``, or None when every token is used.
+        """
         cur = 0
         while cur < self.n_tokens and self.used[cur]:
             cur += 1
@@ -341,7 +422,18 @@ class BatchAllocr:
 
 
 def choose_split(mode: str, n_stream_kv: int) -> tuple[str, bool]:
-    """(split, sequential) as ``llama_kv_cache::init_batch`` picks it for ``mode="auto"``."""
+    """``(split, sequential)`` as ``llama_kv_cache::init_batch`` picks it for ``mode="auto"``.
+
+    Args:
+        mode: ``"auto"``, ``"simple"``, ``"equal"`` or ``"seq"``.
+        n_stream_kv: Streams of the KV cache (1 with ``kv_unified``, else ``n_seq_max``).
+
+    Returns:
+        The split's name and ``split_equal``'s sequential flag.
+
+    Raises:
+        PlanError: An unknown mode.
+    """
     if mode not in MODES:
         raise PlanError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "auto":
@@ -350,7 +442,22 @@ def choose_split(mode: str, n_stream_kv: int) -> tuple[str, bool]:
 
 
 def split_all(balloc: BatchAllocr, n_ubatch: int, split: str, sequential: bool = False, n_keep_tail: int = 0):
-    """``init_batch``'s loop: ubatches until the split returns none; all tokens must be used."""
+    """``init_batch``'s loop: ubatches until the split returns none; all tokens must be used.
+
+    Args:
+        balloc: The batch (reset first).
+        n_ubatch: The most tokens of a ubatch.
+        split: ``"simple"``, ``"equal"`` or ``"seq"``.
+        sequential: ``split_equal``'s sequential flag.
+        n_keep_tail: ``split_equal``'s ``n_keep_tail``.
+
+    Returns:
+        One ``(idxs, n_seqs, equal_seqs)`` per ubatch.
+
+    Raises:
+        PlanError: An unknown split, a split that refuses the batch, or tokens left over
+            ("failed to find a suitable split": ``llama_decode`` returns 1).
+    """
     balloc.split_reset()
     out = []
     while True:
@@ -390,7 +497,19 @@ def _per_seq(value, n_seqs: int, what: str) -> list[int]:
 
 
 def layout_rows(tokens: Sequence[int], n_past: Sequence[int], layout: str) -> list[tuple[int, int, int, bool]]:
-    """(seq_id, token, pos, output) in submission order; output on each sequence's last token."""
+    """``(seq_id, token, pos, output)`` in submission order; output on each sequence's last token.
+
+    Args:
+        tokens: Tokens submitted per sequence.
+        n_past: Tokens already in the cache per sequence (the first position).
+        layout: ``"seq"`` (one sequence after the other) or ``"interleave"`` (round-robin).
+
+    Returns:
+        The rows, in submission order.
+
+    Raises:
+        PlanError: An unknown layout.
+    """
     if layout == "seq":
         order = [(s, t) for s, n in enumerate(tokens) for t in range(n)]
     elif layout == "interleave":
@@ -414,13 +533,38 @@ def plan(
     layout: str = "seq",
     n_keep_tail: int = 0,
 ) -> Plan:
-    """Plan a submission: ``tokens`` per sequence (an int for every one of ``n_seqs`` sequences, or
-    a list of counts), after ``n_past`` tokens per sequence already in the cache.
+    """Plan a submission: how llama.cpp cuts it into decode calls, ubatches and rows.
+
+    ``tokens`` per sequence (an int for every one of ``n_seqs`` sequences, or a list of counts),
+    after ``n_past`` tokens per sequence already in the cache.
 
     Context clamps as ``llama_context``'s constructor: ``n_batch = min(n_ctx, n_batch)``,
     ``n_ubatch = min(n_batch, n_ubatch)``, ``n_ctx`` padded to 256 and, without ``kv_unified``,
-    ``n_ctx_seq = GGML_PAD(n_ctx / n_seq_max, 256)``. Raises :class:`PlanError` where llama.cpp
-    would refuse (KV cache full, no split, bad sizes)."""
+    ``n_ctx_seq = GGML_PAD(n_ctx / n_seq_max, 256)``.
+
+    Args:
+        tokens: Tokens per sequence: one count for every sequence, a list of counts, or a string
+            ``"N0,N1,..."`` (with ``n_seqs``).
+        n_batch: ``n_batch`` asked for.
+        n_ubatch: ``n_ubatch`` asked for (0: ``n_batch``).
+        mode: The split: ``"auto"`` (as ``llama_kv_cache::init_batch``), ``"simple"``,
+            ``"equal"`` or ``"seq"``.
+        n_seqs: How many sequences; None: 1 for a count, else the length of ``tokens``.
+        n_past: Tokens already in the cache: one count for every sequence, or one per sequence
+            (a list, or a string ``"P0,P1,..."``).
+        n_ctx: ``n_ctx`` asked for (0 is not allowed here: give the model's ``n_ctx_train``).
+        n_seq_max: The context's ``n_seq_max``; None: ``n_seqs``.
+        kv_unified: One KV stream for all sequences.
+        layout: ``"seq"`` or ``"interleave"`` (see :func:`layout_rows`).
+        n_keep_tail: ``split_equal``'s ``n_keep_tail``.
+
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        PlanError: Where llama.cpp would refuse: KV cache full, no split, bad sizes, more
+            sequences than ``n_seq_max``.
+    """
     if isinstance(tokens, (int, str)):
         n_seqs = n_seqs or 1
     else:
@@ -540,7 +684,11 @@ def plan(
 
 
 def add_plan_flags(p) -> None:
-    """The shape flags split-plan and trace-ubatches share."""
+    """Add the shape flags split-plan and trace-ubatches share (``--tokens``, ``--seqs``, ``--past``...).
+
+    Args:
+        p: The subcommand's parser.
+    """
     p.add_argument(
         "--tokens", required=True, help="tokens per sequence: N for every sequence, or N0,N1,... one per sequence"
     )
@@ -558,6 +706,18 @@ def add_plan_flags(p) -> None:
 
 
 def shape_from_args(args) -> dict:
+    """The :func:`plan` keywords of the shape flags.
+
+    Args:
+        args: The parsed flags of :func:`add_plan_flags`.
+
+    Returns:
+        ``tokens``, ``n_seqs``, ``n_past``, ``layout`` and ``mode``.
+
+    Raises:
+        ValueError: ``--tokens`` is not a list of integers.
+        IndexError: ``--tokens`` is empty.
+    """
     toks = [int(x) for x in str(args.tokens).split(",") if x.strip()]
     n_seqs = args.seqs or len(toks)
     return dict(
@@ -566,6 +726,14 @@ def shape_from_args(args) -> dict:
 
 
 def add_parser(sub):
+    """Add the ``split-plan`` subcommand and its flags.
+
+    Args:
+        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
+
+    Returns:
+        The subcommand's parser (its ``func`` is :func:`main`).
+    """
     p = sub.add_parser(
         "split-plan",
         help="how a batch becomes decode calls and ubatches (no model)",
@@ -610,6 +778,18 @@ def add_parser(sub):
 
 
 def run(args) -> dict:
+    """:func:`plan` for the flags; ``-c`` not given: enough cells for everything, at least 4096.
+
+    Args:
+        args: The parsed flags of :func:`add_parser`.
+
+    Returns:
+        The plan as :meth:`Plan.to_dict` gives it (rows only for ``--json`` or ``-o``), and
+        ``show_runs``.
+
+    Raises:
+        PlanError: Where llama.cpp would refuse the submission.
+    """
     shape = shape_from_args(args)
     n_ctx = args.ctx_size
     if n_ctx is None:  # enough for everything, at least llama.cpp's usual 4096
@@ -661,6 +841,11 @@ def _runs_text(ub: dict, limit: int) -> str:
 
 
 def print_report(data: dict) -> None:
+    """Print the plan: the sizes, then per decode call one line per ubatch.
+
+    Args:
+        data: What :func:`run` returned.
+    """
     n_ub = sum(len(c["ubatches"]) for c in data["calls"])
     seqs = len(data["tokens"])
     print(
@@ -754,6 +939,14 @@ function paint() {
 
 
 def summary_line(data: dict) -> str:
+    """The plan in one line: shape, sizes, split, how many decode calls and ubatches.
+
+    Args:
+        data: A plan as :meth:`Plan.to_dict` gives it.
+
+    Returns:
+        The line.
+    """
     n_ub = sum(len(c["ubatches"]) for c in data["calls"])
     return (
         f"tokens {list(data['tokens'])} past {list(data['n_past'])}, layout {data['layout']}; "
@@ -764,7 +957,15 @@ def summary_line(data: dict) -> str:
 
 
 def plot(data: dict, path) -> None:
-    """Write the plan as one self-contained HTML page (inline CSS and JS, no network)."""
+    """Write the plan as one self-contained HTML page (inline CSS and JS, no network).
+
+    Args:
+        data: What :func:`run` returned (with rows).
+        path: The HTML file to write.
+
+    Raises:
+        OSError: The file cannot be written.
+    """
     slim = {
         "n_ubatch": data["n_ubatch"],
         "calls": [
@@ -787,7 +988,17 @@ def plot(data: dict, path) -> None:
 
 
 def main(args) -> int:
-    """The command: run, print (table or --json), write -o."""
+    """The command: run, print (table or --json), write -o.
+
+    Args:
+        args: The parsed flags of :func:`add_parser`.
+
+    Returns:
+        The exit status, 0.
+
+    Raises:
+        PlanError: Where llama.cpp would refuse the submission.
+    """
     import sys
 
     from .common import emit
