@@ -194,7 +194,7 @@ def test_cli_chat_answers_stdin_turns(capsys, monkeypatch):
     assert rc == 0 and len(lines) == 2 and "Paris" in lines[0] and "Berlin" in lines[1]  # the history is kept
 
 
-def test_cli_chat_piped():
+def test_cli_chat_piped(tmp_path):
     r = subprocess.run(
         [sys.executable, "-c", "import sys; from pyllamacpp.cli import main; sys.exit(main())", "chat", "-n", "32"],
         input="What is the capital of France?\n",
@@ -202,6 +202,7 @@ def test_cli_chat_piped():
         text=True,
         timeout=300,
         check=False,
+        cwd=tmp_path,  # `python -c` puts the folder first on sys.path: not the checkout (no extension there)
     )
     assert r.returncode == 0 and "Paris" in r.stdout and "Traceback" not in r.stderr
 
