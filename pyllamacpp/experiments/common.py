@@ -12,6 +12,24 @@ from pathlib import Path
 from .._cpu import default_n_threads
 
 
+def add_cache_and_thread_flags(p: argparse.ArgumentParser, *, threads: int | None = None) -> None:
+    """Add ``-ctk``, ``-ctv`` (KV cache types) and ``-t`` (threads) to ``p``, as llama.cpp names them.
+
+    Args:
+        p: The parser (a subcommand's).
+        threads: The default of ``-t``; None: the physical core count (``default_n_threads()``).
+    """
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help="type_k (default %(default)s)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", help="type_v (default %(default)s)")
+    p.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=default_n_threads() if threads is None else threads,
+        help="n_threads and n_threads_batch (default %(default)s: the physical cores)",
+    )
+
+
 def add_model_flags(
     p: argparse.ArgumentParser,
     *,
@@ -48,16 +66,8 @@ def add_model_flags(
         default="auto",
         help="flash_attn_type (default %(default)s)",
     )
-    p.add_argument("-ctk", "--cache-type-k", default="f16", help="type_k (default %(default)s)")
-    p.add_argument("-ctv", "--cache-type-v", default="f16", help="type_v (default %(default)s)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="n_gpu_layers (default %(default)s)")
-    p.add_argument(
-        "-t",
-        "--threads",
-        type=int,
-        default=default_n_threads() if threads is None else threads,
-        help="n_threads and n_threads_batch (default %(default)s: the physical cores)",
-    )
+    add_cache_and_thread_flags(p, threads=threads)
     p.add_argument(
         "--kv-unified", dest="kv_unified", action="store_true", default=None, help="one KV stream for all sequences"
     )

@@ -29,6 +29,7 @@ import sys
 import numpy as np
 
 from .._cpu import default_n_threads
+from .common import add_cache_and_thread_flags
 
 DEFAULT_PROMPT = (
     "Once upon a time, in a small village at the edge of a great forest, there lived an old "
@@ -79,15 +80,7 @@ def add_parser(sub):
         default="both",
         help="flash_attn_type of the runs (default %(default)s: one run each)",
     )
-    p.add_argument("-ctk", "--cache-type-k", default="f16", help="type_k (default %(default)s)")
-    p.add_argument("-ctv", "--cache-type-v", default="f16", help="type_v (default %(default)s)")
-    p.add_argument(
-        "-t",
-        "--threads",
-        type=int,
-        default=default_n_threads(),
-        help="n_threads and n_threads_batch (default %(default)s: the physical cores)",
-    )
+    add_cache_and_thread_flags(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("-o", "--output", help="write a plot (PNG): max |Δ logit| per case, and their histograms")
     p.set_defaults(func=main)
