@@ -42,8 +42,8 @@ def _preload_nvidia_wheels() -> None:
 
 
 _preload_nvidia_wheels()
-if sys.platform == "win32":  # no RPATH there: the DLLs beside the extension are found through this
-    os.add_dll_directory(str(Path(__file__).parent))
+if sys.platform == "win32":  # no RPATH there: the DLLs in _libs are found through this
+    os.add_dll_directory(str(Path(__file__).parent / "_libs"))
 
 
 def _shadowing_source_tree() -> str | None:
@@ -107,8 +107,9 @@ if _installed_info.exists():
                 f"installed with it say {_other.get(_key)!r} ({_installed_info}); {_REBUILD}"
             )
 
-LIB_DIR = Path(_pyllamacpp.__file__).parent
-"""Where the extension and libllama/libggml* live (found through RPATH $ORIGIN)."""
+LIB_DIR = Path(_pyllamacpp.__file__).parent / "_libs"
+"""Where libllama/libggml* and the backend modules live (the extension finds them through RPATH
+``$ORIGIN/_libs``); a folder without ``__init__.py``, so ``pkgutil`` and ``help()`` do not list them."""
 
 __all__ = ["ffi", "lib", "EXTENSION_INFO", "LIB_DIR", "build_info", "backend_function"]
 
@@ -122,7 +123,7 @@ def _module_path(name: str) -> Path:
 
 def _load_backend_modules() -> None:
     """A GGML_BACKEND_DL build (the release profile) links no backend: register the modules installed
-    beside the extension. ``ggml_backend_load_all_from_path`` picks the best-scoring CPU variant;
+    in ``_libs``. ``ggml_backend_load_all_from_path`` picks the best-scoring CPU variant;
     ``PYLLAMACPP_CPU_VARIANT=<name>`` loads that one instead with ``ggml_backend_load`` (no check that
     this CPU can run it: for tests and comparisons)."""
     if not EXTENSION_INFO.get("backend_dl"):
@@ -171,7 +172,7 @@ def _load_backend_modules_quiet() -> None:
 
 
 def cpu_variants_present() -> list[str]:
-    """The CPU backend variants installed beside the extension (release profile), e.g. ``haswell``."""
+    """The CPU backend variants installed in ``_libs`` (release profile), e.g. ``haswell``."""
     pre = f"{_MODULE_PREFIX}cpu-"
     return sorted(p.name[len(pre) : -len(_MODULE_SUFFIX)] for p in LIB_DIR.glob(f"{pre}*{_MODULE_SUFFIX}"))
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import pkgutil
 import pydoc
 
-import pytest
-
 import pyllamacpp
 
 
@@ -23,10 +21,6 @@ def test_dir_shows_the_public_api_and_dunders_only():
         getattr(pyllamacpp, n)
 
 
-@pytest.mark.xfail(
-    reason="libllama/libggml* are installed beside the extension, where pkgutil takes any *.so "
-    "for a module: the packaging (CMakeLists install, _lib) moves them into a subfolder"
-)
 def test_package_contents_list_no_shared_library():
     # help(pyllamacpp) lists pkgutil.iter_modules(__path__) as PACKAGE CONTENTS
     names = [m.name for m in pkgutil.iter_modules(pyllamacpp.__path__)]
@@ -34,3 +28,5 @@ def test_package_contents_list_no_shared_library():
     assert [n for n in names if n.startswith("lib")] == []
     contents = pydoc.render_doc(pyllamacpp, renderer=pydoc.plaintext).split("PACKAGE CONTENTS")[1].split("\n\n")[0]
     assert "libggml" not in contents and "libllama" not in contents
+    # they live in _libs, a folder with no __init__.py, so pkgutil does not take it for a package
+    assert "_libs" not in names and (pyllamacpp._lib.LIB_DIR / "__init__.py").exists() is False
