@@ -67,7 +67,7 @@ GLM_5_2_INDEXER_TYPES = (1, 1) + (1, 0, 0, 0) * 19
 GLM_5_2_MIN_CONTEXT = 1048576
 # per-layer arrays another rule reads (besides head_count_kv and the SWA pattern): a caller that
 # reads llama.cpp's metadata (llama_model_meta_val_str leaves arrays out) reads them from the GGUF
-ARRAY_KEYS = {"deepseek4": ("attention.compress_ratios",)}
+ARRAY_KEYS: dict[str, tuple[str, ...]] = {"deepseek4": ("attention.compress_ratios",)}
 # the keys (after "{arch}.") rules of several archs read
 COMMON_KEYS = (
     "block_count",
@@ -78,7 +78,7 @@ COMMON_KEYS = (
 )
 # archs whose rule reads these keys (after block_count, nextn_predict_layers): each must be in
 # ``fields``, None when the GGUF lacks it (see the module docstring)
-KEYED_RULES = {
+KEYED_RULES: dict[str, tuple[str, ...]] = {
     "glm-dsa": ("attention.indexer.types", "context_length"),
     "hy_v4": ("attention.indexer.top_k", "attention.indexer.types"),
     "dots3note": ("attention.sliding_window_pattern", "attention.indexer.types"),
@@ -119,22 +119,47 @@ def _flags(value, n: int, *, exact: bool) -> list[bool] | None:
     return None
 
 
-def arch_keys(arch) -> tuple[str, ...]:
-    """The keys (after "{arch}.") only ``arch``'s rule reads: its KEYED_RULES keys, its ARRAY_KEYS,
-    an iSWA arch's sliding_window_pattern. A caller reading llama.cpp's metadata, which leaves
-    arrays out, reads these from the GGUF when the metadata lacks them."""
+def arch_keys(arch: str | None) -> tuple[str, ...]:
+    """The keys (after "{arch}.") only ``arch``'s rule reads.
+
+    Its KEYED_RULES keys, its ARRAY_KEYS, an iSWA arch's sliding_window_pattern. A caller reading
+    llama.cpp's metadata, which leaves arrays out, reads these from the GGUF when the metadata
+    lacks them.
+
+    Args:
+        arch: ``general.architecture`` (llm_arch_name()).
+
+    Returns:
+        The key suffixes; empty for an arch with no keys of its own.
+    """
+    if arch is None:  # a GGUF without general.architecture: no rule of its own
+        return ()
     pattern = ("attention.sliding_window_pattern",) if arch in ISWA_ARCHS else ()
     return KEYED_RULES.get(arch, ()) + ARRAY_KEYS.get(arch, ()) + pattern
 
 
-def rule_keys(arch) -> tuple[str, ...]:
-    """Every key (after "{arch}.") that layer_map and memory_for read for ``arch``: what a
-    caller puts in ``fields``, None when the GGUF lacks it."""
+def rule_keys(arch: str | None) -> tuple[str, ...]:
+    """Every key (after "{arch}.") that layer_map and memory_for read for ``arch``.
+
+    Args:
+        arch: ``general.architecture`` (llm_arch_name()).
+
+    Returns:
+        The key suffixes a caller puts in ``fields`` (None when the GGUF lacks the key).
+    """
     return COMMON_KEYS + tuple(k for k in arch_keys(arch) if k not in COMMON_KEYS)
 
 
 def memory_for(fields: dict) -> str | None:
-    """The memory of an arch in MEMORY_ARCHS (main context), or None."""
+    """The memory llama_model::create_memory builds for an arch in MEMORY_ARCHS (main context).
+
+    Args:
+        fields: GGUF key -> value (arrays as lists), as for layer_map.
+
+    Returns:
+        A memory name of ``parse(memory=...)`` ("dsa", "msa", "dsv4" ...), or None when the arch
+        is not in MEMORY_ARCHS or its memory depends on the context type (nextn layers).
+    """
     arch = fields.get("general.architecture")
     # nextn layers: most of these archs give an MTP context a plain cache, or filters per context
     # type; qwen4exp does not (create_memory's default branch: llama_memory_hybrid_idx for both)
@@ -147,7 +172,19 @@ def memory_for(fields: dict) -> str | None:
 
 
 def layer_map(fields: dict) -> dict[str, list[int]] | None:
-    """``fields``: GGUF key -> value (arrays as lists). See the module docstring."""
+    """Which model layer (``il``) each part of a dump holds, as llama_model::create_memory decides.
+
+    See the module docstring for the rules and when there is no map.
+
+    Args:
+        fields: GGUF key -> value (arrays as lists): ``general.architecture`` and the keys
+            ``rule_keys(arch)`` names (None for a key the GGUF lacks).
+
+    Returns:
+        ``{part name: [il, ...]}`` with part names as ``parse`` names them (kv, base, swa,
+        recurrent ...), or None when the architecture's rule is unknown or depends on something
+        the GGUF does not say.
+    """
     arch = fields.get("general.architecture")
     n_layer = fields.get(f"{arch}.block_count")
     if not isinstance(arch, str) or not isinstance(n_layer, int) or n_layer < 1:
