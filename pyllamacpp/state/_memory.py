@@ -91,14 +91,31 @@ def _layout(memory: str, partial: bool) -> tuple[tuple[str, str], ...]:
 
 
 def written_parts(memory: str, partial: bool) -> tuple[tuple[str, str], ...]:
-    """``(kind, name)`` of each part ``memory`` writes, in order, with or without PARTIAL_ONLY;
-    kind as MemoryPart.kind says it ("kv", "recurrent", or a dsv4 block's "compressed" /
-    "compressor")."""
+    """``(kind, name)`` of each part ``memory`` writes to a dump, in order.
+
+    Args:
+        memory: A memory name of ``parse(memory=...)`` ("kv", "iswa", "hybrid" ...).
+        partial: Whether the dump was written with ``StateFlags.PARTIAL_ONLY``.
+
+    Returns:
+        ``(kind, name)`` pairs; kind as MemoryPart.kind says it ("kv", "recurrent", or a dsv4
+        block's "compressed" / "compressor").
+
+    Raises:
+        KeyError: ``memory`` is not a known memory name.
+    """
     return tuple(("kv" if k == "kv-k" else k, n) for k, n in _layout(memory, partial))
 
 
 def memory_of(layers: dict | None) -> str | None:
-    """The memory whose parts a layer map names ({"base", "swa"}: iswa ...), or None."""
+    """The memory whose parts a layer map names (``{"base", "swa"}``: iswa ...).
+
+    Args:
+        layers: A layer map (``layer_map()``'s result), or None.
+
+    Returns:
+        The memory name, or None for no map or a set of parts no memory writes.
+    """
     if not layers:
         return None
     for name, parts in PART_NAMES.items():
@@ -157,6 +174,24 @@ def parse_memory(
     record, so its error is not the one that explains the dump, even when it fails at a later byte.
     ``seq_id``: the sequence the dump was written for, -1 for the whole memory, None unknown (a
     seq file); only a llama_kv_cache_dsv4 state depends on it (its blocks' stream counts).
+
+    Args:
+        buf: The dump.
+        off: Byte offset of the memory part.
+        memory: The memory name, or None to try each layout.
+        cell_ext: Whether cells carry llama_kv_cell_ext, or None to try both.
+        has_v: Whether attention records include V, or None to try both.
+        n_head: n_head_kv to shape K/V views with, or None for flat rows.
+        metadata_only: Whether the dump is metadata-only, or None to try both.
+        partial: Whether the dump is PARTIAL_ONLY, or None (see above).
+        seq_id: The sequence the dump was written for (see above).
+
+    Returns:
+        The parts, and the options that read them.
+
+    Raises:
+        ValueError: ``memory`` is not a known memory name.
+        StateFormatError: No layout reads the bytes exactly.
     """
     if memory is not None and memory not in MEMORY_LAYOUTS:
         raise ValueError(f"memory={memory!r}: expected one of {sorted(MEMORY_LAYOUTS)}")
