@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +25,18 @@ class DumpKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Header:
-    """Everything before the memory part. Fields a kind does not have are None."""
+    """Everything before the memory part. Fields a kind does not have are None.
+
+    Attributes:
+        kind: What produced the bytes.
+        magic: The io magic 0xaf143cd8, 'ggsq' or 'ggsn'; None for a context state.
+        version: The file format version (seq and session files only).
+        seq_id: The seq_id a sequence dump was taken from.
+        arch: llm_arch_name() (context states and session files).
+        tokens: The prompt tokens of a file, an int32 view.
+        tokens_offset: Byte offset of ``tokens``.
+        nbytes: Bytes of the header: the memory part starts here.
+    """
 
     kind: DumpKind
     magic: int | None  # io magic 0xaf143cd8, 'ggsq' or 'ggsn'; None for a context state
@@ -45,7 +56,25 @@ class MetadataOnlyError(ValueError):
 class TensorRecord:
     """One per-layer record: ``i32 type, u64 row_size`` (or, for transposed V, ``i32 type,
     u32 element_size, u32 n_embd``; for a recurrent PLE row, ``u64 row_size`` alone) followed by
-    the rows of the dumped cells, or by nothing in a metadata-only dump (``data`` is None)."""
+    the rows of the dumped cells, or by nothing in a metadata-only dump (``data`` is None).
+
+    Attributes:
+        part: The memory part's name.
+        stream: The stream index.
+        kind: K, V (attention) or R, P, S (recurrent; P: PLE conv rows).
+        layer: The index of the record among its stream's records of this kind.
+        type: The ggml type of the values.
+        header_offset: Byte offset of the record's header.
+        data_offset: Byte offset of its rows.
+        n_cells: Cells (rows) in the record.
+        row_size: Bytes of one cell's values (element size x n_embd when transposed).
+        n_embd: Values per cell (n_embd_k_gqa / n_embd_v_gqa).
+        transposed: V with v_trans=1: stored value-major, ``[n_embd][n_cells]``.
+        n_head: Heads to shape views with (n_head_kv); None keeps rows flat.
+        data: The payload, a uint8 view of the dump; None in a metadata-only dump.
+        il: The model's layer index, when the layer map is known.
+        header_nbytes: Bytes of the header when they do not end at data_offset (dsv4 blocks).
+    """
 
     part: str
     stream: int
@@ -77,10 +106,12 @@ class TensorRecord:
 
     @property
     def has_data(self) -> bool:
+        """Whether the dump holds the rows (False in a metadata-only dump)."""
         return self.data is not None
 
     @property
     def header_size(self) -> int:
+        """Bytes of the record's header (type, row size ...) in the dump."""
         return self.header_nbytes if self.header_nbytes is not None else self.data_offset - self.header_offset
 
     @property
@@ -95,6 +126,7 @@ class TensorRecord:
 
     @property
     def head_dim(self) -> int:
+        """Values per head: ``n_embd // n_head``, or ``n_embd`` without a head count."""
         return self.n_embd // self.n_head if self.n_head else self.n_embd
 
     def _payload(self) -> np.ndarray:
@@ -108,7 +140,12 @@ class TensorRecord:
 
     @property
     def rows(self) -> np.ndarray:
-        """Raw bytes, one row per cell, shape (n_cells, row_size); transposed V has no such rows."""
+        """Raw bytes, one row per cell, shape (n_cells, row_size), a view of the dump.
+
+        Raises:
+            MetadataOnlyError: The dump is metadata-only (no rows).
+            ValueError: The record is a transposed V (v_trans=1), which has no per-cell rows.
+        """
         data = self._payload()
         if self.transposed:
             raise ValueError(
@@ -120,7 +157,11 @@ class TensorRecord:
     def values(self) -> np.ndarray:
         """Zero-copy view: (cells, n_head, head_dim) for plain types ((cells, n_embd) without a head
         count), the raw rows (cells, row_size) for quantized types (see dequantize()).
-        Transposed V comes back un-transposed through strides, still a view of the dump."""
+        Transposed V comes back un-transposed through strides, still a view of the dump.
+
+        Raises:
+            MetadataOnlyError: The dump is metadata-only (no rows).
+        """
         t = self.type
         if t.dtype is None:
             return self.rows
@@ -137,7 +178,14 @@ class TensorRecord:
     def rotation_size(self) -> int:
         """n of the Hadamard rotation llama.cpp applies to a quantized cache (attn_rot_k/_v in
         llama_kv_cache's constructor): 64 for V; for K the largest power of two >= 64 that
-        divides the head size. Needs the head count for K."""
+        divides the head size. Needs the head count for K.
+
+        Returns:
+            The rotation size n.
+
+        Raises:
+            ValueError: A K record without a head count (parsed without ``n_head_kv``).
+        """
         if self.kind == "V":
             return 64
         if not self.n_head:
@@ -158,6 +206,18 @@ class TensorRecord:
         match. ``unrotate=True`` undoes it (the matrix is its own inverse), giving values
         comparable with an F16 cache; an int says n. The dump does not record whether the
         rotation was on: that is for the caller to know.
+
+        Args:
+            unrotate: False keeps the values as stored; True undoes the Hadamard rotation of
+                ``rotation_size()``; an int undoes one of that size.
+
+        Returns:
+            A new float32 array (not a view).
+
+        Raises:
+            MetadataOnlyError: The dump is metadata-only (no rows).
+            ValueError: A block-quantized transposed V, rows that do not split into runs of the
+                rotation size, or (K) no head count to derive it.
         """
         if self.transposed:
             if self.type.quantized:
@@ -182,7 +242,20 @@ class TensorRecord:
         return head * hd + element
 
     def address(self, cell: int, head: int = 0, element: int = 0) -> int:
-        """Byte offset in the dump of one value (of its block, for quantized types)."""
+        """Byte offset in the dump of one value (of its block, for quantized types).
+
+        Args:
+            cell: The cell, counting the dump's cells of this stream.
+            head: The KV head.
+            element: The value within the head.
+
+        Returns:
+            The byte offset from the start of the dump.
+
+        Raises:
+            MetadataOnlyError: The dump is metadata-only (no value to point at).
+            IndexError: ``cell``, ``head`` or ``element`` out of range.
+        """
         self._payload()  # a metadata-only dump holds no value to point at
         j = self._index(cell, head, element)
         if self.transposed:
@@ -209,6 +282,20 @@ class TensorRecord:
         dump cell i in cell i, a sequence restore wherever find_slot() finds room.
         ``dest_stream`` is the cache stream (default: the stream the record was dumped from; a
         sequence restore uses the destination seq_id's stream).
+
+        Args:
+            cell: The cache cell index (not the dump's cell).
+            head: The KV head.
+            element: The value within the head.
+            kv_size: The cache's cell count per stream (``n_ctx`` per stream).
+            dest_stream: The cache stream, by default the dumped one.
+            n_embd_tensor: The V tensor's ne[0] when v_trans=1, by default ``n_embd``.
+
+        Returns:
+            The byte offset from the start of the tensor's data.
+
+        Raises:
+            IndexError: ``cell`` outside ``[0, kv_size)``, or ``head``/``element`` out of range.
         """
         j = self._index(0, head, element)
         if not 0 <= cell < kv_size:
@@ -231,6 +318,19 @@ class Stream:
     each cell in the dump. A llama_kv_cache_dsv4 block (Dsv4Block) has no cells: its stream s
     holds stream s's rows of every layer (they interleave per layer in the dump, so ``offset``
     and ``end`` are the block's).
+
+    Attributes:
+        part: The name of the memory part it belongs to.
+        index: The stream index.
+        offset: Byte offset of the cell_count field.
+        cell_count: Cells in the stream.
+        cells: The cells, a structured array (a copy).
+        cells_offset: Byte offset of the first cell.
+        cells_nbytes: Bytes of the cells.
+        v_trans: v_trans (s_trans for recurrent memory); None for an empty KV stream.
+        n_layer: Records per kind written; None for an empty KV stream.
+        records: Every record of the stream, in byte order.
+        end: The first byte after the stream.
     """
 
     part: str
@@ -249,11 +349,13 @@ class Stream:
         return tuple(r for r in self.records if r.kind == kind)
 
     @property
-    def k_records(self):
+    def k_records(self) -> tuple[TensorRecord, ...]:
+        """The K records, in byte order."""
         return self._kind("K")
 
     @property
-    def v_records(self):
+    def v_records(self) -> tuple[TensorRecord, ...]:
+        """The V records, in byte order."""
         return self._kind("V")
 
     @property
@@ -264,10 +366,12 @@ class Stream:
 
     @property
     def v(self) -> LayerViews:
+        """``v[il]``: the V values of layer il (un-transposed through strides when v_trans=1)."""
         return LayerViews(self._kind("V"))
 
     @property
     def r(self) -> LayerViews:
+        """``r[il]``: the recurrent R rows (conv state) of layer il."""
         return LayerViews(self._kind("R"))
 
     @property
@@ -277,11 +381,19 @@ class Stream:
 
     @property
     def s(self) -> LayerViews:
+        """``s[il]``: the recurrent S rows (SSM / wkv state) of layer il."""
         return LayerViews(self._kind("S"))
 
     def views(self, kind: str) -> LayerViews:
-        """The values of the records of ``kind`` by layer: K, V, R, P, S, or a llama_kv_cache_dsv4
-        compressor state's KV and SCORE."""
+        """The values of the records of ``kind`` by layer.
+
+        Args:
+            kind: K, V, R, P, S, or a llama_kv_cache_dsv4 compressor state's KV and SCORE (any
+                case).
+
+        Returns:
+            The records' views, indexed by layer.
+        """
         return LayerViews(self._kind(kind.upper()))
 
 
@@ -289,19 +401,41 @@ class LayerViews(Sequence):
     """The values of a run of records, indexed by layer: ``views[il]`` is the record whose
     ``key`` is il (the model's layer index when the layer map is known, else the record index),
     built when asked for. ``len()``, iteration and slices go by record order; ``.layers`` lists
-    the keys, ``.record(il)`` gives the record itself."""
+    the keys, ``.record(il)`` gives the record itself.
+
+    Args:
+        records: The records, in order.
+
+    Raises:
+        TypeError: (indexing) A layer that is not an int.
+        IndexError: (indexing) No record of that layer.
+        MetadataOnlyError: (indexing) The dump is metadata-only.
+    """
 
     __slots__ = ("records", "_by_key")
 
-    def __init__(self, records):
+    def __init__(self, records: Iterable[TensorRecord]) -> None:
         self.records = tuple(records)
         self._by_key = {r.key: r for r in self.records}
 
     @property
     def layers(self) -> tuple[int, ...]:
+        """The layer key of each record, in record order."""
         return tuple(r.key for r in self.records)
 
     def record(self, il: int) -> TensorRecord:
+        """The record of layer ``il``.
+
+        Args:
+            il: The model's layer with a layer map, else the record index.
+
+        Returns:
+            The record.
+
+        Raises:
+            TypeError: ``il`` is not an int.
+            IndexError: No record holds that layer.
+        """
         if isinstance(il, (bool, np.bool_)) or not isinstance(il, (int, np.integer)):
             raise TypeError(f"layers are ints, not {type(il).__name__}")
         r = self._by_key.get(int(il))
@@ -332,7 +466,16 @@ class LayerViews(Sequence):
 class MemoryPart:
     """One memory module's state: a KV cache (``u32 n_stream`` then streams) or recurrent memory
     (one stream, no n_stream field). ``name``: kv, or base/swa (iSWA), plus recurrent (hybrid).
-    llama_kv_cache_dsv4's blocks after its raw cache are Dsv4Block parts."""
+    llama_kv_cache_dsv4's blocks after its raw cache are Dsv4Block parts.
+
+    Attributes:
+        name: The part's name: kv, base, swa, recurrent, mla, lid, idx; a dsv4 block's csa ...
+        kind: "kv", "recurrent", or a Dsv4Block's "compressed" / "compressor".
+        offset: Byte offset of the part's first field.
+        n_stream: n_stream as written; None where the part has no such field.
+        streams: The streams, in order.
+        end: The first byte after the part.
+    """
 
     name: str
     kind: str  # "kv", "recurrent", or a Dsv4Block's "compressed" / "compressor"
@@ -370,6 +513,21 @@ class Dsv4Block(MemoryPart):
 
 @dataclass(frozen=True)
 class LayoutRow:
+    """One record of a dump's layout: where it is and how big (a row of ``Layout.table()``).
+
+    Attributes:
+        part: The memory part's name.
+        stream: The stream index.
+        kind: K, V, R, P, S (KV, SCORE for a dsv4 compressor state).
+        layer: The record index among its stream's records of this kind.
+        il: The model's layer, when the layer map is known.
+        type: The ggml type's name.
+        row_size: Bytes of one cell's values.
+        header_offset: Byte offset of the record's header.
+        data_offset: Byte offset of its rows.
+        nbytes: Bytes of its rows in the dump (0 in a metadata-only dump).
+    """
+
     part: str
     stream: int
     kind: str
@@ -384,7 +542,14 @@ class LayoutRow:
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of bytes and what it is; a layout's segments tile the dump with no gap or overlap."""
+    """A run of bytes and what it is; a layout's segments tile the dump with no gap or overlap.
+
+    Attributes:
+        offset: Byte offset of the run.
+        nbytes: Its length.
+        what: What it is ("header (sequence dump)", "kv stream 0 K[il 3] data" ...).
+        payload: True for rows (K/V/R/S values), False for metadata.
+    """
 
     offset: int
     nbytes: int
@@ -394,6 +559,20 @@ class Segment:
 
 @dataclass(frozen=True)
 class Layout:
+    """Where every byte of a dump is (``KVState.layout()``): one row per record, and totals.
+
+    ``len()``, iteration and indexing go over the rows; ``str()`` is ``table()``.
+
+    Attributes:
+        rows: One LayoutRow per record, in dump order.
+        segments: Every byte of the dump as header / field / cells / record header / payload.
+        metadata_bytes: Bytes that are not rows.
+        payload_bytes: Bytes of rows.
+        total_bytes: Their sum: the dump's length.
+        metadata_only: An ON_DEVICE dump: headers without rows.
+        layers_known: False when "layer" numbers are record indices, not the model's il.
+    """
+
     rows: tuple[LayoutRow, ...]
     segments: tuple[Segment, ...]
     metadata_bytes: int
@@ -414,6 +593,11 @@ class Layout:
         return self.rows[i]
 
     def notes(self) -> list[str]:
+        """Lines that qualify the table: a metadata-only dump, layer numbers that are indices.
+
+        Returns:
+            The notes, possibly none.
+        """
         out = []
         if self.metadata_only:
             out.append(
@@ -428,6 +612,14 @@ class Layout:
         return out
 
     def table(self, max_rows: int | None = None) -> str:
+        """The layout as text: one line per record, then the byte totals and the notes.
+
+        Args:
+            max_rows: Show at most this many records (the first and last halves); None: all.
+
+        Returns:
+            The table, lines joined by newlines.
+        """
         kw = max([2] + [len(r.kind) for r in self.rows])  # KV, SCORE: a llama_kv_cache_dsv4 compressor state
         head = (
             f"{'part':<9} {'strm':>4} {'kv':<{kw}} {'#':>3} {'il':>4} {'type':<6} {'row':>6} "
