@@ -8,6 +8,7 @@ import os
 import uuid
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from ._gguf import read_metadata
 from ._layers import layer_map, memory_for, rule_keys
@@ -34,6 +35,14 @@ SIDECAR_FIELDS = {
 
 
 def sidecar_path(dump: str | os.PathLike) -> Path:
+    """Where the sidecar of a dump lives: ``<dump>.json`` (a ``.json`` path is its own).
+
+    Args:
+        dump: The dump's path (or the sidecar's).
+
+    Returns:
+        The sidecar's path (it may not exist).
+    """
     p = Path(dump)
     return p if p.suffix == ".json" else p.with_name(p.name + ".json")
 
@@ -59,11 +68,21 @@ def _dumps(v, indent: str = "") -> str:
     return json.dumps(v)
 
 
-def write_sidecar(path: str | os.PathLike, **facts) -> Path:
-    """Write ``<path>.json`` atomically (temp file + os.replace); return its path. The file gets
-    the umask's permissions, as the dump does.
+def write_sidecar(path: str | os.PathLike, **facts: Any) -> Path:
+    """Write ``<path>.json`` atomically (temp file + os.replace).
 
-    Fields: see SIDECAR_FIELDS; others raise TypeError (a typo would otherwise go unread).
+    The file gets the umask's permissions, as the dump does. ``parse(path)`` reads it back.
+
+    Args:
+        path: The dump's path.
+        **facts: Fields of SIDECAR_FIELDS (numpy values are written as plain JSON).
+
+    Returns:
+        The sidecar's path.
+
+    Raises:
+        TypeError: A field not in SIDECAR_FIELDS (a typo would otherwise go unread).
+        OSError: The file cannot be written.
     """
     unknown = sorted(set(facts) - set(SIDECAR_FIELDS))
     if unknown:
@@ -85,7 +104,18 @@ def write_sidecar(path: str | os.PathLike, **facts) -> Path:
 
 
 def read_sidecar(path: str | os.PathLike) -> dict | None:
-    """The sidecar of dump ``path`` (or the .json itself) as a dict, or None when there is none."""
+    """The sidecar of dump ``path`` (or the .json itself) as a dict.
+
+    Args:
+        path: The dump's path, or the sidecar's.
+
+    Returns:
+        The facts, or None when there is no sidecar.
+
+    Raises:
+        ValueError: The file holds no JSON object (json.JSONDecodeError, a ValueError, for bad
+            JSON).
+    """
     p = sidecar_path(path)
     if not p.is_file():
         return None
@@ -111,9 +141,17 @@ def _meta(path: str | os.PathLike) -> dict:
     return _gguf_meta(os.fspath(path), st.st_size, st.st_mtime_ns)
 
 
-def gguf_field(path: str | os.PathLike, key: str):
-    """One metadata value of a GGUF file (arrays as lists), None when absent. For what
-    llama.cpp's ``llama_model_meta_val_str`` leaves out: it skips array values.
+def gguf_field(path: str | os.PathLike, key: str) -> Any:
+    """One metadata value of a GGUF file (arrays as lists), None when absent.
+
+    For what llama.cpp's ``llama_model_meta_val_str`` leaves out: it skips array values.
+
+    Args:
+        path: The GGUF file.
+        key: The metadata key (``general.architecture`` ...).
+
+    Returns:
+        The value (arrays as lists), or None when the file lacks the key.
 
     Raises:
         StateFormatError: ``path`` is no GGUF file or its metadata is cut short.
@@ -153,11 +191,24 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> dict:
     }
 
 
-def model_facts(model, *, sha256: bool = False) -> dict:
-    """Head counts, sizes and the layer map (``layers``, None for an architecture _layers does
-    not know) of ``model``: a GGUF path (its KV metadata only, _gguf.read_metadata) or an object with an
-    ``n_head_kv`` attribute (or method), whose ``path``, when it has one, is read as the GGUF
-    (pyllamacpp.Model). ``sha256=True`` adds the file's sha256 prefix."""
+def model_facts(model: str | os.PathLike | Any, *, sha256: bool = False) -> dict:
+    """Head counts, sizes and the layer map of a model: what a sidecar records about it.
+
+    Args:
+        model: A GGUF path (its KV metadata only is read) or an object with an ``n_head_kv``
+            attribute (or method), whose ``path``, when it has one, is read as the GGUF
+            (``pyllamacpp.Model``).
+        sha256: Add ``model_sha256``, the file's sha256 prefix (reads the whole file).
+
+    Returns:
+        Sidecar fields: model, arch, n_layer, n_head_kv, n_embd_head_k/v, ``layers`` (None for
+        an architecture _layers does not know) and, where there is no map, ``memory``.
+
+    Raises:
+        TypeError: ``model`` is neither a path nor has ``n_head_kv``.
+        OSError: The file cannot be read.
+        StateFormatError: The file is no GGUF or its metadata is cut short.
+    """
     if isinstance(model, (str, os.PathLike)):
         st = os.stat(model)
         facts = dict(_gguf_facts(os.fspath(model), st.st_size, st.st_mtime_ns))
