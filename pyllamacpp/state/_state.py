@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -65,10 +66,10 @@ def _as_array(data, writable: bool | None) -> tuple[np.ndarray, str, Path | None
 
 
 def parse(
-    data,
+    data: str | os.PathLike | np.ndarray | bytes | bytearray | memoryview,
     *,
     n_head_kv: int | None = None,
-    model=None,
+    model: Any = None,
     writable: bool | None = None,
     memory: str | None = None,
     cell_ext: bool | None = None,
@@ -114,6 +115,10 @@ def parse(
         StateFormatError: (a ValueError) anything that does not follow the format, or that
             contradicts the layer map; the message gives the byte offset, what was being read, the
             bytes needed and the bytes left.
+        ValueError: Bad arguments: ``flags`` that are not llama_state_seq_flags, ``partial``
+            contradicting ``flags``, ``n_head_kv`` not a positive int, an unknown ``memory``.
+        TypeError: ``data`` is not bytes-like, a 1-D contiguous uint8 array or a path.
+        OSError: A path that cannot be opened (FileNotFoundError ...).
     """
     arr, source, path = _as_array(data, writable)
     sidecar = read_sidecar(path) if path is not None else None
@@ -206,9 +211,20 @@ def _number_layers(part: MemoryPart, ils) -> MemoryPart:
 
 
 class KVState:
-    """A parsed dump. Payloads are views of the input (see ``writable``); records and cells
-    carry their byte offsets. ``k``/``v``/``cells`` read the only non-empty stream of the only
-    part; ``stream(part=, stream=)`` picks one when there are several."""
+    """A parsed dump (made by ``parse()``). Payloads are views of the input (see ``writable``);
+    records and cells carry their byte offsets. ``k``/``v``/``cells`` read the only non-empty
+    stream of the only part; ``stream(part=, stream=)`` picks one when there are several.
+
+    Args:
+        buf: The dump's bytes.
+        header: Its parsed header.
+        parts: Its parsed memory parts.
+        n_head_kv: The head count views are shaped with, or None (flat rows).
+        options: The reading that parsed it (memory, partial, cell_ext, has_v, metadata_only,
+            layers).
+        source: What the bytes came from (a path, "bytes" ...), for messages.
+        sidecar: The ``<path>.json`` sidecar read with a path, or None.
+    """
 
     def __init__(
         self,
@@ -216,17 +232,18 @@ class KVState:
         header: Header,
         parts: tuple[MemoryPart, ...],
         *,
-        n_head_kv,
+        n_head_kv: int | None,
         options: dict,
         source: str,
         sidecar: dict | None,
-    ):
+    ) -> None:
         self._buf, self.header, self.parts = buf, header, parts
         self.n_head_kv, self.options, self.source, self.sidecar = n_head_kv, options, source, sidecar
 
     # --- what it is -------------------------------------------------------------------------------
     @property
     def kind(self) -> DumpKind:
+        """What produced the dump (llama_state_seq_get_data, a seq file, ...)."""
         return self.header.kind
 
     @property
@@ -236,14 +253,17 @@ class KVState:
 
     @property
     def nbytes(self) -> int:
+        """The dump's length in bytes."""
         return self._buf.size
 
     @property
     def writable(self) -> bool:
+        """Whether the views accept edits (see ``parse(writable=)``)."""
         return self._buf.writable
 
     @property
     def tokens(self) -> np.ndarray | None:
+        """The prompt tokens a seq or session file holds (an int32 view), else None."""
         return self.header.tokens
 
     @property
@@ -266,6 +286,19 @@ class KVState:
 
     # --- picking a part, a stream, a record ----------------------------------------------------------
     def part(self, name: str | None = None) -> MemoryPart:
+        """The memory part named ``name``, or the only one.
+
+        Args:
+            name: kv, base, swa, recurrent ... (``[p.name for p in state.parts]``); None for the
+                only part.
+
+        Returns:
+            The part.
+
+        Raises:
+            ValueError: ``name`` is None and the dump has several parts.
+            KeyError: No part has that name.
+        """
         if name is None:
             if len(self.parts) != 1:
                 raise ValueError(
@@ -279,6 +312,22 @@ class KVState:
         raise KeyError(f"no part {name!r}; this dump has {[p.name for p in self.parts]}")
 
     def stream(self, part: str | None = None, stream: int | None = None) -> Stream:
+        """One stream of a part: ``stream``, or the only one holding cells.
+
+        Args:
+            part: The part's name, None for the only part.
+            stream: The stream index; None for the only stream with cells (the first when none
+                has).
+
+        Returns:
+            The stream.
+
+        Raises:
+            ValueError: Several parts and no ``part``; several streams with cells (or a
+                whole-memory dsv4 block) and no ``stream``.
+            KeyError: No part has that name.
+            IndexError: ``stream`` out of range.
+        """
         p = self.part(part)
         if stream is not None:
             if not 0 <= stream < len(p.streams):
@@ -293,6 +342,11 @@ class KVState:
 
     @property
     def cells(self) -> np.ndarray:
+        """The cells of the only stream with cells (see ``Stream``): pos, n_seq_id, seq_id ...
+
+        Raises:
+            ValueError: Several parts or several streams with cells: use ``stream()``.
+        """
         return self.stream().cells
 
     def _views(self, kind: str) -> LayerViews:
@@ -307,29 +361,57 @@ class KVState:
                 f"this dump has parts {[p.name for p in self.parts]} and no layer map: "
                 f"pass part= (stream(part=...).{kind.lower()}) or model= for the model's layer numbers"
             )
-        return LayerViews(sorted(recs, key=lambda r: r.il))
+        return LayerViews(sorted(recs, key=lambda r: cast(int, r.il)))  # none is None: checked above
 
     @property
     def k(self) -> LayerViews:
         """``k[il]``: zero-copy K of layer il, (cells, n_head_kv, head_dim) for plain types. il is
         the model's layer when the layer map is known (then iSWA and hybrid dumps are indexed
-        across their parts), else the record index of the only part."""
+        across their parts), else the record index of the only part.
+
+        Raises:
+            ValueError: Several attention parts (iSWA) and no layer map.
+        """
         return self._views("K")
 
     @property
     def v(self) -> LayerViews:
-        """``v[il]``: zero-copy V, un-transposed through strides when v_trans=1."""
+        """``v[il]``: zero-copy V, un-transposed through strides when v_trans=1.
+
+        Raises:
+            ValueError: Several attention parts (iSWA) and no layer map.
+        """
         return self._views("V")
 
     def record(self, kind: str, layer: int, *, part: str | None = None, stream: int | None = None) -> TensorRecord:
-        """The ``kind`` record of ``layer`` (the model's il with a layer map, else the index)."""
+        """The ``kind`` record of ``layer``.
+
+        Args:
+            kind: K, V, R, P, S (any case).
+            layer: The model's il with a layer map, else the record index.
+            part: The part's name; None: the only part, or across parts with a layer map.
+            stream: The stream index; None: the only stream with cells.
+
+        Returns:
+            The record.
+
+        Raises:
+            IndexError: No such layer (or stream).
+            ValueError: The part or stream is ambiguous (see ``stream()``), or several parts and
+                no layer map.
+            KeyError: No part has that name.
+        """
         kind = kind.upper()
         if part is None and stream is None and len(self.parts) > 1:
             return self._views(kind).record(layer)
         return LayerViews(r for r in self.stream(part, stream).records if r.kind == kind).record(layer)
 
-    def records(self):
-        """Every record, in byte order."""
+    def records(self) -> Iterator[TensorRecord]:
+        """Every record, in byte order.
+
+        Returns:
+            An iterator over the records of every part and stream.
+        """
         for p in self.parts:
             if isinstance(p, Dsv4Block):  # its streams interleave per layer
                 yield from p.records
@@ -349,7 +431,25 @@ class KVState:
         part: str | None = None,
         stream: int | None = None,
     ) -> int:
-        """Byte offset in the dump of one value (``cell`` counts the dump's cells)."""
+        """Byte offset in the dump of one value (``TensorRecord.address`` of ``record()``).
+
+        Args:
+            kind: K, V, R, P, S.
+            layer: The model's il with a layer map, else the record index.
+            cell: The cell, counting the dump's cells.
+            head: The KV head.
+            element: The value within the head.
+            part: The part's name (see ``record()``).
+            stream: The stream index (see ``record()``).
+
+        Returns:
+            The byte offset from the start of the dump.
+
+        Raises:
+            MetadataOnlyError: The dump is metadata-only.
+            IndexError: ``layer``, ``cell``, ``head`` or ``element`` out of range.
+            ValueError: The part or stream is ambiguous.
+        """
         return self.record(kind, layer, part=part, stream=stream).address(cell, head, element)
 
     def tensor_offset(
@@ -368,14 +468,38 @@ class KVState:
     ) -> int:
         """Byte offset of one value in llama.cpp's per-layer cache tensor (see
         TensorRecord.tensor_offset: row-major for K and v_trans=0 V, value-major for v_trans=1).
-        ``part``/``stream`` pick the record in the dump; ``cell``/``dest_stream`` the cache slot."""
+        ``part``/``stream`` pick the record in the dump; ``cell``/``dest_stream`` the cache slot.
+
+        Args:
+            kind: K, V, R, P, S.
+            layer: The model's il with a layer map, else the record index.
+            cell: The cache cell index.
+            head: The KV head.
+            element: The value within the head.
+            kv_size: The cache's cells per stream.
+            part: The part's name (see ``record()``).
+            stream: The stream index in the dump (see ``record()``).
+            dest_stream: The cache stream, by default the dumped one.
+            n_embd_tensor: The V tensor's ne[0] when v_trans=1.
+
+        Returns:
+            The byte offset from the start of the tensor's data.
+
+        Raises:
+            IndexError: ``layer``, ``cell``, ``head`` or ``element`` out of range.
+            ValueError: The part or stream is ambiguous.
+        """
         rec = self.record(kind, layer, part=part, stream=stream)  # no rows needed: metadata-only works
         return rec.tensor_offset(
             cell, head, element, kv_size=kv_size, dest_stream=dest_stream, n_embd_tensor=n_embd_tensor
         )
 
     def segments(self) -> list[Segment]:
-        """Every byte of the dump, in order, as header / field / cells / record header / payload."""
+        """Every byte of the dump, in order, as header / field / cells / record header / payload.
+
+        Returns:
+            Segments that tile the dump with no gap or overlap.
+        """
         segs = [Segment(0, self.header.nbytes, f"header ({self.kind})", False)]
         if self.options.get("memory") == "dsv4":
             segs.append(Segment(self.header.nbytes, 12, "dsv4: magic, version, mode", False))
@@ -411,7 +535,11 @@ class KVState:
         return segs
 
     def layout(self) -> Layout:
-        """One row per record plus metadata/payload totals, which add up to the input length."""
+        """One row per record plus metadata/payload totals, which add up to the input length.
+
+        Returns:
+            The layout (``str()`` of it is the table).
+        """
         rows = tuple(
             LayoutRow(
                 r.part,
@@ -442,18 +570,52 @@ class KVState:
 
     # --- bytes out -----------------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
-        """The dump as bytes, with any edits made through the views."""
+        """The dump as bytes, with any edits made through the views.
+
+        Returns:
+            A copy of the whole dump, ready for llama_state_seq_set_data / a file.
+        """
         return self._buf.data.tobytes()
 
-    def select_cells(self, mask, *, part: str | None = None, stream: int | None = None) -> KVState:
-        """A new, smaller dump keeping the selected cells (in every layer, K and V); see _write."""
+    def select_cells(
+        self,
+        mask: np.ndarray | Sequence[int] | Sequence[bool] | Callable[[np.ndarray], np.ndarray],
+        *,
+        part: str | None = None,
+        stream: int | None = None,
+    ) -> KVState:
+        """A new, smaller dump keeping the selected cells (in every layer, K and V).
+
+        Args:
+            mask: Booleans or increasing indices over the cells of one stream, or a callable
+                ``cells -> booleans`` applied to every stream of every part.
+            part: The part whose stream ``mask`` selects in (not with a callable).
+            stream: The stream ``mask`` selects in (not with a callable).
+
+        Returns:
+            The parsed new dump, backed by a writable bytearray.
+
+        Raises:
+            ValueError: A metadata-only or dsv4 dump; a boolean mask of the wrong length;
+                indices not increasing or out of range.
+            TypeError: ``mask`` is neither booleans nor integers.
+        """
         from ._write import select_cells
 
         return select_cells(self, mask, part=part, stream=stream)
 
     # --- text ----------------------------------------------------------------------------------------
     def describe(self, *, max_rows: int = 8, n_cells: int = 3, n_values: int = 4) -> str:
-        """A readable summary: kind, header, parts and streams, layout table, first cells' K/V."""
+        """A readable summary: kind, header, parts and streams, layout table, first cells' K/V.
+
+        Args:
+            max_rows: Layout table rows to show (first and last halves).
+            n_cells: Cells whose values to show.
+            n_values: Values per cell to show.
+
+        Returns:
+            The text (``str(state)`` is ``describe()``).
+        """
         from ._describe import describe
 
         return describe(self, max_rows=max_rows, n_cells=n_cells, n_values=n_values)
