@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from ._state import KVState
 
 
 def _indices(mask, n: int, where: str) -> np.ndarray:
@@ -23,7 +29,13 @@ def _u32(v: int) -> bytes:
     return int(v).to_bytes(4, "little")
 
 
-def select_cells(state, mask, *, part=None, stream=None):
+def select_cells(
+    state: KVState,
+    mask: np.ndarray | Sequence[int] | Sequence[bool] | Callable[[np.ndarray], np.ndarray],
+    *,
+    part: str | None = None,
+    stream: int | None = None,
+) -> KVState:
     """Keep the cells ``mask`` selects; everything else in the dump stays as it was.
 
     ``mask``: booleans or increasing indices over the cells of one stream (``part``/``stream``
@@ -31,7 +43,20 @@ def select_cells(state, mask, *, part=None, stream=None):
     every stream of every part. cell_count, the cells and the rows of every K and V (or R and S)
     record are rewritten; a KV stream left with no cells is written as llama.cpp writes an empty
     one (cell_count 0 and nothing else). File headers (the prompt tokens) are copied unchanged.
-    Returns the parsed new dump, backed by a writable bytearray.
+
+    Args:
+        state: The parsed dump.
+        mask: Booleans or increasing cell indices, or a callable ``cells -> booleans``.
+        part: The part whose stream ``mask`` selects in.
+        stream: The stream ``mask`` selects in.
+
+    Returns:
+        The parsed new dump, backed by a writable bytearray.
+
+    Raises:
+        ValueError: A metadata-only or dsv4 dump; a boolean mask of the wrong length; indices
+            not increasing or out of range.
+        TypeError: ``mask`` is neither booleans nor integers.
     """
     from ._state import parse
 
@@ -86,6 +111,7 @@ def select_cells(state, mask, *, part=None, stream=None):
                 chunks.append(copy(r.header_offset, r.data_offset, f"{r.name} header"))
                 if r.transposed:
                     el = r.type.type_size
+                    assert r.data is not None  # metadata-only dumps were refused above
                     chunks.append(r.data.reshape(r.n_embd, r.n_cells, el)[:, idx, :].tobytes())
                 else:
                     chunks.append(r.rows[idx].tobytes())
