@@ -16,19 +16,22 @@ How generation ends, and what the KV cache holds afterwards (the same for :func:
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import operator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from ._lib import lib
 from .batch import Batch
 from .errors import KVCacheFullError
 from .sampling import Sampler
 
 if TYPE_CHECKING:
     from .context import Context
+    from .model import Model
 
 FinishReason = Literal["eog", "n_predict", "ctx_full"]
 
@@ -182,6 +185,63 @@ def generate(
     return Generation(ctx, tokens, n_predict, sampler, seq_id)
 
 
+class _EogIds(dict):
+    """``token -> llama_vocab_is_eog(token)``, asked of llama.cpp once per distinct token: a dict hit
+    costs less than a cffi call and ``Model.is_eog``'s property chain, every sampled token."""
+
+    def __init__(self, model: Model) -> None:
+        super().__init__()
+        self._vocab, self._is_eog = model._vocab_ptr(), lib.llama_vocab_is_eog
+
+    def __missing__(self, token: int) -> bool:
+        eog = self[token] = bool(self._is_eog(self._vocab, token))
+        return eog
+
+
+SamplerSpec = Sampler | Sequence[Sampler] | Callable[[int], Sampler] | None
+"""What :func:`generate_parallel` takes as ``sampler``: one chain for all, one per sequence, or a factory."""
+
+
+def _sequence_samplers(
+    sampler: SamplerSpec, seed: int | None, n_parallel: int
+) -> tuple[list[Sampler], bool, list[Sampler]]:
+    """``(chains, shared, made)``: the chain of each sequence (one object ``n_parallel`` times when
+    ``shared``), and the chains made here (for the caller to close)."""
+    if seed is not None:
+        if sampler is not None:
+            raise ValueError(
+                "seed= makes one chain per sequence (Sampler.common(seed + i)); it does not combine with "
+                "sampler=: give a factory instead, e.g. lambda i: Sampler(model).top_k(40).temp(0.8).dist(seed + i)"
+            )
+        seed = operator.index(seed)
+        made = [Sampler.common(seed + i) for i in range(n_parallel)]
+        return made, False, made
+    if sampler is None:
+        greedy = Sampler.greedy()  # stateless: one chain serves every sequence alike
+        return [greedy] * n_parallel, True, [greedy]
+    if isinstance(sampler, Sampler):
+        return [sampler] * n_parallel, True, []
+    if callable(sampler):
+        chains = [sampler(i) for i in range(n_parallel)]
+        what = "the sampler factory returned"
+    elif isinstance(sampler, Sequence) and not isinstance(sampler, (str, bytes)):
+        chains = list(sampler)
+        if len(chains) != n_parallel:
+            raise ValueError(f"sampler: a list of {len(chains)} samplers for n_parallel={n_parallel} sequences")
+        what = "the sampler list holds"
+    else:
+        raise TypeError(f"sampler must be a Sampler, a list of Samplers or a factory, not {type(sampler).__name__}")
+    for c in chains:
+        if not isinstance(c, Sampler):
+            raise TypeError(f"{what} a {type(c).__name__}, not a Sampler")
+    if len({id(c) for c in chains}) != len(chains):
+        raise ValueError(
+            f"{what} one Sampler object for several sequences: each sequence needs its own chain "
+            "(pass one Sampler, not a list, to share a chain)"
+        )
+    return chains, False, []
+
+
 @dataclass
 class ParallelResult:
     """One sequence's outcome in :func:`generate_parallel`.
@@ -191,12 +251,19 @@ class ParallelResult:
         tokens: The tokens sampled for it.
         text: Those tokens, end-of-generation tokens left out, detokenized.
         finish_reason: ``"eog"``, ``"n_predict"`` or ``"ctx_full"``, as ``Generation.finish_reason``.
+        sampler: The steps of the chain that sampled it (:meth:`Sampler.describe`), e.g.
+            ``"top_k(40) -> top_p(0.95) -> min_p(0.05) -> temp(0.8) -> dist(42)"``.
+        seed: The seed of that chain's RNG step (:meth:`Sampler.get_seed`), None without one.
+        shared_sampler: True when one chain sampled every sequence (its state saw all of them).
     """
 
     seq_id: int
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""  # "eog", "n_predict" or "ctx_full", as Generation.finish_reason
+    sampler: str = ""
+    seed: int | None = None
+    shared_sampler: bool = False
 
     @property
     def finished_by(self) -> str:
@@ -209,8 +276,9 @@ def generate_parallel(
     prompt: str | bytes | npt.ArrayLike,
     n_parallel: int,
     n_predict: int,
-    sampler: Sampler | None = None,
+    sampler: SamplerSpec = None,
     *,
+    seed: int | None = None,
     shared_prompt: bool | None = None,
 ) -> list[ParallelResult]:
     """Generate ``n_parallel`` sequences from one prompt: llama.cpp's ``examples/batched`` in Python.
@@ -222,37 +290,76 @@ def generate_parallel(
     one batch; a sequence ends on its own at an end-of-generation token or after ``n_predict``,
     and all live sequences end with ``"ctx_full"`` when a step's decode finds no KV cell. As with
     :func:`generate`, a sequence's last sampled token is not decoded.
-    One sampler serves all sequences, as in the example; greedy by default.
+
+    Sequence ``i`` is sampled with ``llama_sampler_sample(chain_i, ctx, idx_i)`` at its own output
+    index, which also accepts the token into ``chain_i`` only. Which chains:
+
+    - one :class:`Sampler` (or None: greedy): one chain for all sequences, as ``examples/batched``
+      does. Its state (penalty history, grammar, RNG) then sees every sequence's tokens in turn: fine
+      for greedy, not for penalties, a grammar or independent draws.
+    - a list of ``n_parallel`` distinct Samplers, or a factory ``f(i) -> Sampler``: chain ``i`` for
+      sequence ``i``, its own RNG, penalty history and grammar state. Used as they are (not reset);
+      the caller owns them.
+    - ``seed=`` with no sampler: sequence ``i`` gets ``Sampler.common(seed + i)``, llama.cpp's
+      ``common_params_sampling`` defaults ``top_k(40) -> top_p(0.95) -> min_p(0.05) -> temp(0.8)
+      -> dist(seed + i)``, closed when this returns. Other settings per sequence: a factory.
 
     Args:
         ctx: The context; its ``n_seq_max`` must be at least ``n_parallel``.
         prompt: Text (tokenized with ``llama_tokenize``) or token ids.
         n_parallel: How many sequences (ids 0..n_parallel-1).
         n_predict: Most tokens to sample per sequence.
-        sampler: The :class:`Sampler` (greedy when None).
+        sampler: A :class:`Sampler` shared by all, a list of one per sequence, a factory
+            ``f(seq_id) -> Sampler``, or None (greedy, or ``Sampler.common(seed + i)`` with ``seed``).
+        seed: Sequence ``i`` samples with ``Sampler.common(seed + i)``; only without ``sampler``.
         shared_prompt: True: decode the prompt once with every seq id; False: decode it into
             sequence 0 and ``seq_cp`` it; None: True when ``kv_unified`` (or one sequence).
 
     Returns:
-        One :class:`ParallelResult` per sequence, in seq id order.
+        One :class:`ParallelResult` per sequence, in seq id order, each naming its chain
+        (``sampler``, ``seed``, ``shared_sampler``).
 
     Raises:
-        ValueError: ``n_parallel`` is outside ``[1, n_seq_max]``, or a prompt token is outside the
-            vocabulary.
+        ValueError: ``n_parallel`` is outside ``[1, n_seq_max]``, a prompt token is outside the
+            vocabulary, a sampler list's length is not ``n_parallel``, a list or factory gives one
+            Sampler object to two sequences, or ``seed`` comes with ``sampler``.
+        TypeError: ``sampler`` is not a Sampler, a sequence of Samplers or a callable, or the list
+            or factory gives something that is not a Sampler.
         KVCacheFullError: The prompt itself does not fit.
         InvalidBatchError: llama.cpp rejected the batch (e.g. coupled sequences with
             ``shared_prompt=True`` and ``kv_unified=False``).
         DecodeAborted: ``ctx.abort()`` stopped a decode.
         DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
         DecodeError: Another ``llama_decode`` failure.
-        ClosedError: The context or sampler was closed.
+        ClosedError: The context or a sampler was closed.
     """
     model = ctx.model
     if not 1 <= n_parallel <= ctx.n_seq_max:
         raise ValueError(f"n_parallel {n_parallel} is outside [1, n_seq_max={ctx.n_seq_max}]")
     tokens = model.tokenize(prompt) if isinstance(prompt, (str, bytes)) else np.asarray(prompt, np.int32)
-    sampler = sampler or Sampler.greedy()
+    chains, shared, made = _sequence_samplers(sampler, seed, n_parallel)
+    try:
+        return _parallel(ctx, tokens, n_parallel, n_predict, chains, shared, shared_prompt)
+    finally:
+        for c in made:
+            c.close()
+
+
+def _parallel(
+    ctx: Context,
+    tokens: np.ndarray,
+    n_parallel: int,
+    n_predict: int,
+    chains: list[Sampler],
+    shared: bool,
+    shared_prompt: bool | None,
+) -> list[ParallelResult]:
+    model = ctx.model
     seqs = list(range(n_parallel))
+    results = [
+        ParallelResult(s, sampler=c.describe(), seed=c.get_seed(), shared_sampler=shared) for s, c in zip(seqs, chains)
+    ]
+    ptrs = [c.ptr for c in chains]  # raises for a closed chain; the chains stay referenced till the end
     if shared_prompt is None:
         shared_prompt = bool(ctx.params.kv_unified) or n_parallel == 1
     n_batch = ctx.n_batch
@@ -267,35 +374,42 @@ def generate_parallel(
         ctx.prefill(tokens, 0, 0)
         for s in seqs[1:]:
             ctx.memory.seq_cp(0, s)
-    # every sequence samples its first token from the prompt's last output
-    out_index = {s: len(batch) - 1 for s in seqs}
-    results = {s: ParallelResult(s) for s in seqs}
-    live = list(seqs)
+    # every sequence samples its first token from the prompt's last output (-1)
+    out_index = [-1] * n_parallel
+    toks_of = [r.tokens for r in results]
+    live = seqs if n_predict > 0 else []
+    if not live:
+        for r in results:
+            r.finish_reason = "n_predict"  # 0 prefills only, as in generate
     pos = int(tokens.size)
-    for _ in range(n_predict):
-        batch.clear()
+    eog, sample, add, decode = _EogIds(model), lib.llama_sampler_sample, batch._add_one, ctx.decode
+    p = batch._p
+    while live:
+        p.n_tokens = 0  # batch.clear()
+        cptr = ctx.ptr
         still = []
         for s in live:
-            tok = sampler.sample(ctx, out_index[s])
-            results[s].tokens.append(tok)
-            if model.is_eog(tok):
+            # the indices are this batch's own output slots, so llama.cpp's index checks cannot fail
+            tok = sample(ptrs[s], cptr, out_index[s])
+            toks = toks_of[s]
+            toks.append(tok)
+            if eog[tok]:
                 results[s].finish_reason = "eog"
-                continue
-            if len(results[s].tokens) >= n_predict:
+            elif len(toks) >= n_predict:
                 results[s].finish_reason = "n_predict"  # its last token is not decoded
-                continue
-            out_index[s] = batch.add(tok, pos, s, logits=True)
-            still.append(s)
+            else:
+                out_index[s] = add(tok, pos, s, True)
+                still.append(s)
         live = still
         if not live:
             break
         try:
-            ctx.decode(batch)
+            decode(batch)
         except KVCacheFullError:
             for s in live:
                 results[s].finish_reason = "ctx_full"
             break
         pos += 1
-    for r in results.values():
-        r.text = model.detokenize([t for t in r.tokens if not model.is_eog(t)])
-    return [results[s] for s in seqs]
+    for r in results:
+        r.text = model.detokenize([t for t in r.tokens if not eog[t]])
+    return results

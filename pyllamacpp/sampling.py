@@ -4,6 +4,7 @@ Build it step by step, in the order the steps run::
 
     Sampler(model).penalties(64, 1.1).top_k(40).top_p(0.95).min_p(0.05).temp(0.8).dist(seed=42)
     Sampler.greedy()
+    Sampler.common(seed=42)   # llama.cpp's common_params_sampling defaults (top_k 40 ... temp 0.8)
 
 A chain must end with a step that picks a token (``greedy`` or ``dist``).
 """
@@ -54,6 +55,26 @@ class Sampler(Owner):
             The new sampler.
         """
         return cls()._add(lib.llama_sampler_init_greedy(), "greedy")
+
+    @classmethod
+    def common(cls, seed: int = lib.LLAMA_DEFAULT_SEED, model: Model | None = None) -> Sampler:
+        """A new chain with the defaults of llama.cpp's ``common_params_sampling`` (llama-cli, server).
+
+        ``top_k(40) -> top_p(0.95) -> min_p(0.05) -> temp(0.8) -> dist(seed)``: the steps of
+        ``common_sampler_init`` that change anything at their defaults (penalties, DRY, typical-p,
+        XTC and top-n-sigma are off there).
+
+        Args:
+            seed: The RNG seed of the ``dist`` step (``LLAMA_DEFAULT_SEED`` draws a random one).
+            model: Kept as :attr:`model`, for steps added later that need the vocabulary.
+
+        Returns:
+            The new sampler.
+
+        Raises:
+            LlamaError: ``llama_sampler_chain_init`` returned NULL.
+        """
+        return cls(model).top_k(40).top_p(0.95).min_p(0.05).temp(0.8).dist(seed)
 
     _what, _free = "sampler", "llama_sampler_free"  # Owner: ptr, closed, close, with-statement
 
@@ -256,5 +277,26 @@ class Sampler(Owner):
         """
         lib.llama_sampler_reset(self.ptr)
 
+    def describe(self) -> str:
+        """The chain's steps in the order they run, e.g. ``"top_k(40) -> temp(0.8) -> dist(42)"``.
+
+        Returns:
+            The steps joined by ``" -> "`` (``"(empty)"`` for a chain without steps).
+        """
+        return " -> ".join(self.steps) or "(empty)"
+
+    def get_seed(self) -> int | None:
+        """The seed of the chain's RNG step (``llama_sampler_get_seed``): for ``dist(LLAMA_DEFAULT_SEED)``
+        the random seed it drew.
+
+        Returns:
+            The seed, or None when no step of the chain has one (e.g. a greedy chain).
+
+        Raises:
+            ClosedError: The sampler is closed.
+        """
+        seed = int(lib.llama_sampler_get_seed(self.ptr))
+        return None if seed == lib.LLAMA_DEFAULT_SEED else seed
+
     def __repr__(self) -> str:
-        return f"<Sampler {' -> '.join(self.steps) or '(empty)'}>"
+        return f"<Sampler {self.describe()}>"

@@ -79,6 +79,93 @@ def test_generate_parallel_equals_each_sequence_alone(model, kv_unified):
         assert r.finished_by == r.finish_reason  # the former name
 
 
+# With flash attention off, llama.cpp's CPU kernels gave identical rows of one batch logits that
+# differ by up to 0.59 (measured); with it on they were bit-identical, so a same-seed draw is too.
+_EXACT = dict(n_ctx=512, kv_unified=True, flash_attn="on", n_threads=2)
+
+
+def test_generate_parallel_seeds_one_chain_per_sequence(model):
+    with model.context(n_seq_max=4, **_EXACT) as ctx:
+        a = pl.generate_parallel(ctx, "Once upon a time", 4, 12, seed=1)
+        ctx.memory.clear()
+        b = pl.generate_parallel(ctx, "Once upon a time", 4, 12, seed=1)
+        ctx.memory.clear()
+        same = pl.generate_parallel(
+            ctx, "Once upon a time", 4, 12, lambda i: pl.Sampler(model).top_k(40).temp(1.0).dist(99)
+        )
+    assert len({tuple(r.tokens) for r in a}) == 4  # different seeds: different continuations
+    assert [r.tokens for r in a] == [r.tokens for r in b]  # the same seeds: the same ones
+    assert len({tuple(r.tokens) for r in same}) == 1  # one seed for all: equal continuations
+    for i, r in enumerate(a):
+        assert r.seed == 1 + i and r.sampler.endswith(f"dist({1 + i})") and not r.shared_sampler
+        assert r.sampler == pl.Sampler.common(1 + i).describe()
+    assert {r.sampler for r in same} == {"top_k(40) -> temp(1.0) -> dist(99)"} and same[0].seed == 99
+
+
+def test_generate_parallel_penalties_never_see_another_sequences_tokens(model):
+    """Sequence 0 has a strong repeat penalty; sequence 1, greedy, repeats the prompt. Sequence 0's
+    output equals the same chain run alone; with one chain shared by both it does not (so the
+    comparison can fail)."""
+    toks = model.tokenize(" ".join(["The cat sat on the mat."] * 3))
+
+    def penalized():
+        return pl.Sampler(model).penalties(64, 1.5).pick_greedy()
+
+    with model.context(n_seq_max=2, **_EXACT) as ctx:
+        own = pl.generate_parallel(ctx, toks, 2, 16, [penalized(), pl.Sampler.greedy()])
+        ctx.memory.clear()
+        shared = pl.generate_parallel(ctx, toks, 2, 16, penalized())
+        ctx.memory.clear()
+        alone = list(pl.generate(ctx, toks, 16, penalized()))
+    repeated = set(own[1].tokens) & set(alone)
+    assert len(repeated) >= 5  # sequence 1 does repeat what the penalty counts in sequence 0
+    assert own[0].tokens == alone
+    assert shared[0].tokens != alone and shared[0].shared_sampler
+    assert own[0].sampler == "penalties(64, 1.5, 0.0, 0.0) -> greedy" and own[1].sampler == "greedy"
+
+
+def test_generate_parallel_sampler_arguments_are_checked(model):
+    with model.context(n_ctx=256, n_seq_max=2, n_threads=2) as ctx:
+        s = pl.Sampler.greedy()
+        with pytest.raises(ValueError, match="a list of 1 samplers for n_parallel=2"):
+            pl.generate_parallel(ctx, "Hi", 2, 2, [s])
+        with pytest.raises(ValueError, match="one Sampler object for several sequences"):
+            pl.generate_parallel(ctx, "Hi", 2, 2, [s, s])
+        with pytest.raises(ValueError, match="one Sampler object for several sequences"):
+            pl.generate_parallel(ctx, "Hi", 2, 2, lambda i: s)
+        with pytest.raises(TypeError, match="not a Sampler"):
+            pl.generate_parallel(ctx, "Hi", 2, 2, [s, "greedy"])
+        with pytest.raises(TypeError, match="must be a Sampler"):
+            pl.generate_parallel(ctx, "Hi", 2, 2, 42)  # type: ignore[arg-type]
+        for spec in ([s, pl.Sampler.greedy()], lambda i: pl.Sampler.greedy(), s):
+            with pytest.raises(ValueError, match="does not combine with sampler="):
+                pl.generate_parallel(ctx, "Hi", 2, 2, spec, seed=3)
+        closed = pl.Sampler.greedy()
+        closed.close()
+        with pytest.raises(pl.ClosedError):
+            pl.generate_parallel(ctx, "Hi", 2, 2, [s, closed])
+        assert ctx.memory.seq_pos_max(0) == -1  # every check came before the prompt's decode
+        r = pl.generate_parallel(ctx, "Hi", 2, 0)
+        assert [x.tokens for x in r] == [[], []] and {x.finish_reason for x in r} == {"n_predict"}
+
+
+def test_generate_parallel_one_shared_sampler_as_examples_batched(model):
+    """One Sampler serves every sequence (examples/batched): greedy gives every sequence the greedy
+    continuation; a shared dist chain draws for all sequences from one RNG."""
+    prompt = model.tokenize("Once upon a time")
+    with model.context(n_seq_max=3, **_EXACT) as ctx:
+        g = pl.Sampler.greedy()
+        res = pl.generate_parallel(ctx, prompt, 3, 8, g)
+        ctx.memory.clear()
+        alone = list(pl.generate(ctx, prompt, 8))
+        ctx.memory.clear()
+        draws = pl.generate_parallel(ctx, prompt, 3, 8, pl.Sampler(model).top_k(40).temp(1.0).dist(99))
+    assert not g.closed  # the caller's chain is not closed
+    assert all(r.tokens == alone and r.shared_sampler and r.sampler == "greedy" for r in res)
+    assert res[0].seed is None and {r.seed for r in draws} == {99}
+    assert len({tuple(r.tokens) for r in draws}) > 1  # one RNG, drawn in turn: not the same draws
+
+
 def test_generate_stops_when_the_context_is_full_and_the_context_goes_on(model):
     """A step that finds no room ends generation with finish_reason "ctx_full" (no exception);
     what was generated up to there is what a roomy context generates, and the context decodes
