@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from . import _log
 from ._lib import ffi, lib
+from ._log import _tls
 from .errors import LlamaError, StateError
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ _new_state_buffer: Callable[[int], np.ndarray] | None = None
 
 
 _ON_DEVICE = lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+_U8 = np.dtype(np.uint8)
 _PARTIAL_ONLY = lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 
@@ -171,6 +173,28 @@ class StateMethods:
             MemoryError: the buffer could not be allocated.
             ClosedError: the context is closed.
         """
+        if out is not None and not flags & _ON_DEVICE:
+            # The fast path: no size query (llama.cpp bounds every write by the size passed and
+            # returns the bytes written, 0 when out is too small), no log capture, no allocation.
+            # Each line here runs with the caches the copy left cold (microseconds each): few lines.
+            h = self._h
+            ptr = h.ptr if h is not None and h.rpc is None else self.ptr  # self.ptr raises or asks RPC
+            if type(seq_id) is not int or not 0 <= seq_id < self._n_seq_max_seen:
+                seq_id = self._seq_checked(seq_id)
+            try:
+                if out.ndim != 1 or (out.dtype is not _U8 and out.dtype != _U8):
+                    raise ValueError(f"a {out.ndim}-D {out.dtype} array")
+                p = ffi.from_buffer(out, require_writable=True)  # raises for read-only, non-contiguous
+            except (AttributeError, ValueError, TypeError) as e:
+                raise ValueError(f"out must be a writable, contiguous 1-D uint8 array ({e})") from None
+            if type(flags) is not int:
+                flags = int(flags)
+            n = lib.llama_state_seq_get_data_ext(ptr, p, out.size, seq_id, flags)
+            if not n:
+                self._seq_state_failed(ptr, seq_id, flags, out)
+            if _tls.errors or _tls.partial:  # a log handler raised inside the C callback
+                _log.raise_pending()
+            return SeqState(out[:n], seq_id, flags)
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         flags = int(flags)
@@ -262,6 +286,32 @@ class StateMethods:
             ValueError: a bad ``seq_id``.
             ClosedError: the context is closed.
         """
+        if not (validate or keep_on_error or flags & _ON_DEVICE):
+            # The fast path (see seq_state's): the blob goes to llama.cpp as it is.
+            h = self._h
+            ptr = h.ptr if h is not None and h.rpc is None else self.ptr  # self.ptr raises or asks RPC
+            if type(seq_id) is not int or not 0 <= seq_id < self._n_seq_max_seen:
+                seq_id = self._seq_checked(seq_id)
+            if self._pending_stream_copies:
+                self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
+            if type(data) is SeqState and not data.flags & _ON_DEVICE:
+                buf = data.data
+                if type(buf) is not np.ndarray or buf.ndim != 1 or buf.dtype is not _U8:
+                    buf = _as_uint8(buf)
+            else:  # an ON_DEVICE SeqState gets the full path's message; any other blob: bytes
+                buf = _as_uint8(data) if not isinstance(data, SeqState) else None
+            if buf is not None:
+                if type(flags) is not int:
+                    flags = int(flags)
+                size = buf.size
+                if not size:
+                    raise StateError("empty state", func="llama_state_seq_set_data_ext")
+                n = lib.pyl_state_seq_set(ptr, ffi.from_buffer(buf), size, seq_id, flags)
+                if not n:
+                    self._seq_set_failed(seq_id)
+                if _tls.errors or _tls.partial:  # a log handler raised inside the C callback
+                    _log.raise_pending()
+                return n
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         if self._pending_stream_copies:
@@ -346,6 +396,49 @@ class StateMethods:
             )
         _log.raise_pending()
         return int(n)
+
+    def _seq_set_failed(self, seq_id: int) -> NoReturn:
+        """After ``llama_state_seq_set_data_ext`` read 0 bytes on the fast path (no backup): the
+        sequence is cleared, as the full path leaves it, and the reason raised."""
+        reason = _log.c_reason()
+        self.memory.seq_rm(seq_id)
+        _log.raise_pending()
+        raise StateError(
+            "llama_state_seq_set_data_ext() read 0 bytes; the sequence is now empty",
+            func="llama_state_seq_set_data_ext",
+            reason=reason,
+        )
+
+    # n_seq_max, once a seq_id was checked against it (_seq_checked): the fast paths compare with it
+    _n_seq_max_seen = 0
+
+    def _seq_checked(self, seq_id: int) -> int:
+        seq_id = self.memory._seq(self, seq_id)  # ValueError outside [0, n_seq_max)
+        self._n_seq_max_seen = self.n_seq_max
+        return seq_id
+
+    def _seq_state_failed(self, ptr: Any, seq_id: int, flags: int, out: np.ndarray) -> NoReturn:
+        """Why ``llama_state_seq_get_data_ext`` into ``out`` wrote 0 bytes, raised: ``out`` too
+        small (llama.cpp stops at its end: "unexpectedly reached end of buffer"), else llama.cpp's
+        logged reason from a second try under a capture."""
+        with _log.capture() as cap:
+            size = lib.llama_state_seq_get_size_ext(ptr, seq_id, flags)
+        if not size:
+            raise StateError(
+                "llama_state_seq_get_size_ext() returned 0", func="llama_state_seq_get_size_ext", reason=cap.reason()
+            )
+        if out.size < size:
+            raise ValueError(
+                f"out holds {out.size} bytes, the state needs {size} "
+                "(llama.cpp wrote part of it into out before it stopped)"
+            )
+        with _log.capture() as cap:  # the same call again, for the reason llama.cpp logs
+            lib.llama_state_seq_get_data_ext(ptr, ffi.from_buffer(out), out.size, seq_id, flags)
+        raise StateError(
+            f"llama_state_seq_get_data_ext() wrote 0 of {size} bytes",
+            func="llama_state_seq_get_data_ext",
+            reason=cap.reason(),
+        )
 
     def _check_device_save(self) -> None:
         """Refuse an ON_DEVICE save that llama.cpp would restore wrong: its device writer

@@ -51,6 +51,8 @@ BUILD = HERE / "build"
 
 PROMPT_DECODE = "Once upon a time"  # greedy runs 256 tokens from it without an end-of-generation token
 PROMPT_PARALLEL = "Hello my name is"  # examples/batched's default prompt
+# workloads whose two sides both run in one Python worker (no native process)
+PYTHON_ONLY = ("text", "state_fast", "llama_cpp_python")
 
 
 def settings(threads: int, n_predict: int, n_parallel_predict: int, text_pairs: int = 3) -> dict[str, dict]:
@@ -70,6 +72,8 @@ def settings(threads: int, n_predict: int, n_parallel_predict: int, text_pairs: 
         "fill": {**common, "n_tokens": 2048, "iters": 5000},
         "state": {**common, "n_tokens": 512, "iters": 20},
         "text": {**common, "n_predict": n_predict, "prompt": PROMPT_DECODE, "pairs": text_pairs},
+        "state_fast": {**common, "n_tokens": 512, "n_short": 32, "pairs": 200},
+        "llama_cpp_python": {**common, "n_tokens": 512, "pairs": 100, "n_predict": n_predict, "prompt": PROMPT_DECODE},
     }
 
 
@@ -361,6 +365,155 @@ def text_workload(model, s: dict) -> dict:
     }
 
 
+def state_fast_workload(model, s: dict) -> dict:
+    """The state fast path against the plain C calls, in this one process, on one context and one
+    reused buffer: ``ctx.seq_state(0, out=buf)`` then ``ctx.set_seq_state(0, st, validate=False,
+    keep_on_error=False)``, against ``lib.llama_state_seq_get_data_ext`` /
+    ``lib.llama_state_seq_set_data_ext`` called with a context pointer and a buffer pointer made
+    once (the C calls themselves, through cffi). ``pairs`` steps of each side, alternating which
+    goes first (c p, p c, ...), for an ``n_tokens``-token sequence and an ``n_short``-token one.
+    Same tensors, same destination, same page offset: what differs is pyllamacpp's Python alone."""
+    import numpy as np
+
+    import pyllamacpp as pl
+
+    lib, ffi = pl.lib, pl.ffi
+    ctx = py_context(model, s)
+    out: dict = {"workload": "state_fast", "flash_attn": flash_attn_verdict(ctx), "pairs": s["pairs"]}
+    get, put, clock = lib.llama_state_seq_get_data_ext, lib.llama_state_seq_set_data_ext, time.perf_counter
+    for key, n_tok in (("", s["n_tokens"]), ("short_", s["n_short"])):
+        ctx.memory.clear()
+        ctx.prefill(synthetic_tokens(n_tok, model.n_vocab))
+        cptr = ctx.ptr
+        size = lib.llama_state_seq_get_size_ext(cptr, 0, 0)
+        buf = np.empty(size, dtype=np.uint8)
+        p = ffi.from_buffer(buf)
+        t: dict[str, list[float]] = {"c_get": [], "c_set": [], "py_get": [], "py_set": []}
+        for it in range(-20, s["pairs"]):
+            for side in ("c", "py") if it % 2 == 0 else ("py", "c"):
+                if side == "c":
+                    t0 = clock()
+                    n = get(cptr, p, size, 0, 0)
+                    t1 = clock()
+                    m = put(cptr, p, size, 0, 0)
+                    t2 = clock()
+                else:
+                    t0 = clock()
+                    st = ctx.seq_state(0, out=buf)
+                    t1 = clock()
+                    m = ctx.set_seq_state(0, st, validate=False, keep_on_error=False)
+                    t2 = clock()
+                    n = len(st)
+                if n != size or m != size:
+                    raise SystemExit(f"state_fast: {side} moved {n} / {m} bytes of {size}")
+                if it >= 0:
+                    t[f"{side}_get"].append(t1 - t0), t[f"{side}_set"].append(t2 - t1)
+        med = statistics.median
+        out[f"{key}n_tokens"], out[f"{key}state_bytes"] = n_tok, size
+        for op in ("get", "set"):
+            c, py = t[f"c_{op}"], t[f"py_{op}"]
+            out[f"{key}c_{op}_us"], out[f"{key}py_{op}_us"] = med(c) * 1e6, med(py) * 1e6
+            out[f"{key}{op}_ratio"] = med(b / a for a, b in zip(c, py))  # the steps' pairs
+    return out
+
+
+def llama_cpp_python_workload(model, s: dict) -> dict:
+    """pyllamacpp against llama-cpp-python (``llama_cpp``, when importable; never a dependency),
+    in this one process on the same libllama when llama_cpp loads it (``LLAMA_CPP_LIB_PATH``):
+
+    - state get into a reused buffer: ``ctx.seq_state(0, out=buf)`` against llama_cpp's ctypes
+      ``llama_state_seq_get_data_ext`` on the same context and buffer (what a llama-cpp-python user
+      calls; its ``Llama.save_state`` copies the whole context into a fresh buffer instead);
+    - decode: ``pl.generate`` (greedy) against ``llama_cpp.Llama.generate`` (temp 0: greedy) on
+      contexts of the same parameters, tokens/s from the first generated token to the last.
+    Alternating, ``pairs`` steps (state) and 2 runs each (decode)."""
+    import ctypes
+
+    import numpy as np
+
+    import pyllamacpp as pl
+
+    try:
+        import llama_cpp
+    except ImportError:
+        return {"workload": "llama_cpp_python", "absent": True}
+    pl._log.install()  # llama_cpp set its own log callback at import: ours again, for both sides
+    ctx = py_context(model, s)
+    out: dict = {
+        "workload": "llama_cpp_python",
+        "version": getattr(llama_cpp, "__version__", "?"),
+        "lib": getattr(getattr(llama_cpp.llama_cpp, "_lib", None), "_name", "?"),  # which libllama it loaded
+    }
+    ctx.prefill(synthetic_tokens(s["n_tokens"], model.n_vocab))
+    size = pl.lib.llama_state_seq_get_size_ext(ctx.ptr, 0, 0)
+    buf = np.empty(size, dtype=np.uint8)
+    cctx = ctypes.c_void_p(int(pl.ffi.cast("uintptr_t", ctx.ptr)))
+    cbuf = (ctypes.c_uint8 * size).from_buffer(buf)
+    lget, clock = llama_cpp.llama_state_seq_get_data_ext, time.perf_counter
+    tl, tp = [], []
+    for it in range(-20, s["pairs"]):
+        for side in ("l", "p") if it % 2 == 0 else ("p", "l"):
+            t0 = clock()
+            n = lget(cctx, cbuf, size, 0, 0) if side == "l" else len(ctx.seq_state(0, out=buf))
+            t1 = clock()
+            if n != size:
+                raise SystemExit(f"llama_cpp_python: {side} wrote {n} of {size} bytes")
+            if it >= 0:
+                (tl if side == "l" else tp).append(t1 - t0)
+    out["lcp_get_us"], out["py_get_us"] = statistics.median(tl) * 1e6, statistics.median(tp) * 1e6
+    out["get_ratio"] = statistics.median(b / a for a, b in zip(tl, tp))
+    del cbuf  # the ctypes array holds buf's buffer
+    ctx.close()
+
+    # decode: each side on its own context of the same parameters
+    tokens = model.tokenize(s["prompt"])
+    ctx = py_context(model, s)
+    sampler = pl.Sampler.greedy()
+    clock_py = DecodeClock(ctx)
+    llm = llama_cpp.Llama(
+        model_path=str(model.path),
+        n_ctx=s["n_ctx"],
+        n_batch=s["n_batch"],
+        n_ubatch=s["n_ubatch"],
+        n_threads=s["threads"],
+        n_threads_batch=s["threads"],
+        flash_attn=flash_attn_verdict(ctx) == "enabled",  # ours resolved "auto"; Llama takes a bool
+        verbose=False,
+    )
+    pl._log.install()  # Llama() may set llama_cpp's log callback again
+
+    def run_lcp(n_predict: int) -> tuple[float, list[int]]:
+        llm.reset()
+        got: list[int] = []
+        t0 = 0.0
+        for tok in llm.generate(tokens.tolist(), temp=0.0, top_k=1, reset=True):
+            if not got:
+                t0 = clock()  # the prompt is decoded and the first token sampled
+            got.append(int(tok))
+            if len(got) >= n_predict or tok == llm.token_eos():
+                break
+        return clock() - t0, got
+
+    def run_py(n_predict: int) -> tuple[float, list[int]]:
+        ctx.memory.clear()
+        sampler.reset()
+        got = [int(x) for x in pl.generate(ctx, tokens, n_predict, sampler)]
+        return clock() - clock_py.calls[-1][0], got
+
+    run_lcp(16), run_py(16)  # warm-up
+    rates: dict[str, list[float]] = {"lcp": [], "py": []}
+    same = set()
+    for k in range(4):
+        side = "py" if (k % 2 == 0) == (k % 4 < 2) else "lcp"
+        tt, got = run_py(s["n_predict"]) if side == "py" else run_lcp(s["n_predict"])
+        rates[side].append((len(got) - 1) / tt)  # tokens after the first, over the time after it
+        same.add(tuple(got))
+    out["lcp_tok_s"], out["py_tok_s"] = statistics.median(rates["lcp"]), statistics.median(rates["py"])
+    out["decode_ratio"] = statistics.median(p / q for p, q in zip(rates["py"], rates["lcp"]))
+    out["same_tokens"] = len(same) == 1
+    return out
+
+
 def worker(workload: str, model_path: str, s: dict) -> dict:
     import numpy as np
 
@@ -392,6 +545,10 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
         }
     if workload == "text":
         return text_workload(model, s)
+    if workload == "state_fast":
+        return state_fast_workload(model, s)
+    if workload == "llama_cpp_python":
+        return llama_cpp_python_workload(model, s)
     if workload == "decode_raw":
         # Diagnostic, not a user API: native_driver.c's loop written with pl.lib calls only, so the
         # cost of a Python process + cffi shows apart from the cost of pyllamacpp's layers.
@@ -700,6 +857,42 @@ def summarize(runs: dict) -> list[dict]:
                     [r[f"inproc_{metric}"] for r in pys],
                 )
             )
+    for key in ("", "short_"):  # the state fast path against the C calls: 512 tokens, short
+        rs = runs.get("state_fast", {}).get("python", [])
+        for op, label in (("get", "seq_state(out=buf)"), ("set", "set_seq_state(validate=False, keep_on_error=False)")):
+            if not rs:
+                break
+            r = row(
+                "state_fast",
+                f"{key}{op}_us",
+                f"state fast path, {label}, {rs[0][f'{key}n_tokens']} tok, one process ('native' = the cffi call)",
+                "µs",
+                "time",
+                "<= 1.02x" if not key else "",
+                [x[f"{key}c_{op}_us"] for x in rs],
+                [x[f"{key}py_{op}_us"] for x in rs],
+            )
+            r["ratio"] = statistics.median(x[f"{key}{op}_ratio"] for x in rs)  # the steps' pairs, in the worker
+            r["met"] = target_met(r["target"], r["python"], r["ratio"])
+            rows.append(r)
+    rs = [x for x in runs.get("llama_cpp_python", {}).get("python", []) if not x.get("absent")]
+    if rs:  # pyllamacpp against llama-cpp-python ('native' column: llama-cpp-python)
+        for metric, lcp, py, label, unit, kind in (
+            ("get_ratio", "lcp_get_us", "py_get_us", "state get into a reused buffer, 512 tok", "µs", "time"),
+            ("decode_ratio", "lcp_tok_s", "py_tok_s", "decode, 1 seq greedy (generate)", "tok/s", "rate"),
+        ):
+            r = row(
+                "llama_cpp_python",
+                metric,
+                f"vs llama-cpp-python {rs[0]['version']}: {label}, one process ('native' = llama-cpp-python)",
+                unit,
+                kind,
+                "",
+                [x[lcp] for x in rs],
+                [x[py] for x in rs],
+            )
+            r["ratio"] = statistics.median(x[metric] for x in rs)
+            rows.append(r)
     if runs.get("text", {}).get("python"):  # Python only: complete(stream=True) against generate
         rs = runs["text"]["python"]
         r = row(
@@ -778,7 +971,7 @@ def main(argv=None) -> int:
         for w in workloads:
             s = all_settings[w]
             sides = ["native", "python"] if rep % 2 == 0 else ["python", "native"]
-            if w == "text":  # both of its sides run in the one Python worker
+            if w in PYTHON_ONLY:  # both of its sides run in the one Python worker
                 sides = ["python"]
             if w == "decode" and a.raw_cffi:  # the diagnostic third side, in the rotation
                 sides = sides + ["python_raw"] if rep % 3 != 1 else ["python_raw"] + sides
@@ -874,6 +1067,23 @@ def main(argv=None) -> int:
                 "context, alternating with seq_state + set_seq_state, "
                 f"{3 * all_settings['state']['iters']} steps each per run; its malloc page offsets "
                 f"{sorted({o for r in runs['state']['python'] for o in r['inproc_native_page_offsets']})}"
+            )
+    if runs.get("state_fast", {}).get("python"):
+        r0 = runs["state_fast"]["python"][0]
+        notes.append(
+            f"state fast path: {r0['pairs']} steps (get + set) per side per worker, alternating, in one process on "
+            f"one context and one reused buffer ({r0['state_bytes']} and {r0['short_state_bytes']} bytes); "
+            "'native' = lib.llama_state_seq_get_data_ext / set_data_ext with pointers made once; "
+            "ratio = median of the steps' paired ratios"
+        )
+    if "llama_cpp_python" in runs:
+        lcp = runs["llama_cpp_python"]["python"]
+        if not lcp or lcp[0].get("absent"):
+            notes.append("llama-cpp-python: not importable (import llama_cpp failed): its rows skipped")
+        else:
+            notes.append(
+                f"llama-cpp-python {lcp[0]['version']} ({lcp[0].get('lib', '?')}): decode tokens "
+                + ("identical" if all(x["same_tokens"] for x in lcp) else "DIFFER")
             )
     notes.append(
         "Python / native: median over repeats of the ratio of the two back-to-back runs; rates (tok/s): "
