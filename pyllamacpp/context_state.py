@@ -23,6 +23,7 @@ from .errors import LlamaError, StateError
 if TYPE_CHECKING:
     import weakref
 
+    from ._handle import Handle
     from .memory import Memory
     from .model import Model
     from .params import ContextParams
@@ -138,6 +139,7 @@ class StateMethods:
         _state_token: object
         _kv_row_bytes: tuple[int, int] | None
         _plain_kv: bool
+        _h: Handle | None
 
         @property
         def ptr(self) -> Any: ...
@@ -286,7 +288,10 @@ class StateMethods:
             ValueError: a bad ``seq_id``.
             ClosedError: the context is closed.
         """
-        if not (validate or keep_on_error or flags & _ON_DEVICE):
+        # an ON_DEVICE state takes the full path, which checks it against what this context saved
+        if not (
+            validate or keep_on_error or flags & _ON_DEVICE or (isinstance(data, SeqState) and data.flags & _ON_DEVICE)
+        ):
             # The fast path (see seq_state's): the blob goes to llama.cpp as it is.
             h = self._h
             ptr = h.ptr if h is not None and h.rpc is None else self.ptr  # self.ptr raises or asks RPC
@@ -294,24 +299,25 @@ class StateMethods:
                 seq_id = self._seq_checked(seq_id)
             if self._pending_stream_copies:
                 self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
-            if type(data) is SeqState and not data.flags & _ON_DEVICE:
-                buf = data.data
-                if type(buf) is not np.ndarray or buf.ndim != 1 or buf.dtype is not _U8:
-                    buf = _as_uint8(buf)
-            else:  # an ON_DEVICE SeqState gets the full path's message; any other blob: bytes
-                buf = _as_uint8(data) if not isinstance(data, SeqState) else None
-            if buf is not None:
-                if type(flags) is not int:
-                    flags = int(flags)
-                size = buf.size
-                if not size:
-                    raise StateError("empty state", func="llama_state_seq_set_data_ext")
-                n = lib.pyl_state_seq_set(ptr, ffi.from_buffer(buf), size, seq_id, flags)
-                if not n:
-                    self._seq_set_failed(seq_id)
-                if _tls.errors or _tls.partial:  # a log handler raised inside the C callback
-                    _log.raise_pending()
-                return n
+            buf = data.data if type(data) is SeqState else data
+            if type(buf) is not np.ndarray or buf.ndim != 1 or buf.dtype is not _U8:
+                buf = _as_uint8(buf)  # any bytes-like or array, as uint8
+            if type(flags) is not int:
+                flags = int(flags)
+            size = buf.size
+            if not size:
+                raise StateError("empty state", func="llama_state_seq_set_data_ext")
+            try:
+                p = ffi.from_buffer(buf)
+            except ValueError:  # not contiguous: a contiguous copy
+                buf = _as_uint8(buf)
+                p = ffi.from_buffer(buf)
+            n = lib.pyl_state_seq_set(ptr, p, size, seq_id, flags)
+            if not n:
+                self._seq_set_failed(seq_id)
+            if _tls.errors or _tls.partial:  # a log handler raised inside the C callback
+                _log.raise_pending()
+            return n
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         if self._pending_stream_copies:

@@ -1,0 +1,176 @@
+"""The state fast path: ``seq_state(seq_id, out=buf)`` and ``set_seq_state(seq_id, data,
+validate=False, keep_on_error=False)`` with a reused buffer (one C call each, no size query, no
+log capture). Behaviour only; the speed is measured by ``tools/bench/bench_core.py -w state_fast``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyllamacpp as pl
+from pyllamacpp.errors import ClosedError, StateError
+
+PROMPT = "The cat sat on the mat."
+FILL = 0xAB  # what the buffers hold before a call: a byte llama.cpp's dump does not start with
+
+
+@pytest.fixture
+def fa_off(model):
+    """flash attention off: a reload into the same cells gives bit-identical logits (see
+    LLAMA_CPP_FACTS.md, placement); 2 sequences so a failed load can leave another one intact."""
+    with model.context(n_ctx=256, n_seq_max=2, kv_unified=True, flash_attn="off", n_threads=2) as c:
+        yield c
+
+
+def _dump(ctx, seq_id=0) -> bytes:
+    return bytes(ctx.seq_state(seq_id))
+
+
+def test_out_returns_a_view_over_the_buffer_and_leaves_the_rest_alone(model, fa_off):
+    ctx = fa_off
+    ctx.prefill(model.tokenize(PROMPT))
+    ref = _dump(ctx)
+    buf = np.full(3 * len(ref), FILL, np.uint8)  # room for the longer dump below
+    st = ctx.seq_state(0, out=buf)
+    assert isinstance(st, pl.SeqState) and st.seq_id == 0 and st.flags == 0
+    assert len(st) == len(ref) and bytes(st) == ref
+    assert np.shares_memory(st.data, buf) and st.data.ctypes.data == buf.ctypes.data  # a view at its start
+    assert (buf[len(ref) :] == FILL).all()  # nothing written past the state
+    # reused: the next dump goes into the same memory, and the earlier view sees it
+    ctx.prefill(model.tokenize(" It was happy."))
+    st2 = ctx.seq_state(0, out=buf)
+    assert len(st2) > len(st) and np.shares_memory(st2.data, st.data)
+    assert bytes(st2) == _dump(ctx)
+
+
+def test_a_too_small_out_raises_with_both_sizes_and_writes_nothing_past_it(model, fa_off):
+    ctx = fa_off
+    ctx.prefill(model.tokenize(PROMPT))
+    size = len(_dump(ctx))
+    for n in (10, 1000, size - 1):
+        big = np.full(size + 256, FILL, np.uint8)
+        out = big[:n]  # a view of a larger array: llama.cpp must stop at out's end
+        with pytest.raises(ValueError, match=rf"out holds {n} bytes, the state needs {size}"):
+            ctx.seq_state(0, out=out)
+        assert (big[n:] == FILL).all()
+    # the context is unharmed: the same dump again, into a buffer that fits
+    assert bytes(ctx.seq_state(0, out=np.empty(size, np.uint8))) == _dump(ctx)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda n: np.zeros(n, np.int8),  # another dtype
+        lambda n: np.zeros(n // 4 + 1, np.uint32),
+        lambda n: np.zeros((2, n), np.uint8),  # 2-D
+        lambda n: np.zeros(2 * n, np.uint8)[::2],  # not contiguous
+        lambda n: bytearray(n),  # not a numpy array
+    ],
+    ids=["int8", "uint32", "2-D", "strided", "bytearray"],
+)
+def test_out_of_the_wrong_kind_raises_before_any_copy(model, fa_off, bad):
+    ctx = fa_off
+    ctx.prefill(model.tokenize(PROMPT))
+    out = bad(len(_dump(ctx)))
+    before = bytes(memoryview(np.ascontiguousarray(out)).cast("B")) if isinstance(out, np.ndarray) else bytes(out)
+    with pytest.raises(ValueError, match="writable, contiguous 1-D uint8"):
+        ctx.seq_state(0, out=out)
+    after = bytes(memoryview(np.ascontiguousarray(out)).cast("B")) if isinstance(out, np.ndarray) else bytes(out)
+    assert after == before
+
+
+def test_a_read_only_out_raises(model, fa_off):
+    ctx = fa_off
+    ctx.prefill(model.tokenize(PROMPT))
+    out = np.zeros(len(_dump(ctx)), np.uint8)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        ctx.seq_state(0, out=out)
+    assert not out.any()
+
+
+def test_a_bad_seq_id_raises_on_both_paths(model, fa_off):
+    ctx = fa_off
+    ctx.prefill(model.tokenize(PROMPT))
+    st = ctx.seq_state(0, out=np.empty(len(_dump(ctx)), np.uint8))
+    for seq in (2, -1, 99):
+        with pytest.raises(ValueError, match="n_seq_max"):
+            ctx.seq_state(seq, out=st.data)
+        with pytest.raises(ValueError, match="n_seq_max"):
+            ctx.set_seq_state(seq, st, validate=False, keep_on_error=False)
+    assert ctx.seq_state(np.int64(0), out=np.empty(len(st), np.uint8)).seq_id == 0  # numpy ints are fine
+
+
+def test_fast_set_round_trips_to_identical_next_token_logits(model, fa_off):
+    ctx = fa_off
+    toks = model.tokenize(PROMPT)
+    nxt = model.tokenize(" It")[:1]
+    ctx.prefill(toks)
+    buf = np.empty(len(_dump(ctx)) + 100, np.uint8)
+    st = ctx.seq_state(0, out=buf)
+    saved = st.data.copy()
+    ctx.prefill(nxt)
+    want = ctx.logits(-1).copy()
+
+    ctx.memory.clear()  # emptied, then loaded on the fast path from the reused buffer
+    assert ctx.set_seq_state(0, st, validate=False, keep_on_error=False) == len(saved)
+    assert ctx.memory.seq_pos_max(0) == toks.size - 1
+    ctx.prefill(nxt)
+    np.testing.assert_array_equal(ctx.logits(-1), want)  # bit-identical with flash attention off
+
+    # into the occupied sequence, from plain bytes and from a uint8 array that is not a SeqState
+    ctx.memory.seq_rm(0, toks.size, -1)
+    for blob in (bytes(saved), saved, memoryview(saved)):
+        assert ctx.set_seq_state(0, blob, validate=False, keep_on_error=False) == len(saved)
+        ctx.prefill(nxt)
+        np.testing.assert_array_equal(ctx.logits(-1), want)
+        ctx.memory.seq_rm(0, toks.size, -1)
+
+
+def test_a_bad_blob_on_the_fast_path_raises_and_empties_only_that_sequence(model, fa_off):
+    ctx = fa_off
+    toks = model.tokenize(PROMPT)
+    ctx.prefill(toks, seq_id=0)
+    ctx.prefill(toks[:3], seq_id=1)
+    good = ctx.seq_state(0, out=np.empty(len(_dump(ctx)), np.uint8)).data.copy()
+    other = _dump(ctx, 1)
+    for bad, why in (
+        (good[: good.size // 2], "failed to restore kv cache"),  # cut in the middle of the K rows
+        (np.concatenate([np.zeros(4, np.uint8), good[4:]]), "wrong sequence state magic"),
+    ):
+        with pytest.raises(StateError, match="read 0 bytes; the sequence is now empty") as e:
+            ctx.set_seq_state(0, bad, validate=False, keep_on_error=False)
+        assert why in (e.value.reason or "")
+        # llama.cpp may have cleared cells before it failed; the fast path leaves the sequence empty
+        assert ctx.memory.seq_pos_max(0) == -1 and ctx.memory.seq_pos_min(0) == -1
+        assert _dump(ctx, 1) == other  # the other sequence is as it was
+        # the context is usable: the good blob loads, and decoding continues from it
+        assert ctx.set_seq_state(0, good, validate=False, keep_on_error=False) == good.size
+        assert ctx.memory.seq_pos_max(0) == toks.size - 1
+    ctx.prefill(model.tokenize(" It")[:1], seq_id=0)
+    assert np.isfinite(ctx.logits(-1)).all()
+    with pytest.raises(StateError, match="empty state"):
+        ctx.set_seq_state(0, b"", validate=False, keep_on_error=False)
+
+
+def test_the_default_set_still_keeps_the_sequence_on_a_bad_blob(model, fa_off):
+    # the fast path is opt-in: keep_on_error=True (the default) puts an occupied sequence back
+    ctx = fa_off
+    ctx.prefill(model.tokenize(PROMPT))
+    good = _dump(ctx)
+    with pytest.raises(StateError, match="unchanged"):
+        ctx.set_seq_state(0, np.frombuffer(good, np.uint8)[: len(good) // 2], validate=False)
+    assert _dump(ctx) == good
+
+
+def test_use_after_close_raises(model):
+    ctx = model.context(n_ctx=256, n_threads=2)
+    ctx.prefill(model.tokenize(PROMPT))
+    buf = np.empty(len(_dump(ctx)), np.uint8)
+    st = ctx.seq_state(0, out=buf)
+    ctx.close()
+    with pytest.raises(ClosedError):
+        ctx.seq_state(0, out=buf)
+    with pytest.raises(ClosedError):
+        ctx.set_seq_state(0, st, validate=False, keep_on_error=False)
+    assert bytes(st)  # the view is over the caller's buffer: still readable
