@@ -374,23 +374,27 @@ def _parallel(
         ctx.prefill(tokens, 0, 0)
         for s in seqs[1:]:
             ctx.memory.seq_cp(0, s)
-    # every sequence samples its first token from the prompt's last output (-1)
-    out_index = [-1] * n_parallel
     toks_of = [r.tokens for r in results]
     live = seqs if n_predict > 0 else []
     if not live:
         for r in results:
             r.finish_reason = "n_predict"  # 0 prefills only, as in generate
     pos = int(tokens.size)
-    eog, sample, add, decode = _EogIds(model), lib.llama_sampler_sample, batch._add_one, ctx.decode
-    p = batch._p
+    # Each step's batch holds one token per live sequence, in seq id order: slot k is live[k], so
+    # the sequence's output index in the next step is k. Written through the batch's numpy views,
+    # a few vectorized writes per step (Batch.add per token cost more than the rest of a step).
+    p, tok_view, pos_view, seq_col = batch._p, batch._token, batch._pos, batch._seq[:, 0]
+    batch._n_seq_id[:n_parallel] = 1
+    batch._logits[:n_parallel] = 1
+    eog, sample, decode = _EogIds(model), lib.llama_sampler_sample, ctx.decode
+    stepped = False  # the first tokens all come from the prompt's last output (-1)
     while live:
-        p.n_tokens = 0  # batch.clear()
         cptr = ctx.ptr
-        still = []
-        for s in live:
-            # the indices are this batch's own output slots, so llama.cpp's index checks cannot fail
-            tok = sample(ptrs[s], cptr, out_index[s])
+        still: list[int] = []
+        step_toks: list[int] = []
+        for k, s in enumerate(live):
+            # the indices are the last batch's own output slots, so llama.cpp's index checks cannot fail
+            tok = sample(ptrs[s], cptr, k if stepped else -1)
             toks = toks_of[s]
             toks.append(tok)
             if eog[tok]:
@@ -398,17 +402,23 @@ def _parallel(
             elif len(toks) >= n_predict:
                 results[s].finish_reason = "n_predict"  # its last token is not decoded
             else:
-                out_index[s] = add(tok, pos, s, True)
+                step_toks.append(tok)
                 still.append(s)
         live = still
         if not live:
             break
+        n = len(live)
+        tok_view[:n] = step_toks
+        pos_view[:n] = pos
+        seq_col[:n] = live
+        p.n_tokens = n
         try:
             decode(batch)
         except KVCacheFullError:
             for s in live:
                 results[s].finish_reason = "ctx_full"
             break
+        stepped = True
         pos += 1
     for r in results:
         r.text = model.detokenize([t for t in r.tokens if not eog[t]])
