@@ -30,7 +30,12 @@ if TYPE_CHECKING:
 
 
 class StateFlags(enum.IntFlag):
-    """``LLAMA_STATE_SEQ_FLAGS_*`` (values from the header of this build)."""
+    """``llama_state_seq_flags``: the ``LLAMA_STATE_SEQ_FLAGS_*`` values from the header of this
+    build, for ``seq_state`` and ``set_seq_state``.
+
+    ``PARTIAL_ONLY`` (``SWA_ONLY`` is its old name): only the memory's partial part (an iSWA
+    cache's swa part, a hybrid memory's recurrent part). ``ON_DEVICE``: the rows stay in llama.cpp
+    (``mem_storage``), the dump holds only the metadata."""
 
     NONE = lib.LLAMA_STATE_SEQ_FLAGS_NONE
     PARTIAL_ONLY = lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # == SWA_ONLY (its old name)
@@ -40,9 +45,18 @@ class StateFlags(enum.IntFlag):
 
 @dataclasses.dataclass
 class SeqState:
-    """One sequence's state as ``llama_state_seq_get_data_ext`` wrote it: bytes you own.
+    """One sequence's state as ``llama_state_seq_get_data_ext`` wrote it.
 
-    Picklable; restore with ``ctx.set_seq_state(seq_id, state)``."""
+    Picklable; restore with ``ctx.set_seq_state(seq_id, state)``. ``len()`` is its size in bytes,
+    ``bytes()`` a copy, and it exports the buffer protocol (Python >= 3.12).
+
+    Attributes:
+        data: the dump, a 1-D uint8 array: read-only memory the state owns (``seq_state()``), or a
+            view of the caller's buffer (``seq_state(out=buf)``: the next dump into ``buf``
+            overwrites it).
+        seq_id: the sequence it was taken from.
+        flags: the ``StateFlags`` it was taken with.
+    """
 
     data: np.ndarray  # uint8
     seq_id: int
@@ -53,9 +67,11 @@ class SeqState:
     _made: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
+        """The dump's size in bytes."""
         return int(self.data.size)
 
     def __bytes__(self) -> bytes:
+        """A copy of the dump."""
         return self.data.tobytes()
 
     def __buffer__(self, flags):  # Python >= 3.12 buffer protocol
@@ -153,25 +169,37 @@ class StateMethods:
         def n_seq_max(self) -> int: ...
 
     def seq_state(self, seq_id: int, flags: int = 0, *, out: np.ndarray | None = None) -> SeqState:
-        """``llama_state_seq_get_size_ext`` + ``llama_state_seq_get_data_ext``: one copy into
-        a buffer you own (a read-only numpy array over memory from ``malloc``, freed with its last
-        view; both calls and the allocation are one C call, ``pyl_state_seq_get``).
+        """Dump one sequence's state: ``llama_state_seq_get_size_ext`` +
+        ``llama_state_seq_get_data_ext``.
+
+        Without ``out``: one copy into a buffer the state owns (a read-only numpy array over
+        memory from ``malloc``, freed with its last view; the size query, the allocation and the
+        copy are one C call, ``pyl_state_seq_get``).
+
+        With ``out`` (the fast path, for loops that dump again and again): one
+        ``llama_state_seq_get_data_ext`` call into ``out`` with ``out.size`` as the size, and no
+        size query, allocation or log capture. llama.cpp bounds every write by that size and
+        returns the bytes written, so nothing past ``out`` is touched; when ``out`` is too small
+        it stops ("unexpectedly reached end of buffer", logged at ERROR), returns 0, and this
+        raises ``ValueError`` with both sizes; the part of ``out`` it had reached by then holds
+        a partial dump. The state is ``out[:n]``, a view (writable, so ``set_seq_state`` checks
+        it like any blob unless told ``validate=False``); bytes of ``out`` past it are unchanged.
 
         Args:
             seq_id: the sequence to dump (checked against the context's ``n_seq_max``).
-            flags: ``StateFlags`` (``PARTIAL_ONLY``, ``ON_DEVICE``).
-            out: a writable uint8 array to reuse (at least the state's size): no fresh
-                allocation, hence no page faults, for loops that dump again and again. The state
-                is then ``out[:size]`` (writable, so ``set_seq_state`` checks it like any blob).
+            flags: ``StateFlags`` (``PARTIAL_ONLY``, ``ON_DEVICE``; ``ON_DEVICE`` with ``out``
+                takes the checked path).
+            out: a writable, C-contiguous 1-D uint8 array to reuse, at least the state's size.
 
         Returns:
             A ``SeqState``: the bytes (``.data``), ``seq_id`` and ``flags``.
 
         Raises:
-            StateError: llama.cpp returned a size of 0 or wrote fewer bytes than it announced, or
-                ``ON_DEVICE`` was asked of a quantized cache.
-            ValueError: a bad ``seq_id``, or an ``out`` that is not a big enough writable,
-                contiguous 1-D uint8 array.
+            StateError: llama.cpp returned a size of 0 or wrote 0 bytes or fewer than it
+                announced (with the reason it logged), or ``ON_DEVICE`` was asked of a quantized
+                cache.
+            ValueError: a bad ``seq_id``, or an ``out`` that is not a writable, contiguous 1-D
+                uint8 array or is too small for the state.
             MemoryError: the buffer could not be allocated.
             ClosedError: the context is closed.
         """
@@ -258,7 +286,7 @@ class StateMethods:
         validate: bool = True,
         keep_on_error: bool = True,
     ) -> int:
-        """``llama_state_seq_set_data_ext``: load a sequence state into ``seq_id``.
+        """Load a sequence state into ``seq_id``: ``llama_state_seq_set_data_ext``.
 
         The blob is first parsed and checked against this context (:meth:`check_state`; skip with
         ``validate=False`` to see what llama.cpp itself does). Raises :class:`StateError` when the
@@ -272,6 +300,13 @@ class StateMethods:
         memory's partial part (an iSWA cache's swa part, a hybrid memory's recurrent part) and
         leaves the rest of the sequence as it was.
 
+        ``validate=False, keep_on_error=False`` (without ``ON_DEVICE``) is the fast path: the
+        blob goes to llama.cpp in one call, with no parse, no occupancy query and no backup.
+        llama.cpp's own reader still checks what it reads (magic, stream count, cell count,
+        layer count, K/V types and row sizes, the end of the buffer) and returns 0 on a mismatch; the
+        sequence is then empty. Give it only blobs you trust to come from a context like this
+        one: llama.cpp's checks are not :meth:`check_state`'s.
+
         Args:
             seq_id: the sequence to load into.
             data: a ``SeqState``, bytes-like or uint8 array holding a sequence dump.
@@ -284,7 +319,9 @@ class StateMethods:
             The number of bytes llama.cpp read.
 
         Raises:
-            StateError: the blob does not fit this context, or llama.cpp read 0 bytes.
+            StateError: the blob is empty or does not fit this context, llama.cpp read 0 bytes
+                (with the reason it logged, and whether the sequence is unchanged or empty), or a
+                cross-stream ``seq_cp`` into ``seq_id`` is still queued.
             ValueError: a bad ``seq_id``.
             ClosedError: the context is closed.
         """
@@ -547,12 +584,26 @@ class StateMethods:
         return written_parts(memory, True) != written_parts(memory, False)
 
     def check_state(self, data: SeqState | npt.ArrayLike, *, kind: str = "sequence", flags: int = 0) -> None:
-        """Parse a state blob with :mod:`pyllamacpp.state` and check it against this context before
-        anything reaches C: dump kind, the memory parts llama.cpp will read with ``flags``
-        (``StateFlags.PARTIAL_ONLY``: an iSWA cache reads only its swa part, a hybrid memory only
-        its recurrent part), streams (``kv_unified``), layer counts, K/V types, row sizes, V layout
-        (flash attention), cell count, sequence ids. Raises :class:`StateError` naming what does
-        not match. (Used by ``set_seq_state`` and ``set_state``.)"""
+        """Check a state blob against this context before anything reaches C.
+
+        Parses it with :mod:`pyllamacpp.state` (no llama.cpp call) and compares: dump kind, the
+        memory parts llama.cpp will read with ``flags`` (``StateFlags.PARTIAL_ONLY``: an iSWA
+        cache reads only its swa part, a hybrid memory only its recurrent part), streams
+        (``kv_unified``), layer counts, K/V types, row sizes, V layout (flash attention), cell
+        count, sequence ids: what ``llama_state_seq_set_data_ext`` / ``llama_state_set_data``
+        would read. Used by ``set_seq_state`` and ``set_state``.
+
+        Args:
+            data: a ``SeqState``, bytes-like or uint8 array.
+            kind: ``"sequence"`` (a ``llama_state_seq_get_data_ext`` dump) or ``"context"`` (a
+                ``llama_state_get_data`` one).
+            flags: the ``StateFlags`` it will be loaded with.
+
+        Raises:
+            StateError: the blob does not parse (the offset and what was being read), is of the
+                other kind, is a metadata-only (``ON_DEVICE``) dump, or does not fit this
+                context (the message names what does not match).
+        """
         from . import state as st
         from .params import ggml_type_name
 
@@ -699,8 +750,26 @@ class StateMethods:
     def save_seq_state(
         self, path: str | os.PathLike, seq_id: int, tokens: npt.ArrayLike = (), *, sidecar: bool = False
     ) -> int:
-        """``llama_state_seq_save_file`` (written to a temporary file, then renamed); with
-        ``sidecar=True`` also ``path + ".json"`` (:meth:`sidecar_facts`)."""
+        """Save one sequence's state and ``tokens`` to a file: ``llama_state_seq_save_file``.
+
+        Written to a temporary name beside ``path``, then renamed: a failed save leaves an
+        earlier file as it was.
+
+        Args:
+            path: the file to write.
+            seq_id: the sequence to save.
+            tokens: token ids stored in the file with it (``load_seq_state`` returns them).
+            sidecar: also write ``path + ".json"`` (:meth:`sidecar_facts`), which
+                ``pyllamacpp.state`` uses to read the dump without the model.
+
+        Returns:
+            The number of bytes written.
+
+        Raises:
+            OSError: llama.cpp could not write the file (with the reason it logged).
+            ValueError: a bad ``seq_id``.
+            ClosedError: the context is closed.
+        """
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         toks = np.ascontiguousarray(tokens, dtype=np.int32)
@@ -719,7 +788,23 @@ class StateMethods:
         return int(n)
 
     def load_seq_state(self, path: str | os.PathLike, seq_id: int, max_tokens: int | None = None) -> np.ndarray:
-        """``llama_state_seq_load_file`` into ``seq_id``; returns the tokens stored in the file."""
+        """Load one sequence's state from a file into ``seq_id``: ``llama_state_seq_load_file``.
+
+        Args:
+            path: a file ``save_seq_state`` (``llama_state_seq_save_file``) wrote.
+            seq_id: the sequence to load into.
+            max_tokens: room for the stored tokens (default ``n_ctx``).
+
+        Returns:
+            The token ids stored in the file (a copy).
+
+        Raises:
+            FileNotFoundError: no such file.
+            StateError: llama.cpp could not load it (with the reason it logged), or a
+                cross-stream ``seq_cp`` into ``seq_id`` is still queued.
+            ValueError: a bad ``seq_id``.
+            ClosedError: the context is closed.
+        """
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         self._check_no_pending_copy(seq_id, "llama_state_seq_load_file")
@@ -741,7 +826,15 @@ class StateMethods:
         return toks[: count[0]].copy()
 
     def state(self) -> np.ndarray:
-        """``llama_state_get_size`` + ``llama_state_get_data``: the whole context's state."""
+        """The whole context's state: ``llama_state_get_size`` + ``llama_state_get_data``.
+
+        Returns:
+            A new uint8 array holding the dump (outputs, memory of every sequence).
+
+        Raises:
+            StateError: llama.cpp wrote fewer bytes than it announced.
+            ClosedError: the context is closed.
+        """
         ptr = self.ptr
         size = lib.llama_state_get_size(ptr)
         out = np.empty(size, dtype=np.uint8)
@@ -751,7 +844,23 @@ class StateMethods:
         return out
 
     def set_state(self, data: npt.ArrayLike) -> int:
-        """``llama_state_set_data``: load a whole-context state."""
+        """Load a whole-context state: ``llama_state_set_data``.
+
+        The blob is checked first (:meth:`check_state` with ``kind="context"``).
+
+        Args:
+            data: a dump :meth:`state` (``llama_state_get_data``) made, bytes-like or uint8 array.
+
+        Returns:
+            The number of bytes llama.cpp read.
+
+        Raises:
+            StateError: the blob does not fit this context, llama.cpp read 0 bytes (with the
+                reason it logged), or a cross-stream ``seq_cp`` is still queued.
+            LlamaError: output views (``logits()``...) are alive: the load may reallocate the
+                buffer they point into.
+            ClosedError: the context is closed.
+        """
         ptr = self.ptr
         self._check_no_pending_copy(None, "llama_state_set_data")
         buf = _as_uint8(data)
@@ -770,7 +879,17 @@ class StateMethods:
         return int(n)
 
     def save_state(self, path: str | os.PathLike, tokens: npt.ArrayLike = ()) -> None:
-        """``llama_state_save_file`` (session file; temporary file, then renamed)."""
+        """Save the whole context's state and ``tokens`` to a session file:
+        ``llama_state_save_file`` (to a temporary name beside ``path``, then renamed).
+
+        Args:
+            path: the file to write.
+            tokens: token ids stored in the file (``load_state`` returns them).
+
+        Raises:
+            OSError: llama.cpp could not write the file (with the reason it logged).
+            ClosedError: the context is closed.
+        """
         ptr = self.ptr
         toks = np.ascontiguousarray(tokens, dtype=np.int32)
         path = Path(path)
@@ -781,7 +900,22 @@ class StateMethods:
                 raise OSError(f"llama_state_save_file() could not write {path}: {cap.reason() or 'failed'}")
 
     def load_state(self, path: str | os.PathLike, max_tokens: int | None = None) -> np.ndarray:
-        """``llama_state_load_file``; returns the tokens stored in the session file."""
+        """Load the whole context's state from a session file: ``llama_state_load_file``.
+
+        Args:
+            path: a file ``save_state`` (``llama_state_save_file``) wrote.
+            max_tokens: room for the stored tokens (default ``n_ctx``).
+
+        Returns:
+            The token ids stored in the file (a copy).
+
+        Raises:
+            FileNotFoundError: no such file.
+            StateError: llama.cpp could not load it (with the reason it logged), or a
+                cross-stream ``seq_cp`` is still queued.
+            LlamaError: output views are alive (the load may reallocate their buffer).
+            ClosedError: the context is closed.
+        """
         ptr = self.ptr
         if not Path(path).is_file():
             raise FileNotFoundError(path)
@@ -807,7 +941,9 @@ class StateMethods:
     # -- self-describing dumps ------------------------------------------------------------------
     @property
     def flash_attn(self) -> bool:
-        """Whether flash attention is on (``"auto"`` resolved as llama.cpp logged it)."""
+        """Whether flash attention is on: ``"auto"`` resolved as llama.cpp logged it when the
+        context was created (``llama_init_from_model``), else the ``flash_attn_type`` asked for.
+        It decides the V layout of a dump (``v_trans``)."""
         for _, text in self.creation_log:
             if "Flash Attention enabled" in text:
                 return True
@@ -816,8 +952,21 @@ class StateMethods:
         return self.params.flash_attn_type == lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
 
     def sidecar_facts(self, tokens: npt.ArrayLike | None = None, *, flags: int = 0) -> dict:
-        """What a dump of this context does not say about itself (see ``pyllamacpp.state`` sidecars);
-        ``flags``: the ``llama_state_seq_flags`` the dump is made with (PARTIAL_ONLY, ON_DEVICE)."""
+        """What a dump of this context does not say about itself, for a ``pyllamacpp.state``
+        sidecar: model name and sha256 prefix, architecture, layer map, head sizes, K/V types,
+        flash attention, ``kv_unified``, ``n_ctx``, the llama.cpp commit. No llama.cpp call
+        beyond the model's metadata (``llama_model_meta_val_str``).
+
+        Args:
+            tokens: the token ids the dump holds, recorded when given.
+            flags: the ``llama_state_seq_flags`` the dump is made with (PARTIAL_ONLY, ON_DEVICE).
+
+        Returns:
+            A JSON-ready dict (``pyllamacpp.state.write_sidecar`` takes it as keywords).
+
+        Raises:
+            ClosedError: the context or its model is closed.
+        """
         from ._lib import EXTENSION_INFO
         from .params import ggml_type_name
         from .state import model_facts
@@ -859,9 +1008,26 @@ class StateMethods:
         tokens: npt.ArrayLike | None = None,
         sidecar: bool = True,
     ) -> int:
-        """Write ``seq_state(seq_id, flags)`` (raw ``llama_state_seq_get_data_ext`` bytes) to ``path``
-        atomically, and ``path + ".json"`` with :meth:`sidecar_facts` (``flags`` included, so
-        ``parse`` reads a PARTIAL_ONLY dump as one) unless ``sidecar=False``."""
+        """Write ``seq_state(seq_id, flags)`` (the raw ``llama_state_seq_get_data_ext`` bytes,
+        no file header) to ``path``, atomically (a temporary name, then renamed).
+
+        Args:
+            path: the file to write.
+            seq_id: the sequence to dump.
+            flags: ``StateFlags`` for the dump (recorded in the sidecar, so ``parse`` reads a
+                PARTIAL_ONLY dump as one).
+            tokens: token ids recorded in the sidecar.
+            sidecar: also write ``path + ".json"`` with :meth:`sidecar_facts`.
+
+        Returns:
+            The dump's size in bytes.
+
+        Raises:
+            StateError: as :meth:`seq_state`.
+            OSError: the file could not be written.
+            ValueError: a bad ``seq_id``.
+            ClosedError: the context is closed.
+        """
         state = self.seq_state(seq_id, flags)
         with _replacing(Path(path)) as tmp, open(tmp, "wb") as f:
             f.write(memoryview(state.data))  # type: ignore[arg-type]  # numpy types __buffer__ for 3.12+ only
