@@ -30,6 +30,15 @@ Workloads:
             ``pl.generate`` on the same prompt, context and sampler, alternating in one process
             (tokens/s of the decode phase; the row's "native" column is generate). Not in the
             default list: ``-w text``.
+  state_fast  Python only, both sides in one process on one context and one reused buffer:
+            ``seq_state(0, out=buf)`` and ``set_seq_state(0, st, validate=False,
+            keep_on_error=False)`` against ``lib.llama_state_seq_get_data_ext`` / ``set_data_ext``
+            called with pointers made once (the C calls themselves), alternating, for a 512-token
+            and a 32-token sequence (µs; target <= 1.02x at 512). Not in the default list.
+  llama_cpp_python  optional, when ``import llama_cpp`` works (never a dependency; a one-line note
+            otherwise): state get into a reused buffer through llama-cpp-python's ctypes binding
+            on the same context and buffer, and greedy decode with ``Llama.generate`` against
+            ``pl.generate``, in one process. Not in the default list.
 """
 
 from __future__ import annotations
@@ -73,7 +82,14 @@ def settings(threads: int, n_predict: int, n_parallel_predict: int, text_pairs: 
         "state": {**common, "n_tokens": 512, "iters": 20},
         "text": {**common, "n_predict": n_predict, "prompt": PROMPT_DECODE, "pairs": text_pairs},
         "state_fast": {**common, "n_tokens": 512, "n_short": 32, "pairs": 200},
-        "llama_cpp_python": {**common, "n_tokens": 512, "pairs": 100, "n_predict": n_predict, "prompt": PROMPT_DECODE},
+        "llama_cpp_python": {
+            **common,
+            "n_tokens": 512,
+            "pairs": 100,
+            "n_predict": n_predict,
+            "prompt": PROMPT_DECODE,
+            "decode_pairs": 3,
+        },
     }
 
 
@@ -426,7 +442,11 @@ def llama_cpp_python_workload(model, s: dict) -> dict:
       calls; its ``Llama.save_state`` copies the whole context into a fresh buffer instead);
     - decode: ``pl.generate`` (greedy) against ``llama_cpp.Llama.generate`` (temp 0: greedy) on
       contexts of the same parameters, tokens/s from the first generated token to the last.
-    Alternating, ``pairs`` steps (state) and 2 runs each (decode)."""
+    Alternating, ``pairs`` steps (state) and ``decode_pairs`` runs each (decode).
+
+    To run it without building llama-cpp-python's own llama.cpp: its sdist's ``llama_cpp`` package
+    on ``PYTHONPATH`` (with ``diskcache``), ``LLAMA_CPP_LIB_PATH`` = ``pl.build_info()["lib_dir"]``
+    (docs/explain/benchmarks.md)."""
     import ctypes
 
     import numpy as np
@@ -460,6 +480,7 @@ def llama_cpp_python_workload(model, s: dict) -> dict:
                 raise SystemExit(f"llama_cpp_python: {side} wrote {n} of {size} bytes")
             if it >= 0:
                 (tl if side == "l" else tp).append(t1 - t0)
+    out["flash_attn"] = flash_attn_verdict(ctx)
     out["lcp_get_us"], out["py_get_us"] = statistics.median(tl) * 1e6, statistics.median(tp) * 1e6
     out["get_ratio"] = statistics.median(b / a for a, b in zip(tl, tp))
     del cbuf  # the ctypes array holds buf's buffer
@@ -503,8 +524,8 @@ def llama_cpp_python_workload(model, s: dict) -> dict:
     run_lcp(16), run_py(16)  # warm-up
     rates: dict[str, list[float]] = {"lcp": [], "py": []}
     same = set()
-    for k in range(4):
-        side = "py" if (k % 2 == 0) == (k % 4 < 2) else "lcp"
+    for k in range(2 * s["decode_pairs"]):
+        side = "py" if (k % 2 == 0) == (k % 4 < 2) else "lcp"  # py, lcp, lcp, py, py ...
         tt, got = run_py(s["n_predict"]) if side == "py" else run_lcp(s["n_predict"])
         rates[side].append((len(got) - 1) / tt)  # tokens after the first, over the time after it
         same.add(tuple(got))
