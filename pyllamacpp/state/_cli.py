@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -43,7 +44,19 @@ def _cell_rows(rec, cell: int, n_values: int, with_hex: bool) -> dict:
     return out
 
 
-def parse_state(args) -> int:
+def parse_state(args: argparse.Namespace) -> int:
+    """``pyllamacpp parse-state``: print what a dump holds (layout, cells, values) or JSON.
+
+    Args:
+        args: The parsed flags (file, --heads/-m, --layer, --json ...).
+
+    Returns:
+        The exit status, 0.
+
+    Raises:
+        StateFormatError: The file is not a state dump llama.cpp wrote.
+        OSError: The file cannot be read.
+    """
     st = parse(args.file, **_heads_kwargs(args))
     lay = st.layout()
     layer = args.layer
@@ -107,7 +120,20 @@ def parse_state(args) -> int:
     return 0
 
 
-def plot_state(args) -> int:
+def plot_state(args: argparse.Namespace) -> int:
+    """``pyllamacpp plot-state``: draw a dump's byte layout and K/V values (matplotlib) to ``-o``.
+
+    Args:
+        args: The parsed flags (file, -o, --heads/-m ...).
+
+    Returns:
+        The exit status: 0, or 1 for a metadata-only dump (no rows to plot).
+
+    Raises:
+        StateFormatError: The file is not a state dump llama.cpp wrote.
+        OSError: The file cannot be read or the image written.
+        StopIteration: No stream holds cells, or no K record of ``--layer``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
