@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._records import TensorRecord
-from ._state import _SOURCES
+from ._state import _SOURCES, KVState
 
 
 def _ids(cells) -> str:
@@ -82,7 +82,18 @@ def _dsv4_text(b) -> list[str]:
     return out
 
 
-def describe(state, *, max_rows: int, n_cells: int, n_values: int) -> str:
+def describe(state: KVState, *, max_rows: int, n_cells: int, n_values: int) -> str:
+    """The text of ``KVState.describe()``: kind, header, parts and streams, layout, first values.
+
+    Args:
+        state: The parsed dump.
+        max_rows: Layout table rows to show.
+        n_cells: Cells whose values to show.
+        n_values: Values per cell to show.
+
+    Returns:
+        The summary, lines joined by newlines.
+    """
     h = state.header
     access = "writable" if state.writable else "read-only"
     meta = ", metadata only (ON_DEVICE): record headers without rows" if state.metadata_only else ""
