@@ -12,6 +12,7 @@ llama.cpp has; a dump that fails one cannot be loaded by any context.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import cast
 
 import numpy as np
@@ -326,8 +327,25 @@ def parse_dsv4(
     buf: Buffer, off: int, *, seq_id: int | None, mode: int, ext: bool, n_head: int | None, data: bool, tally: list[int]
 ) -> tuple[MemoryPart, ...]:
     """The parts after the 12-byte dsv4 header at ``off`` to the last byte, for one reading
-    (``ext``: cells carry llama_kv_cell_ext; ``data``: rows present). ``seq_id``: the sequence
-    the dump was written for (>= 0), -1 for the whole memory, None unknown (a seq file)."""
+    (llama_kv_cache_dsv4::state_write).
+
+    Args:
+        buf: The dump.
+        off: Byte offset of the dsv4 header (magic, version, mode).
+        seq_id: The sequence the dump was written for (>= 0), -1 for the whole memory, None
+            unknown (a seq file).
+        mode: The header's mode (full or PARTIAL_ONLY).
+        ext: Whether cells carry llama_kv_cell_ext.
+        n_head: n_head_kv to shape the raw cache's views with, or None.
+        data: False for a metadata-only dump.
+        tally: A one-item list counting the records read.
+
+    Returns:
+        The raw cache's parts (base, swa) and the blocks (Dsv4Block).
+
+    Raises:
+        StateFormatError: Bytes that do not follow the format (offset, what, needed, left).
+    """
     parts: list[MemoryPart] = []
     q = off + 12
     for name in RAW_PARTS[mode == MODE_PARTIAL]:
@@ -372,8 +390,20 @@ def parse_dsv4(
 
 
 def read_header(buf: Buffer, off: int, partial: bool | None) -> int:
-    """The mode of the dsv4 header at ``off`` (magic, version, mode), checked as state_read does:
-    a mode that is not the load's PARTIAL_ONLY flag is refused ("DSV4 state flags mismatch")."""
+    """The mode of the dsv4 header at ``off`` (magic, version, mode), checked as state_read does.
+
+    Args:
+        buf: The dump.
+        off: Byte offset of the magic.
+        partial: Whether the dump is said to be PARTIAL_ONLY, or None when unknown.
+
+    Returns:
+        The mode (0 full, 1 PARTIAL_ONLY).
+
+    Raises:
+        StateFormatError: A magic other than 'DSV4', another version, an unknown mode, or a mode
+            that is not ``partial`` (state_read refuses it: "DSV4 state flags mismatch").
+    """
     magic = buf.u32(off, "dsv4: magic")
     if magic != DSV4_STATE_MAGIC:
         raise StateFormatError(
@@ -401,7 +431,14 @@ def read_header(buf: Buffer, off: int, partial: bool | None) -> int:
 
 
 def block_segments(b: Dsv4Block) -> list[Segment]:
-    """Every byte of block ``b``: its header, each layer's il, each tensor header, each stream's rows."""
+    """Every byte of block ``b``: its header, each layer's il, each tensor header, each stream's rows.
+
+    Args:
+        b: The block.
+
+    Returns:
+        Its segments, in byte order.
+    """
     fields = (
         "version, n_rows, ns, n_layer"
         if b.kind == "compressed"
@@ -420,8 +457,19 @@ def block_segments(b: Dsv4Block) -> list[Segment]:
     return segs
 
 
-def check_layers(b: Dsv4Block, ils) -> Dsv4Block:
-    """A layer map's layers for block ``b``: they must be the ones it writes."""
+def check_layers(b: Dsv4Block, ils: Iterable[int]) -> Dsv4Block:
+    """A layer map's layers for block ``b``: they must be the ones it writes.
+
+    Args:
+        b: The block.
+        ils: The layer map's layers for the block's part.
+
+    Returns:
+        ``b`` unchanged.
+
+    Raises:
+        StateFormatError: The block writes other layers (a dump of another model?).
+    """
     ils = [int(x) for x in ils]
     if list(b.layers) != ils:
         raise StateFormatError(
