@@ -121,6 +121,13 @@ def read_metadata(
 
     Reads the header and the KV section only (through an mmap: skipped values are never touched).
 
+    Args:
+        path: The GGUF file.
+        keys: The keys to return: a collection, a predicate on the key, or None for every key.
+
+    Returns:
+        ``{key: value}`` (arrays as lists, strings decoded).
+
     Raises:
         StateFormatError: not a GGUF file (magic, version), or a KV section cut short or holding
             an unknown type; ``offset`` and ``what`` say where.
