@@ -43,6 +43,18 @@ def _arch(buf: Buffer, off: int) -> tuple[str, int]:
 
 
 def parse_header(buf: Buffer) -> Header:
+    """Everything before the memory part: which kind of dump it is, and its header fields.
+
+    Args:
+        buf: The dump.
+
+    Returns:
+        The header; ``nbytes`` is where the memory part starts.
+
+    Raises:
+        StateFormatError: An unknown magic, a file version other than this llama.cpp's, a bad
+            architecture name, or a header cut short.
+    """
     magic = buf.u32(0, "magic")
     if magic == IO_MAGIC:  # llama_context::state_seq_get_data: io_magic, then the source seq_id
         return Header(DumpKind.SEQUENCE, magic, None, buf.i32(4, "seq_id"), None, None, None, 8)
@@ -101,7 +113,21 @@ def _check_seq_ids(ids: np.ndarray, offsets: np.ndarray, what: str) -> None:
 
 def parse_cells(buf: Buffer, off: int, count: int, *, ext: bool, what: str) -> tuple[np.ndarray, int]:
     """``count`` cells: i32 pos, u32 n_seq_id, [llama_kv_cell_ext], n_seq_id x i32 seq_id
-    (llama_kv_cache::state_write_meta; recurrent cells have no ext)."""
+    (llama_kv_cache::state_write_meta; recurrent cells have no ext).
+
+    Args:
+        buf: The dump.
+        off: Byte offset of the first cell.
+        count: The cell_count just read.
+        ext: Whether cells carry llama_kv_cell_ext (12 bytes).
+        what: The stream being read, for messages.
+
+    Returns:
+        The cells as a structured array (a copy), and the bytes they take.
+
+    Raises:
+        StateFormatError: Cells cut short, n_seq_id > LLAMA_MAX_SEQ, or a seq_id out of range.
+    """
     base = 8 + (CELL_EXT_SIZE if ext else 0)
     left = buf.size - off
     if count * base > left:
@@ -197,8 +223,27 @@ def row_record(
     empty_ok: bool = False,
 ) -> TensorRecord:
     """``i32 type, u64 row_size`` then n_cells rows (llama_kv_cache::state_write_data,
-    llama_memory_recurrent::state_write_data). ``empty_ok``: a row size of 0 is valid (a
-    recurrent S record of lfm2, whose hparams.n_embd_s() is 0)."""
+    llama_memory_recurrent::state_write_data).
+
+    Args:
+        buf: The dump.
+        p: Byte offset of the record's header.
+        part: The memory part's name.
+        s: The stream index.
+        kind: K, V, R, S ...
+        il: The record's index among its kind.
+        n_cells: Cells in the stream.
+        n_head: n_head_kv to shape views with, or None.
+        data: False for a metadata-only dump (no rows follow the header).
+        empty_ok: A row size of 0 is valid (a recurrent S record of lfm2, whose
+            hparams.n_embd_s() is 0).
+
+    Returns:
+        The record.
+
+    Raises:
+        StateFormatError: Bytes that do not follow the format (offset, what, needed, left).
+    """
     what = f"{part} stream {s} {kind}[{il}]"
     t = ggml_type(buf.i32(p, f"{what} type"), offset=p, what=f"{what} type")
     row_size = buf.u64(p + 4, f"{what} row size")
@@ -219,7 +264,25 @@ def transposed_record(
     buf: Buffer, p: int, part: str, s: int, il: int, n_cells: int, n_head: int | None, *, data: bool = True
 ) -> TensorRecord:
     """V with v_trans=1: ``i32 type, u32 element_size, u32 n_embd_v_gqa`` then, for each of the
-    n_embd values, that value of every cell."""
+    n_embd values, that value of every cell.
+
+    Args:
+        buf: The dump.
+        p: Byte offset of the record's header.
+        part: The memory part's name.
+        s: The stream index.
+        il: The record's index among the V records.
+        n_cells: Cells in the stream.
+        n_head: n_head_kv to shape views with, or None.
+        data: False for a metadata-only dump.
+
+    Returns:
+        The record (``transposed`` True).
+
+    Raises:
+        StateFormatError: A quantized type, an element size that is not the type's, or bytes
+            cut short.
+    """
     what = f"{part} stream {s} V[{il}]"
     t = ggml_type(buf.i32(p, f"{what} type"), offset=p, what=f"{what} type")
     if t.quantized:
@@ -279,7 +342,24 @@ def parse_kv(
     data: bool = True,
 ) -> MemoryPart:
     """llama_kv_cache::state_write: u32 n_stream, then per stream u32 cell_count and, unless it is
-    0, cells, u32 v_trans, u32 n_layer, n_layer K records, n_layer V records (none without V)."""
+    0, cells, u32 v_trans, u32 n_layer, n_layer K records, n_layer V records (none without V).
+
+    Args:
+        buf: The dump.
+        off: Byte offset of n_stream.
+        name: The part's name (kv, base, swa ...).
+        ext: Whether cells carry llama_kv_cell_ext.
+        has_v: Whether V records follow the K records.
+        n_head: n_head_kv to shape views with, or None.
+        tally: A one-item list counting the records read (for the caller's choice of error).
+        data: False for a metadata-only dump.
+
+    Returns:
+        The part.
+
+    Raises:
+        StateFormatError: Bytes that do not follow the format (offset, what, needed, left).
+    """
     n_stream = buf.u32(off, f"{name}: n_stream")
     if not 1 <= n_stream <= LLAMA_MAX_SEQ:
         raise StateFormatError(f"{n_stream} out of range [1, {LLAMA_MAX_SEQ}]", offset=off, what=f"{name}: n_stream")
