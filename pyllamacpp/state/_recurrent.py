@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 from ._buffer import Buffer, StateFormatError
 from ._parse import _count, _layer_header, _rows, parse_cells, row_record
@@ -15,7 +16,23 @@ def ple_record(
     """A PLE conv row after R record ``r``: ``u64 p_size_row`` and the rows, no type field
     (llama_memory_recurrent::state_write_data: p_l[il] is made with type_r, like r_l[il]).
     ``row_size``: the size every P record must have (state_read_data checks each against
-    ggml_row_size(p_l[il]->type, hparams.ple_conv_state()), one value for all layers)."""
+    ggml_row_size(p_l[il]->type, hparams.ple_conv_state()), one value for all layers).
+
+    Args:
+        buf: The dump.
+        p: Byte offset of the P record's row size.
+        part: The memory part's name.
+        r: The R record it follows (its type and layer).
+        n_cells: Cells in the stream.
+        data: False for a metadata-only dump.
+        row_size: The row size it must have, or None for any.
+
+    Returns:
+        The P record.
+
+    Raises:
+        StateFormatError: Bytes that do not follow the format (offset, what, needed, left).
+    """
     what = f"{part} stream 0 P[{r.layer}]"
     size = buf.u64(p, f"{what} row size")
     n_embd = r.type.n_values(size)
@@ -57,7 +74,21 @@ def parse_recurrent(
     when cell_count is 0. n_layer counts every model layer, not those with records, and which
     layers have them is not written down: as the last part, the records run to the end of the
     dump, as many R as S. Without P records that reading is unique; with them, see
-    _ple_records. A part followed by another: parse_recurrent_splits."""
+    _ple_records. A part followed by another: parse_recurrent_splits.
+
+    Args:
+        buf: The dump.
+        off: Byte offset of cell_count.
+        name: The part's name.
+        tally: A one-item list counting the records read.
+        data: False for a metadata-only dump.
+
+    Returns:
+        The part.
+
+    Raises:
+        StateFormatError: Bytes that do not follow the format (offset, what, needed, left).
+    """
     header = _recurrent_header(buf, off, name)
     q, n_layer, cell_count = header[5], header[4], header[0]
     try:
@@ -70,14 +101,30 @@ def parse_recurrent(
     return _part(buf, off, name, header, records)
 
 
-def parse_recurrent_splits(buf: Buffer, off: int, name: str, tally: list[int] | None = None, *, data: bool = True):
+def parse_recurrent_splits(
+    buf: Buffer, off: int, name: str, tally: list[int] | None = None, *, data: bool = True
+) -> Iterator[MemoryPart]:
     """The readings of a recurrent part that another part follows (llama_memory_hybrid_idx::
     state_write: the indexer cache after the recurrent state), most records first. The dump
     does not say where the records stop, so this yields every reading of k R and k S records
     (k <= n_layer) whose R headers are all equal and whose S headers are all equal (r_l/s_l
     rows are n_embd_r()/n_embd_s() for every layer, llama_memory_recurrent's constructor and
     state_read_data); the caller keeps the one after which the next part reads every byte.
-    Then the PLE readings. Raises the header's error now; the readings come lazily, no error."""
+    Then the PLE readings. Raises the header's error now; the readings come lazily, no error.
+
+    Args:
+        buf: The dump.
+        off: Byte offset of cell_count.
+        name: The part's name.
+        tally: A one-item list counting the records read.
+        data: False for a metadata-only dump.
+
+    Returns:
+        An iterator of the part's readings, most records first.
+
+    Raises:
+        StateFormatError: The part's header (cells, s_trans, n_layer) does not read.
+    """
     header = _recurrent_header(buf, off, name)
     return _splits(buf, off, name, header, tally, data)
 
