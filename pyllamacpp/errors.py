@@ -10,9 +10,17 @@ class LlamaError(RuntimeError):
 
     ``func`` names the C function, ``code`` its return code (when it has one) and ``reason`` the
     last error or warning line llama.cpp logged during the call (when it logged one).
+
+    Args:
+        message: What failed; ``reason``, when given, is appended after a colon.
+        func: The C function that failed.
+        code: Its return code.
+        reason: The line llama.cpp logged.
     """
 
-    def __init__(self, message: str, *, func: str | None = None, code: int | None = None, reason: str | None = None):
+    def __init__(
+        self, message: str, *, func: str | None = None, code: int | None = None, reason: str | None = None
+    ) -> None:
         self.func, self.code, self.reason = func, code, reason
         if reason:
             message = f"{message}: {reason}"
@@ -57,11 +65,17 @@ class DecodeInterrupted(KeyboardInterrupt):
     Exception`` does not swallow it; not a :class:`DecodeAborted`, which is a RuntimeError.
 
     Carries what a DecodeAborted carries: ``func``, ``code`` (2), ``seq_pos_max`` and, from
-    ``Context.prefill``, ``resume_from``. The context stays usable."""
+    ``Context.prefill``, ``resume_from``. The context stays usable.
+
+    Args:
+        message: What was interrupted.
+        func: The C function (``llama_decode`` or ``llama_encode``).
+        code: Its return code (2).
+    """
 
     resume_from: int  # set by Context.prefill only
 
-    def __init__(self, message: str, *, func: str | None = None, code: int | None = None):
+    def __init__(self, message: str, *, func: str | None = None, code: int | None = None) -> None:
         self.func, self.code, self.reason = func, code, None
         self.seq_pos_max: dict[int, int] = {}
         super().__init__(message)
@@ -82,7 +96,21 @@ class RPCError(LlamaError):
 def check_ptr(
     ptr: Any, func: str, *, error: type[LlamaError] = LlamaError, reason: str | None = None, what: str = ""
 ) -> Any:
-    """Return ``ptr``, or raise ``error`` naming ``func`` when it is NULL."""
+    """Return ``ptr``, or raise ``error`` naming ``func`` when it is NULL.
+
+    Args:
+        ptr: A pointer (cdata) a C function returned.
+        func: The C function's name, for the message.
+        error: The LlamaError subclass to raise.
+        reason: The line llama.cpp logged during the call, if any.
+        what: Words appended to the message ("for model.gguf" ...).
+
+    Returns:
+        ``ptr`` itself.
+
+    Raises:
+        LlamaError: ``ptr`` is NULL (the ``error`` subclass given).
+    """
     from ._lib import ffi
 
     if ptr == ffi.NULL:
@@ -99,7 +127,22 @@ _DECODE_TEXT = {
 
 
 def check_decode(rc: int, func: str = "llama_decode", *, reason: str | None = None) -> int:
-    """Map ``llama_decode``/``llama_encode`` return codes to exceptions; return 0 otherwise."""
+    """Map ``llama_decode``/``llama_encode`` return codes to exceptions; return 0 otherwise.
+
+    Args:
+        rc: The return code.
+        func: The C function's name, for the message.
+        reason: The line llama.cpp logged during the call, if any.
+
+    Returns:
+        0 (when ``rc`` is 0).
+
+    Raises:
+        KVCacheFullError: ``rc`` is 1 (no KV cache slot for the batch).
+        DecodeAborted: ``rc`` is 2 (the abort callback stopped it).
+        InvalidBatchError: ``rc`` is -1.
+        DecodeError: Any other nonzero ``rc`` (negative: an error; positive: a warning code).
+    """
     if rc == 0:
         return 0
     if rc in _DECODE_ERRORS:
