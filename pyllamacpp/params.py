@@ -36,8 +36,14 @@ DEFAULT_N_CTX_MAX = 4096
 
 
 def default_n_ctx(n_ctx_train: int) -> int:
-    """``min(n_ctx_train, 4096)``: the ``n_ctx`` a Context takes when none is given (a model that
-    does not say its ``n_ctx_train`` gets 4096)."""
+    """``min(n_ctx_train, 4096)``: the ``n_ctx`` a Context takes when none is given.
+
+    Args:
+        n_ctx_train: The model's ``llama_model_n_ctx_train``; 0 or less when it does not say.
+
+    Returns:
+        The context size (4096 for a model that does not say its ``n_ctx_train``).
+    """
     return min(n_ctx_train, DEFAULT_N_CTX_MAX) if n_ctx_train > 0 else DEFAULT_N_CTX_MAX
 
 
@@ -51,7 +57,11 @@ _U32 = {
 
 
 def ggml_type_names() -> dict[str, int]:
-    """``{"f32": 0, "f16": 1, "q4_0": 2, ...}`` from ``ggml_type_name`` of this build."""
+    """``{"f32": 0, "f16": 1, "q4_0": 2, ...}`` from ``ggml_type_name`` of this build.
+
+    Returns:
+        Lower-case name -> ``enum ggml_type`` value, deprecated and unnamed types left out.
+    """
     names = {}
     for i in range(lib.GGML_TYPE_COUNT):
         p = lib.ggml_type_name(i)
@@ -75,7 +85,18 @@ _FLASH_ATTN = {
 
 
 def ggml_type(value: str | int, field: str = "type") -> int:
-    """A ggml type from its name or value; ValueError naming ``field`` otherwise."""
+    """A ggml type from its name or value, checked against this build (``ggml_type_name``).
+
+    Args:
+        value: A name (f16, q8_0 ..., any case) or an ``enum ggml_type`` value.
+        field: The parameter being set, for the error message.
+
+    Returns:
+        The ``enum ggml_type`` value.
+
+    Raises:
+        ValueError: ``value`` names or is no ggml type of this build (the message names ``field``).
+    """
     if isinstance(value, str):
         key = value.lower()
         if key not in _GGML_TYPES:
@@ -87,6 +108,14 @@ def ggml_type(value: str | int, field: str = "type") -> int:
 
 
 def ggml_type_name(value: int) -> str:
+    """The name ``ggml_type_name`` gives an ``enum ggml_type`` value (f16, q8_0 ...).
+
+    Args:
+        value: The ``enum ggml_type`` value.
+
+    Returns:
+        ggml's name for it.
+    """
     return ffi.string(lib.ggml_type_name(value)).decode()
 
 
@@ -164,8 +193,16 @@ def _make(cls_name: str, struct: str, defaults_fn, doc: str, overrides: dict | N
     def _check(self):
         pass
 
-    def to_c(self):
-        """A ``struct`` cdata (owned) holding these values; pointers left NULL where None."""
+    def to_c(self) -> Any:
+        """A ``struct`` cdata (owned) holding these values; pointers left NULL where None.
+
+        Returns:
+            A ``struct llama_context_params *`` / ``struct llama_model_params *`` (``ffi.new``),
+            filled from the ``llama_*_default_params()`` values, then these fields.
+
+        Raises:
+            ValueError: ``n_ctx`` is None (only the Context resolves it from its model).
+        """
         p = ffi.new(f"{struct} *", defaults_fn())
         for name in self._ctypes:
             value = getattr(self, name)
@@ -217,7 +254,10 @@ else:
         lambda: lib.llama_context_default_params(),
         "Every field of ``llama_context_params``; defaults from ``llama_context_default_params()``,\n"
         "except ``n_threads`` / ``n_threads_batch`` (:func:`default_n_threads`, the physical cores) and\n"
-        "``n_ctx`` (None: ``min(n_ctx_train, 4096)``, resolved by the Context; 0: ``n_ctx_train``).",
+        "``n_ctx`` (None: ``min(n_ctx_train, 4096)``, resolved by the Context; 0: ``n_ctx_train``).\n\n"
+        "Raises:\n"
+        "    ValueError: A value that does not fit its C field (type, range, enum name), or "
+        "``n_seq_max`` outside [1, llama_max_parallel_sequences()], or threads <= 0.",
         overrides={
             "n_ctx": dataclasses.field(default=None),
             "n_threads": dataclasses.field(default_factory=default_n_threads),
@@ -228,7 +268,9 @@ else:
         "ModelParams",
         "struct llama_model_params",
         lambda: lib.llama_model_default_params(),
-        "Every field of ``llama_model_params``; defaults from ``llama_model_default_params()``.",
+        "Every field of ``llama_model_params``; defaults from ``llama_model_default_params()``.\n\n"
+        "Raises:\n"
+        "    ValueError: A value that does not fit its C field (type, range, enum name).",
     )
 
 
@@ -247,7 +289,20 @@ _ALIASES = {"flash_attn": "flash_attn_type"}
 
 
 def context_params(params: ContextParams | None = None, **kwargs: Any) -> ContextParams:
-    """A ContextParams from an optional base and keyword overrides (``flash_attn`` = ``flash_attn_type``)."""
+    """A ContextParams from an optional base and keyword overrides.
+
+    Args:
+        params: The base, by default ``ContextParams()``.
+        **kwargs: Fields of ``llama_context_params`` to override (``flash_attn`` is an alias of
+            ``flash_attn_type``).
+
+    Returns:
+        A new ContextParams.
+
+    Raises:
+        TypeError: A keyword that is no field of ``llama_context_params``.
+        ValueError: A value that does not fit its field.
+    """
     for alias, real in _ALIASES.items():
         if alias in kwargs:
             kwargs[real] = kwargs.pop(alias)
@@ -259,8 +314,20 @@ def context_params(params: ContextParams | None = None, **kwargs: Any) -> Contex
 
 
 def model_params(**kwargs: Any) -> ModelParams:
-    """A ModelParams from keywords. ``use_mmap=True/False`` maps to ``load_mode`` MMAP/NONE
-    (this llama.cpp replaced the ``use_mmap`` field by ``load_mode``)."""
+    """A ModelParams from keywords.
+
+    Args:
+        **kwargs: Fields of ``llama_model_params``. ``use_mmap=True/False`` maps to
+            ``load_mode`` MMAP/NONE (this llama.cpp replaced the ``use_mmap`` field by
+            ``load_mode``).
+
+    Returns:
+        A new ModelParams.
+
+    Raises:
+        TypeError: A keyword that is no field of ``llama_model_params``.
+        ValueError: A value that does not fit its field.
+    """
     if "use_mmap" in kwargs:
         use_mmap = kwargs.pop("use_mmap")
         kwargs.setdefault("load_mode", lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE)
