@@ -39,7 +39,7 @@ class Memory:
         ctx: The context whose memory this is.
     """
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context) -> None:
         self._ctx = weakref.ref(ctx)
 
     def __repr__(self) -> str:
