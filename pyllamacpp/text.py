@@ -46,7 +46,7 @@ class Detokenizer:
         special: Render special (control) tokens as their text.
     """
 
-    def __init__(self, model: Model, special: bool = False):
+    def __init__(self, model: Model, special: bool = False) -> None:
         self.model, self.special = model, special
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -158,7 +158,7 @@ class TextStream:
         sampler: Sampler | None,
         ctx: Context | None,
         seq_id: int,
-    ):
+    ) -> None:
         if tokens.size == 0:
             raise ValueError("the prompt gave no tokens")
         if not isinstance(seq_id, int) or seq_id < 0:
@@ -183,27 +183,33 @@ class TextStream:
 
     @property
     def ctx(self) -> Context:
+        """The context the stream decodes in (its own, or the ``ctx`` passed)."""
         return self._st.ctx
 
     @property
     def seq_id(self) -> int:
+        """The sequence the stream uses."""
         return self._st.seq_id
 
     @property
     def generation(self) -> Generation | None:
+        """The underlying :class:`Generation` once started, else None."""
         return self._st.generation
 
     @property
     def finish_reason(self) -> FinishReason | None:
+        """``"eog"``, ``"n_predict"`` or ``"ctx_full"`` once exhausted, else None."""
         return self._st.finish_reason
 
     @property
     def tokens(self) -> list[int]:
+        """The tokens sampled so far."""
         g = self._st.generation
         return g.tokens if g is not None else []
 
     @property
     def text(self) -> str:
+        """The text yielded so far."""
         return "".join(self._st.pieces)
 
     def __iter__(self) -> TextStream:
