@@ -39,10 +39,13 @@ import signal
 import socket
 import stat
 import sys
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from ._lib import EXTENSION_INFO, backend_function, ffi, lib
 from .errors import RPCError
+
+_T = TypeVar("_T")
 
 __all__ = ["RPCError", "add_servers", "check_reachable", "devices", "run_in_subprocess", "start_server"]
 
@@ -202,7 +205,7 @@ class Link:
         what: What the object is (``"model x.gguf"``, ``"context"``), for messages.
     """
 
-    def __init__(self, servers, what: str):
+    def __init__(self, servers: Iterable[_Conn], what: str) -> None:
         self.servers = tuple(servers)
         self.what = what
         self.known = True  # False where the process's sockets cannot be listed: TCP checks instead
@@ -308,7 +311,7 @@ class Link:
         return True
 
 
-def link(endpoints, what: str) -> Link | None:
+def link(endpoints: str | Sequence[str] | None, what: str) -> Link | None:
     """A :class:`Link` for an object made on these RPC endpoints.
 
     Args:
@@ -396,7 +399,7 @@ def check_reachable(endpoint: str, timeout: float = 3.0) -> None:
         raise RPCError(f"RPC server {endpoint} is not reachable: {e}", func="ggml_backend_rpc_add_server") from e
 
 
-def add_servers(endpoints, timeout: float = 3.0) -> list:
+def add_servers(endpoints: Iterable[str], timeout: float = 3.0) -> list:
     """Add RPC servers: ``ggml_backend_rpc_add_server`` for each endpoint (checked first).
 
     The devices they bring are not put in ggml's global registry (a registered device would be
@@ -494,7 +497,7 @@ def _child(conn, fn, args, kwargs) -> None:
     conn.close()
 
 
-def run_in_subprocess(fn, /, *args, timeout: float | None = None, **kwargs):
+def run_in_subprocess(fn: Callable[..., _T], /, *args: Any, timeout: float | None = None, **kwargs: Any) -> _T:
     """``fn(*args, **kwargs)`` in a fresh Python process (``multiprocessing``, spawn), and its result.
 
     For RPC work this process must survive: a server that dies during a call makes ggml-rpc abort
