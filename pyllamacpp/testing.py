@@ -25,6 +25,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+__all__ = ["ARCHS", "make_model"]
+
 ARCHS = ("llama", "qwen3", "gemma2", "gemma3", "mamba", "lfm2")
 """Architectures ``make_model`` writes (llama.cpp's ``general.architecture`` names)."""
 
@@ -58,7 +60,7 @@ def make_model(
     n_ctx_train: int = 4096,
     seed: int = 0,
     dtype: str = "f32",
-    **arch_specific,
+    **arch_specific: Any,
 ) -> Path:
     """Write a random-weight GGUF of ``arch`` to ``path`` (atomically) and return the path.
 
