@@ -7,9 +7,16 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from .._cpu import default_n_threads
+
+if TYPE_CHECKING:
+    from ..model import Model
+
+_T = TypeVar("_T")
 
 
 def add_cache_and_thread_flags(p: argparse.ArgumentParser, *, threads: int | None = None) -> None:
@@ -80,7 +87,7 @@ def add_model_flags(
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def context_kwargs(args, **override) -> dict:
+def context_kwargs(args: argparse.Namespace, **override: Any) -> dict:
     """The :class:`~pyllamacpp.Context` keywords the flags of :func:`add_model_flags` ask for.
 
     Args:
@@ -107,7 +114,7 @@ def context_kwargs(args, **override) -> dict:
     return kw
 
 
-def load_model(args):
+def load_model(args: argparse.Namespace) -> Model:
     """Load ``-m`` (the default model when not given) with ``-ngl`` layers offloaded.
 
     Args:
@@ -124,7 +131,7 @@ def load_model(args):
     return Model(args.model, n_gpu_layers=args.n_gpu_layers)
 
 
-def median_time(fn, repeat: int) -> float:
+def median_time(fn: Callable[[], object], repeat: int) -> float:
     """The median wall time of ``repeat`` calls of ``fn``, in seconds.
 
     Args:
@@ -145,7 +152,7 @@ def median_time(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def progress(iterable, desc: str, total: int | None = None):
+def progress(iterable: Iterable[_T], desc: str, total: int | None = None) -> Iterator[_T]:
     """Progress on stderr, so a long command never sits silent.
 
     A tqdm bar on a terminal, otherwise (piped, logged) one line per step, ``desc: step i/n (t s)``.
@@ -177,7 +184,7 @@ def _progress_lines(iterable, desc: str, total: int | None):
     print(f"{desc}: done, {i} steps in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
-def print_table(rows: list[dict], columns: list[tuple[str, str, str]], file=None) -> None:
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]], file: TextIO | None = None) -> None:
     """Print ``rows`` as a right-aligned text table, a dashed line under the headers.
 
     Args:
@@ -196,7 +203,7 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]], file=None
             print("  ".join("-" * w for w in widths), file=file)
 
 
-def emit(args, data, printer) -> None:
+def emit(args: argparse.Namespace, data: Any, printer: Callable[[Any], None]) -> None:
     """Print ``data`` as JSON with ``--json``, else with ``printer``.
 
     Args:
