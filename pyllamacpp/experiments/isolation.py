@@ -11,6 +11,8 @@ prompt now attends to the ones before it) must give different logits.
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 from .common import load_model, progress
@@ -37,7 +39,7 @@ def _decode_rows(ctx, model, items):
     return [ctx.logits(i).copy() for i in last]
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """Decode the prompts together and each alone, for each ``-ub``, and compare the logits.
 
     Each ``-ub`` value gets a context with ``kv_unified=True`` and one sequence per prompt; the
