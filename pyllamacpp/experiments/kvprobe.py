@@ -17,14 +17,19 @@ A bad op is refused before anything runs, naming the op and why.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import LlamaError
 from .common import context_kwargs, load_model
+
+if TYPE_CHECKING:
+    from ..context import Context
+    from ..model import Model
 
 _ARITY = {
     "text": (2, 2),
@@ -146,7 +151,7 @@ class Probe:
         ctx: The :class:`~pyllamacpp.Context` the ops work on.
     """
 
-    def __init__(self, model, ctx):
+    def __init__(self, model: Model, ctx: Context) -> None:
         from ..batch import Batch
 
         self.model, self.ctx = model, ctx
@@ -292,7 +297,7 @@ class Probe:
         return {"pos_min": mem.seq_pos_min(seq), "pos_max": mem.seq_pos_max(seq), "cells": cells, "bytes": len(state)}
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """Parse ``--ops``, load the model, make a context and run the ops in order.
 
     An op that fails stops the run; what ran so far is returned with ``error`` and ``ok`` False.
