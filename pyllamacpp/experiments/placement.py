@@ -24,12 +24,17 @@ Exit status 1 when a flash-attention-off row is not bit-identical.
 
 from __future__ import annotations
 
+import argparse
 import sys
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._cpu import default_n_threads
 from .common import add_cache_and_thread_flags
+
+if TYPE_CHECKING:
+    from ..model import Model
 
 DEFAULT_PROMPT = (
     "Once upon a time, in a small village at the edge of a great forest, there lived an old "
@@ -41,7 +46,7 @@ CASES = ("same cells", "other cells")
 _BINS = np.concatenate([[0.0], np.logspace(-7, 1, 17)])  # |Δ logit| histogram edges
 
 
-def add_parser(sub):
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``placement`` subcommand and its flags.
 
     Args:
@@ -115,7 +120,7 @@ def _row(fa: str, case: str, ref: np.ndarray, got: np.ndarray, cells: str) -> di
 
 
 def run_one(
-    model,
+    model: Model,
     toks: np.ndarray,
     *,
     flash_attn: str,
@@ -150,7 +155,7 @@ def run_one(
     """
     n, m = int(toks.size), int(occupy)
     threads = n_threads or default_n_threads()
-    kw = {
+    kw: dict[str, Any] = {
         "n_ctx": -(-(n + m + 1) // 256) * 256,
         "n_batch": max(512, n, m),
         "n_seq_max": 2,
@@ -180,7 +185,7 @@ def run_one(
     return rows
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """:func:`run_one` for each ``-fa`` value asked.
 
     Args:
@@ -321,7 +326,7 @@ def plot(data: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     """The command: run, print (table or --json), plot with -o.
 
     Args:
