@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import html
 import json
+import os
 from collections.abc import Sequence
 
 MODES = ("auto", "simple", "equal", "seq")
@@ -252,7 +253,7 @@ class BatchAllocr:
         PlanError: No tokens (``llama_decode`` returns -1).
     """
 
-    def __init__(self, seq_ids: Sequence[Sequence[int]]):
+    def __init__(self, seq_ids: Sequence[Sequence[int]]) -> None:
         if not seq_ids:
             raise PlanError("n_tokens == 0 (llama_decode returns -1)")
         self.seq_ids = [tuple(s) for s in seq_ids]
@@ -277,7 +278,7 @@ class BatchAllocr:
         self.used[i] = True
         self.n_used += 1
 
-    def split_simple(self, n_ubatch: int):
+    def split_simple(self, n_ubatch: int) -> tuple[list[int], int, bool] | None:
         """The next ``n_ubatch`` unused tokens in batch order (``llama_batch_allocr::split_simple``).
 
         Args:
@@ -300,7 +301,7 @@ class BatchAllocr:
                 break
         return idxs, len(idxs), False
 
-    def split_equal(self, n_ubatch: int, sequential: bool, n_keep_tail: int = 0):
+    def split_equal(self, n_ubatch: int, sequential: bool, n_keep_tail: int = 0) -> tuple[list[int], int, bool] | None:
         """Non-overlapping sequence sets, the same number of tokens from each.
 
         As ``llama_batch_allocr::split_equal``.
@@ -389,7 +390,7 @@ class BatchAllocr:
         idxs = [i for s in range(n_seqs) for i in per_seq[s]]
         return idxs, n_seqs, True
 
-    def split_seq(self, n_ubatch: int):
+    def split_seq(self, n_ubatch: int) -> tuple[list[int], int, bool] | None:
         """From the first unused token on, tokens whose sequence set is a subset of the current one.
 
         As ``llama_batch_allocr::split_seq``.
@@ -441,7 +442,9 @@ def choose_split(mode: str, n_stream_kv: int) -> tuple[str, bool]:
     return mode, mode == "equal" and n_stream_kv > 1  # split_equal(n_ubatch, !unified) elsewhere too
 
 
-def split_all(balloc: BatchAllocr, n_ubatch: int, split: str, sequential: bool = False, n_keep_tail: int = 0):
+def split_all(
+    balloc: BatchAllocr, n_ubatch: int, split: str, sequential: bool = False, n_keep_tail: int = 0
+) -> list[tuple[list[int], int, bool]]:
     """``init_batch``'s loop: ubatches until the split returns none; all tokens must be used.
 
     Args:
@@ -683,7 +686,7 @@ def plan(
 # -- command ---------------------------------------------------------------------------------
 
 
-def add_plan_flags(p) -> None:
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
     """Add the shape flags split-plan and trace-ubatches share (``--tokens``, ``--seqs``, ``--past``...).
 
     Args:
@@ -705,7 +708,7 @@ def add_plan_flags(p) -> None:
     )
 
 
-def shape_from_args(args) -> dict:
+def shape_from_args(args: argparse.Namespace) -> dict:
     """The :func:`plan` keywords of the shape flags.
 
     Args:
@@ -725,7 +728,7 @@ def shape_from_args(args) -> dict:
     )
 
 
-def add_parser(sub):
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``split-plan`` subcommand and its flags.
 
     Args:
@@ -777,7 +780,7 @@ def add_parser(sub):
     return p
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """:func:`plan` for the flags; ``-c`` not given: enough cells for everything, at least 4096.
 
     Args:
@@ -956,7 +959,7 @@ def summary_line(data: dict) -> str:
     )
 
 
-def plot(data: dict, path) -> None:
+def plot(data: dict, path: str | os.PathLike) -> None:
     """Write the plan as one self-contained HTML page (inline CSS and JS, no network).
 
     Args:
@@ -987,7 +990,7 @@ def plot(data: dict, path) -> None:
         f.write(page)
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     """The command: run, print (table or --json), write -o.
 
     Args:
