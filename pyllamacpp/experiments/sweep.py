@@ -8,12 +8,18 @@ row shows the clamp: -b below -ub gives n_ubatch == n_batch and a smaller comput
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .common import load_model, progress
+
+if TYPE_CHECKING:
+    from ..model import Model
 
 
 def _prompt(model, n: int) -> np.ndarray:
@@ -22,7 +28,7 @@ def _prompt(model, n: int) -> np.ndarray:
 
 
 def measure(
-    model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_prompt: int, n_gen: int, repeat: int, ctx_kwargs: dict
+    model: Model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_prompt: int, n_gen: int, repeat: int, ctx_kwargs: dict
 ) -> dict:
     """One row of the sweep: a context with these sizes, its buffers, prefill and decode speed.
 
@@ -83,7 +89,7 @@ def measure(
     return row
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """:func:`measure` for each ``-ub`` of the list, plus one row with ``-b`` below ``-ub`` (the clamp).
 
     Args:
@@ -166,7 +172,7 @@ def print_report(data: dict) -> None:
     )
 
 
-def plot(data: dict, path) -> None:
+def plot(data: dict, path: str | os.PathLike) -> None:
     """Draw the compute buffers and the speeds against ``n_ubatch`` (matplotlib) into ``path``.
 
     Args:
