@@ -20,12 +20,17 @@ command (exit 1) naming the pass and the field.
 
 from __future__ import annotations
 
+import argparse
 import sys
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .common import add_model_flags, context_kwargs, load_model, progress
 from .splits import PlanError, add_plan_flags, plan, shape_from_args
+
+if TYPE_CHECKING:
+    from ..model import Model
 
 FIELDS = ("n_tokens", "n_kv", "n_stream", "n_outputs")
 
@@ -43,7 +48,7 @@ class EvalTrace:
         on_error: Called once when the callback catches an exception (e.g. ``ctx.abort``).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         from .._lib import ffi, lib
 
         self.ffi, self.lib = ffi, lib
@@ -225,7 +230,7 @@ def _prompt_tokens(model, n: int) -> np.ndarray:
     return np.resize(base, max(n, 1)).astype(np.int32)
 
 
-def trace(model, shape: dict, *, tracer: EvalTrace | None = None, **ctx_kw) -> dict:
+def trace(model: Model, shape: dict, *, tracer: EvalTrace | None = None, **ctx_kw: Any) -> dict:
     """Plan ``shape``, run it on ``model`` with a tracing context, and compare.
 
     The context has a ``cb_eval`` callback (``ggml_backend_sched_eval_callback``); each planned
@@ -314,7 +319,7 @@ def trace(model, shape: dict, *, tracer: EvalTrace | None = None, **ctx_kw) -> d
     }
 
 
-def add_parser(sub):
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``trace-ubatches`` subcommand and its flags.
 
     Args:
@@ -337,7 +342,7 @@ def add_parser(sub):
     return p
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """:func:`trace` for the shape and context the flags ask for.
 
     Args:
@@ -441,7 +446,7 @@ def print_report(data: dict) -> None:
             print(f"  {d}")
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     """The command: run, print (table or --json).
 
     Args:
