@@ -69,6 +69,7 @@ class Owner:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` was called: every use after it raises ClosedError."""
         return self._h is None
 
     def close(self) -> None:
