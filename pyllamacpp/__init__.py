@@ -43,6 +43,9 @@ if TYPE_CHECKING:  # the lazy names below, as mypy should see them
     from .params import ModelParams as ModelParams
     from .rpc import devices as devices
     from .sampling import Sampler as Sampler
+    from .scheduler import Event as Event
+    from .scheduler import Request as Request
+    from .scheduler import Scheduler as Scheduler
     from .text import Completion as Completion
     from .text import Detokenizer as Detokenizer
     from .text import TextStream as TextStream
@@ -63,6 +66,9 @@ _LAZY = {
     "devices": ".rpc",
     "sync_log_level": "._log",
     "Sampler": ".sampling",
+    "Scheduler": ".scheduler",
+    "Request": ".scheduler",
+    "Event": ".scheduler",
     "generate": ".generation",
     "generate_parallel": ".generation",
     "Generation": ".generation",

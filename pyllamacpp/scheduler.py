@@ -1,0 +1,616 @@
+"""Continuous batching with a prefix cache: the loop of llama.cpp's ``examples/parallel`` and server.
+
+A :class:`Scheduler` takes requests (a prompt, ``n_predict``, a sampler) at any time and runs up to
+``n_seq_max`` of them at once in one context, one sequence each. Each :meth:`Scheduler.step` is one
+``llama_decode`` of one batch that holds the pending token of every generating sequence, then
+prompt chunks of newly admitted requests up to ``n_batch`` tokens in all (as the server's
+``update_slots`` fills its batch). After the decode each sequence that asked for logits samples
+its next token with its own :class:`~pyllamacpp.Sampler`, and the step returns what happened as
+:class:`Event` s. A sequence whose request ended takes the next waiting request at the next step.
+
+The cache convention is :mod:`pyllamacpp.generation`'s: a sampled token is decoded at the next
+step, and the last one is never decoded. Every request's sequence starts at position 0.
+
+Prefix cache: the scheduler keeps, per sequence, the tokens its KV cells hold. A new request's
+prompt is compared with them; the longest common prefix (at most ``n_prompt - 1`` tokens, since the
+last prompt token must be decoded for its logits) is not decoded again: the request's sequence
+keeps those cells (``llama_memory_seq_rm`` of the rest) or shares them with
+``llama_memory_seq_cp(src, dst, 0, n)`` from the sequence that holds them, running or finished.
+A finished request's cells stay as cache until its sequence is needed by another request or the
+KV cache runs out of cells. Sharing between sequences needs ``kv_unified=True``: with one stream
+per sequence, llama.cpp copies only whole sequences between streams, so there a request reuses only
+what its own sequence held (as the server without ``--kv-unified``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from .batch import Batch
+from .errors import DecodeAborted, DecodeInterrupted, KVCacheFullError
+from .sampling import Sampler
+from .text import Detokenizer
+
+if TYPE_CHECKING:
+    from .context import Context
+
+FinishReason = Literal["eog", "n_predict", "ctx_full", "cancelled"]
+
+
+class Request:
+    """One request of a :class:`Scheduler`: its prompt, sampler, and what came of it.
+
+    Made by :meth:`Scheduler.submit`; read it at any time (the fields grow as it runs).
+
+    Attributes:
+        id: Its number, in submission order (0, 1, ...).
+        prompt: The prompt's token ids (int32).
+        n_predict: Most tokens to sample; 0 prefills only; -1 has no limit.
+        sampler: Its own sampler chain (greedy unless one was given).
+        seq_id: The sequence it decodes in; None while it waits.
+        tokens: The sampled tokens so far (an end-of-generation token is the last one).
+        finish_reason: ``"eog"``, ``"n_predict"``, ``"ctx_full"`` or ``"cancelled"``; None while
+            it waits or runs.
+        error: The :class:`~pyllamacpp.KVCacheFullError` that ended it with ``"ctx_full"``.
+        n_prompt_reused: Prompt tokens whose KV cells came from the prefix cache (not decoded).
+        n_prompt_decoded: Prompt tokens decoded for it.
+        reused_from: The sequence whose cells it reused (its own, or the one ``seq_cp`` copied
+            from); None when it reused nothing.
+        t_submit: ``time.perf_counter()`` at submission.
+        t_start: When it got a sequence (None while waiting).
+        t_first_token: When its first token was sampled.
+        t_end: When it finished.
+    """
+
+    __slots__ = (
+        "id",
+        "prompt",
+        "n_predict",
+        "sampler",
+        "seq_id",
+        "tokens",
+        "finish_reason",
+        "error",
+        "n_prompt_reused",
+        "n_prompt_decoded",
+        "reused_from",
+        "t_submit",
+        "t_start",
+        "t_first_token",
+        "t_end",
+        "_pieces",
+        "_detok",
+        "_i",
+        "_chunk",
+        "_out",
+        "_pending",
+        "_cancel",
+        "_sched",
+        "_s",
+    )
+
+    def __init__(
+        self, sched: Scheduler, rid: int, prompt: np.ndarray, n_predict: int, sampler: Sampler, detok: Detokenizer
+    ) -> None:
+        self._sched = sched
+        self._s = -1  # seq_id as a plain int, for the per-step code
+        self.id, self.prompt, self.n_predict, self.sampler = rid, prompt, n_predict, sampler
+        self.seq_id: int | None = None
+        self.tokens: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.error: KVCacheFullError | None = None
+        self.n_prompt_reused = 0
+        self.n_prompt_decoded = 0
+        self.reused_from: int | None = None
+        self.t_submit = time.perf_counter()
+        self.t_start: float | None = None
+        self.t_first_token: float | None = None
+        self.t_end: float | None = None
+        self._pieces: list[str] = []
+        self._detok = detok
+        self._i = 0  # next prompt index to decode
+        self._chunk = 0  # prompt tokens in this step's batch
+        self._out = -1  # output index of its logits in this step's batch
+        self._pending = -1  # sampled, not yet decoded
+        self._cancel = False
+
+    @property
+    def n_prompt(self) -> int:
+        """How many prompt tokens."""
+        return int(self.prompt.size)
+
+    @property
+    def text(self) -> str:
+        """The sampled tokens' text so far (UTF-8-safe pieces joined; control tokens give none)."""
+        return "".join(self._pieces)
+
+    @property
+    def done(self) -> bool:
+        """Whether it finished (``finish_reason`` is set)."""
+        return self.finish_reason is not None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from submission to its first sampled token (waiting included); None before it."""
+        return None if self.t_first_token is None else self.t_first_token - self.t_submit
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens sampled per second after the first (as the server's ``predicted_per_second``).
+
+        None until it finished with at least two tokens.
+        """
+        if self.t_end is None or self.t_first_token is None or len(self.tokens) < 2:
+            return None
+        dt = self.t_end - self.t_first_token
+        return (len(self.tokens) - 1) / dt if dt > 0 else None
+
+    def cancel(self) -> None:
+        """Stop it at the next step (``finish_reason`` ``"cancelled"``); its cells stay as cache.
+
+        A request that already finished keeps its ``finish_reason``.
+        """
+        if self.finish_reason is None:
+            self._cancel = True
+            self._sched._n_cancel += 1
+
+    def report(self) -> dict:
+        """The per-request figures as a dict (JSON-ready).
+
+        Returns:
+            ``id``, ``seq_id``, ``n_prompt``, ``n_prompt_reused``, ``n_prompt_decoded``,
+            ``reused_from``, ``n_tokens``, ``finish_reason``, ``time_to_first_token_s``,
+            ``tokens_per_s``, ``text``.
+        """
+        return {
+            "id": self.id,
+            "seq_id": self.seq_id,
+            "n_prompt": self.n_prompt,
+            "n_prompt_reused": self.n_prompt_reused,
+            "n_prompt_decoded": self.n_prompt_decoded,
+            "reused_from": self.reused_from,
+            "n_tokens": len(self.tokens),
+            "finish_reason": self.finish_reason,
+            "time_to_first_token_s": self.time_to_first_token,
+            "tokens_per_s": self.tokens_per_s,
+            "text": self.text,
+        }
+
+    def __repr__(self) -> str:
+        state = self.finish_reason or ("waiting" if self.seq_id is None else "running")
+        return (
+            f"<Request {self.id} seq {self.seq_id} {state}: prompt {self.n_prompt} "
+            f"(reused {self.n_prompt_reused}), {len(self.tokens)} tokens>"
+        )
+
+
+class Event(NamedTuple):
+    """What one step did for one request: a sampled token, or the end of the request.
+
+    Attributes:
+        request: The :class:`Request`.
+        token: The sampled token id; None for an end without a token (``"ctx_full"``,
+            ``"cancelled"``, or ``n_predict=0``).
+        text: The text this token completes ("" while a UTF-8 character is incomplete; at the end,
+            what was held back).
+        finish_reason: None, or how the request ended (this is its last event).
+    """
+
+    request: Request
+    token: int | None
+    text: str
+    finish_reason: FinishReason | None
+
+
+class Scheduler:
+    """Continuous batching over one context: many requests, one ``llama_decode`` per step.
+
+    The scheduler uses every sequence of ``ctx`` (ids ``0..n_seq_max-1``) and clears them when it
+    is made (``llama_memory_seq_rm(mem, -1, -1, -1)``); leave the context to it while it runs.
+    See the module's docstring for the batch it builds and the prefix cache.
+
+    Args:
+        ctx: The context; its ``n_seq_max`` is how many requests run at once.
+        prefix_cache: Reuse cached prompt prefixes (default True). Across sequences only with
+            ``kv_unified=True``; otherwise a request reuses what its own sequence held.
+
+    Raises:
+        ValueError: ``n_batch`` is smaller than ``n_seq_max`` (a step could not hold one token per
+            sequence).
+        ClosedError: The context is closed.
+    """
+
+    def __init__(self, ctx: Context, *, prefix_cache: bool = True) -> None:
+        n_seq = ctx.n_seq_max
+        if ctx.n_batch < n_seq:
+            raise ValueError(f"n_batch {ctx.n_batch} < n_seq_max {n_seq}: a step needs one token per sequence")
+        self.ctx, self.model = ctx, ctx.model
+        self.n_seq_max, self.n_batch = n_seq, ctx.n_batch
+        self.prefix_cache = bool(prefix_cache)
+        self.kv_unified = bool(ctx.params.kv_unified) or n_seq == 1
+        """Whether cells can be shared between sequences (one KV stream)."""
+        self._n_vocab = self.model.n_vocab
+        self._n_ctx_seq = ctx.n_ctx_seq
+        self._batch = Batch(self.n_batch, 1, model=self.model)
+        # per sequence: the tokens its cells hold at positions 0..n-1, who runs in it, when it was last used
+        self._held = np.zeros((n_seq, self._n_ctx_seq + 1), np.int32)
+        self._n_held = [0] * n_seq
+        self._running: list[Request | None] = [None] * n_seq
+        self._last_used = [0] * n_seq
+        self._waiting: deque[Request] = deque()
+        self._gen: list[Request] = []  # have a sampled token to decode
+        self._prefill: list[Request] = []  # admitted, prompt not all decoded
+        self._samplers: set[int] = set()  # id() of the samplers of live requests
+        self._next_id = 0
+        self._n_cancel = 0  # cancel() calls not yet handled
+        self.n_steps = 0
+        """Decodes run so far (one per step that had work)."""
+        self.n_prompt_decoded = 0
+        """Prompt tokens decoded so far, all requests."""
+        self.n_prompt_reused = 0
+        """Prompt tokens reused from the prefix cache so far, all requests."""
+        self.n_tokens = 0
+        """Tokens sampled so far, all requests."""
+        ctx.memory.seq_rm(-1)
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: str | bytes | npt.ArrayLike,
+        n_predict: int,
+        sampler: Sampler | None = None,
+        *,
+        special: bool = False,
+    ) -> Request:
+        """Queue a request; it starts at the next step that has a free sequence.
+
+        May be called at any time, also between steps or while iterating :meth:`run`.
+
+        Args:
+            prompt: Text (``llama_tokenize``, with the model's BOS) or token ids (at least one).
+            n_predict: Most tokens to sample; 0 prefills only; -1 has no limit.
+            sampler: Its :class:`~pyllamacpp.Sampler` (greedy when None); one sampler serves one
+                live request (its penalties and grammar state are that request's).
+            special: Render special (control) tokens in the text pieces.
+
+        Returns:
+            The :class:`Request`.
+
+        Raises:
+            ValueError: No tokens, a token outside the vocabulary, a prompt longer than the
+                context's ``n_ctx_seq``, ``n_predict < -1``, or a sampler already used by a live
+                request.
+            TypeError: ``sampler`` is not a :class:`~pyllamacpp.Sampler`.
+            ClosedError: The context, model or sampler is closed.
+        """
+        self.ctx.ptr  # noqa: B018 - raises ClosedError once the context is closed
+        if isinstance(prompt, (str, bytes)):
+            toks = self.model.tokenize(prompt)
+        else:
+            toks = np.asarray(prompt)
+            if toks.size and toks.dtype.kind not in "iu":
+                raise ValueError(f"prompt tokens must be integers, got dtype {toks.dtype}")
+            toks = toks.astype(np.int32, copy=True).reshape(-1)  # a copy: the caller may reuse the array
+        if toks.size == 0:
+            raise ValueError("submit: the prompt has no tokens")
+        if toks.min() < 0 or toks.max() >= self._n_vocab:
+            bad = int(toks[(toks < 0) | (toks >= self._n_vocab)][0])
+            raise ValueError(f"prompt token {bad} is outside the vocabulary [0, {self._n_vocab})")
+        if toks.size > self._n_ctx_seq:
+            raise ValueError(f"the prompt has {toks.size} tokens, more than the context's n_ctx_seq {self._n_ctx_seq}")
+        n_predict = int(n_predict)
+        if n_predict < -1:
+            raise ValueError(f"n_predict must be >= -1 (-1: no limit), got {n_predict}")
+        if sampler is None:
+            sampler = Sampler.greedy()
+        elif not isinstance(sampler, Sampler):
+            raise TypeError(f"sampler must be a pyllamacpp.Sampler, got {type(sampler).__name__}")
+        sampler.ptr  # noqa: B018 - raises ClosedError for a closed sampler
+        if id(sampler) in self._samplers:
+            raise ValueError("this sampler is used by another live request: give each request its own")
+        self._samplers.add(id(sampler))
+        req = Request(self, self._next_id, toks, n_predict, sampler, Detokenizer(self.model, special))
+        self._next_id += 1
+        self._waiting.append(req)
+        return req
+
+    @property
+    def n_waiting(self) -> int:
+        """Requests submitted and not started."""
+        return len(self._waiting)
+
+    @property
+    def n_running(self) -> int:
+        """Requests that hold a sequence."""
+        return len(self._gen) + len(self._prefill)
+
+    @property
+    def idle(self) -> bool:
+        """Whether no request waits or runs."""
+        return not (self._waiting or self._gen or self._prefill)
+
+    def cached(self) -> dict[int, int]:
+        """What the prefix cache holds: tokens in KV cells per sequence (running sequences included).
+
+        Returns:
+            ``{seq_id: n_tokens}`` for every sequence that holds any.
+        """
+        return {s: n for s, n in enumerate(self._n_held) if n}
+
+    def clear_cache(self) -> None:
+        """Free the cells of every sequence no request runs in (``llama_memory_seq_rm``).
+
+        Raises:
+            ClosedError: The context is closed.
+        """
+        for s in range(self.n_seq_max):
+            if self._running[s] is None and self._n_held[s]:
+                self._drop(s)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> Iterator[Event]:
+        """Step until no request waits or runs, yielding each step's events.
+
+        Requests submitted while iterating are run too.
+
+        Yields:
+            :class:`Event` s, in the order of :meth:`step`.
+
+        Raises:
+            Whatever :meth:`step` raises.
+        """
+        while self._waiting or self._gen or self._prefill:
+            yield from self.step()
+
+    def step(self) -> list[Event]:
+        """Admit waiting requests, decode one batch (``llama_decode``), sample, and say what happened.
+
+        The batch holds one token per generating sequence, then prompt chunks of admitted
+        requests, at most ``n_batch`` tokens. When ``llama_decode`` finds no KV cell (return 1),
+        cached sequences no request runs in are freed one by one, then the request with the most
+        tokens in memory ends with ``"ctx_full"`` (its cells freed), until the batch fits; the
+        scheduler goes on with the others.
+
+        Returns:
+            The events of this step (empty when there was nothing to do).
+
+        Raises:
+            DecodeAborted: ``ctx.abort()`` stopped the decode; what it put in memory was removed,
+                so the next step retries it.
+            DecodeInterrupted: Ctrl-C stopped the decode (a KeyboardInterrupt); as above.
+            DecodeError: Another ``llama_decode`` failure (``InvalidBatchError``...).
+            ClosedError: The context or a sampler is closed.
+        """
+        events: list[Event] = []
+        if self._n_cancel:
+            self._cancelled(events)
+        if self._waiting:
+            self._admit()
+        if not (self._gen or self._prefill):
+            return events
+        batch = self._batch
+        while True:
+            self._fill(batch)
+            try:
+                self.ctx.decode(batch)
+                break
+            except KVCacheFullError as e:
+                if e.__context__ is not None:
+                    raise
+                if self._evict_cache():
+                    continue
+                self._end(max(self._gen + self._prefill, key=lambda r: self._n_held[r._s]), "ctx_full", events, e)
+                if not (self._gen or self._prefill):
+                    return events
+            except (DecodeAborted, DecodeInterrupted):
+                self._rollback()
+                raise
+        self.n_steps += 1
+        self._decoded(events)
+        return events
+
+    # -- internals -----------------------------------------------------------------------------
+    def _lcp(self, s: int, toks: np.ndarray) -> int:
+        n = min(self._n_held[s], toks.size)
+        if n == 0:
+            return 0
+        d = np.flatnonzero(self._held[s, :n] != toks[:n])
+        return int(d[0]) if d.size else n
+
+    def _drop(self, s: int) -> None:
+        self.ctx.memory.seq_rm(s)
+        self._n_held[s] = 0
+
+    def _cancelled(self, events: list[Event]) -> None:
+        self._n_cancel = 0
+        if any(r._cancel for r in self._waiting):
+            for r in [r for r in self._waiting if r._cancel]:
+                self._waiting.remove(r)
+                self._end(r, "cancelled", events)
+        for r in [r for r in self._gen + self._prefill if r._cancel]:
+            self._end(r, "cancelled", events)
+
+    def _admit(self) -> None:
+        free = [s for s in range(self.n_seq_max) if self._running[s] is None]
+        deferred: list[Request] = []
+        while self._waiting and free:
+            r = self._waiting.popleft()
+            if self._defer(r):
+                deferred.append(r)
+                continue
+            s = self._pick(r, free)
+            free.remove(s)
+            self._start(r, s)
+        self._waiting.extendleft(reversed(deferred))
+
+    def _defer(self, r: Request) -> bool:
+        """Wait for a running prefill that will hold more of this prompt than any sequence holds now."""
+        if not (self.prefix_cache and self.kv_unified and self._prefill):
+            return False
+        n_max = r.prompt.size - 1
+        held = max((min(self._lcp(s, r.prompt), n_max) for s in range(self.n_seq_max)), default=0)
+        for p in self._prefill:
+            n = min(p.prompt.size, r.prompt.size)
+            d = np.flatnonzero(p.prompt[:n] != r.prompt[:n])
+            if min(int(d[0]) if d.size else n, n_max) > held:
+                return True
+        return False
+
+    def _pick(self, r: Request, free: list[int]) -> int:
+        """The free sequence that holds the longest prefix of the prompt, else an empty one, else the
+        least recently used (its cache is dropped)."""
+        if not self.prefix_cache:
+            return free[0]
+        return max(free, key=lambda s: (self._lcp(s, r.prompt), self._n_held[s] == 0, -self._last_used[s]))
+
+    def _start(self, r: Request, s: int) -> None:
+        mem, toks = self.ctx.memory, r.prompt
+        reuse, src = 0, s
+        if self.prefix_cache:
+            n_max = toks.size - 1  # the last prompt token is decoded: its logits give the first token
+            reuse = min(self._lcp(s, toks), n_max)
+            if self.kv_unified:
+                for o in range(self.n_seq_max):
+                    if o != s and self._n_held[o] > reuse:
+                        n = min(self._lcp(o, toks), n_max)
+                        if n > reuse:
+                            reuse, src = n, o
+        if src == s:
+            if self._n_held[s] > reuse:
+                mem.seq_rm(s, reuse, -1)
+        else:
+            if self._n_held[s]:
+                mem.seq_rm(s)
+            mem.seq_cp(src, s, 0, reuse)
+            self._held[s, :reuse] = toks[:reuse]
+        self._n_held[s] = reuse
+        r.seq_id, r._s, r.n_prompt_reused, r._i = s, s, reuse, reuse
+        r.reused_from = src if reuse else None
+        r.t_start = time.perf_counter()
+        self.n_prompt_reused += reuse
+        self._running[s] = r
+        self._prefill.append(r)
+
+    def _fill(self, batch: Batch) -> None:
+        batch.clear()
+        add, n_held = batch.add, self._n_held
+        for r in self._gen:
+            s = r._s
+            r._out = add(r._pending, n_held[s], s, True)
+        budget = self.n_batch - len(batch)
+        for r in self._prefill:
+            n = min(budget, r.prompt.size - r._i)
+            r._chunk = n
+            if n <= 0:
+                continue
+            last = r._i + n == r.prompt.size
+            sl = batch.add_sequence(r.prompt[r._i : r._i + n], r._s, r._i, logits="last" if last else "none")
+            r._out = sl.stop - 1
+            budget -= n
+
+    def _decoded(self, events: list[Event]) -> None:
+        held, n_held = self._held, self._n_held
+        gen = self._gen
+        self._gen = []
+        for r in gen:
+            s = r._s
+            held[s, n_held[s]] = r._pending
+            n_held[s] += 1
+            self._sample(r, events)
+        prefill, still = self._prefill, []
+        self._prefill = []  # _end may remove from it while this loop runs
+        for r in prefill:
+            n = r._chunk
+            if n <= 0:
+                still.append(r)
+                continue
+            s, i = r._s, r._i
+            held[s, i : i + n] = r.prompt[i : i + n]
+            n_held[s] = i + n
+            r._i = i + n
+            r.n_prompt_decoded += n
+            self.n_prompt_decoded += n
+            r._chunk = 0
+            if r._i < r.prompt.size:
+                still.append(r)
+            elif r.n_predict == 0:
+                self._end(r, "n_predict", events)
+            else:
+                self._sample(r, events)
+        self._prefill = still
+
+    def _sample(self, r: Request, events: list[Event]) -> None:
+        tok = r.sampler.sample(self.ctx, r._out)
+        r.tokens.append(tok)
+        self.n_tokens += 1
+        if r.t_first_token is None:
+            r.t_first_token = time.perf_counter()
+        piece = r._detok.feed(tok)
+        reason: FinishReason
+        if self.model.is_eog(tok):
+            reason = "eog"
+        elif len(r.tokens) == r.n_predict:
+            reason = "n_predict"  # its last token is not decoded
+        else:
+            r._pending = tok
+            self._gen.append(r)
+            r._pieces.append(piece)
+            events.append(Event(r, tok, piece, None))
+            return
+        piece += r._detok.flush()
+        r._pieces.append(piece)
+        self._end(r, reason, events, token=tok, piece=piece)
+
+    def _end(
+        self,
+        r: Request,
+        reason: FinishReason,
+        events: list[Event],
+        error: KVCacheFullError | None = None,
+        *,
+        token: int | None = None,
+        piece: str | None = None,
+    ) -> None:
+        r.finish_reason, r.error, r.t_end = reason, error, time.perf_counter()
+        self._samplers.discard(id(r.sampler))
+        s = r.seq_id
+        if s is not None:
+            if r in self._gen:
+                self._gen.remove(r)
+            if r in self._prefill:
+                self._prefill.remove(r)
+            self._running[s] = None
+            self._last_used[s] = self.n_steps
+            if not self.prefix_cache or reason == "ctx_full":
+                self._drop(s)
+        if piece is None:  # an end without a token: what the detokenizer held back
+            piece = r._detok.flush()
+            r._pieces.append(piece)
+        events.append(Event(r, token, piece, reason))
+
+    def _evict_cache(self) -> bool:
+        """Free the least recently used sequence that holds cells and runs no request."""
+        idle = [s for s in range(self.n_seq_max) if self._running[s] is None and self._n_held[s]]
+        if not idle:
+            return False
+        self._drop(min(idle, key=lambda s: self._last_used[s]))
+        return True
+
+    def _rollback(self) -> None:
+        """After an abort: remove what the batch put in memory (ubatches computed before it stay)."""
+        mem = self.ctx.memory
+        for r in self._gen + self._prefill:
+            mem.seq_rm(r._s, self._n_held[r._s], -1)
+            r._chunk = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<Scheduler n_seq_max={self.n_seq_max} running={self.n_running} waiting={self.n_waiting} "
+            f"prefix_cache={self.prefix_cache} kv_unified={self.kv_unified}>"
+        )
