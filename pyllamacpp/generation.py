@@ -17,7 +17,7 @@ How generation ends, and what the KV cache holds afterwards (the same for :func:
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -93,8 +93,9 @@ class Generation:
         """The :class:`KVCacheFullError` that ended it with ``"ctx_full"``, else None."""
         return self._out.error
 
-    def __iter__(self) -> Generation:
-        return self
+    def __iter__(self) -> Iterator[int]:
+        # the generator itself: a for loop then resumes it with no Python frame of ours per token
+        return self._it
 
     def __next__(self) -> int:
         return next(self._it)
