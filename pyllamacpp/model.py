@@ -508,6 +508,9 @@ class Model(Owner):
         Args:
             token: The token id.
 
+        Returns:
+            True for an end-of-generation token.
+
         Raises:
             ClosedError: The model is closed.
         """
