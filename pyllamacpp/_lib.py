@@ -227,7 +227,14 @@ def _str(p) -> str:
 
 def build_info() -> dict:
     """What this build is: llama.cpp commit and source, backends (compiled, and registered now),
-    devices, compiler and flags, where the libraries are, and ``llama_print_system_info()``."""
+    devices, compiler and flags, where the libraries are, and ``llama_print_system_info()``.
+
+    Returns:
+        EXTENSION_INFO's keys plus ``registered_backends`` (``ggml_backend_reg_name`` of each),
+        ``devices`` (name and description of each ``ggml_backend_dev_get``), ``system_info``,
+        ``lib_dir``, the CPU variants present and loaded, the backend load log and the loaded
+        libraries' paths.
+    """
     info = dict(EXTENSION_INFO)
     info["registered_backends"] = [
         _str(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i))) for i in range(lib.ggml_backend_reg_count())
