@@ -459,6 +459,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-text", default=None, help="the shared prompt (default: a built-in story opening)")
     p.add_argument("-p", "--n-prompt", type=int, default=0, help="repeat the prompt to this many tokens")
     p.add_argument("-n", "--n-gen", type=int, default=16)
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="workload mode: this many requests sharing a system prompt (--prompt-text) through the "
+        "Scheduler, without and with its prefix cache (default 0: off)",
+    )
+    p.add_argument("-o", "--output", help="write a plot (PNG)")
     p.set_defaults(func=_experiment("prefix"))
 
     p = sub.add_parser("batch-isolation", help="do rows of different sequences leak?", description=_doc("isolation"))

@@ -226,6 +226,10 @@ class Scheduler:
         ClosedError: The context is closed.
     """
 
+    defer_min_tokens = 16
+    """A waiting request whose prompt shares at least this many more tokens with a prompt being
+    prefilled than with any cache waits for that prefill (a step or so) and shares its cells."""
+
     def __init__(self, ctx: Context, *, prefix_cache: bool = True) -> None:
         n_seq = ctx.n_seq_max
         if ctx.n_batch < n_seq:
@@ -450,7 +454,8 @@ class Scheduler:
         self._waiting.extendleft(reversed(deferred))
 
     def _defer(self, r: Request) -> bool:
-        """Wait for a running prefill that will hold more of this prompt than any sequence holds now."""
+        """Wait for a running prefill that will hold at least ``defer_min_tokens`` more of this prompt
+        than any sequence holds now (requests with one system prompt submitted together)."""
         if not (self.prefix_cache and self.kv_unified and self._prefill):
             return False
         n_max = r.prompt.size - 1
@@ -458,7 +463,7 @@ class Scheduler:
         for p in self._prefill:
             n = min(p.prompt.size, r.prompt.size)
             d = np.flatnonzero(p.prompt[:n] != r.prompt[:n])
-            if min(int(d[0]) if d.size else n, n_max) > held:
+            if min(int(d[0]) if d.size else n, n_max) >= held + self.defer_min_tokens:
                 return True
         return False
 

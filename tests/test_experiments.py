@@ -156,6 +156,28 @@ def test_prefix_sharing_uses_fewer_cells_and_matches(capsys):
         assert all(r["matches_alone"]) and r["decode_tps"] > 0
 
 
+def test_prefix_sharing_workload_through_the_scheduler(capsys, tmp_path):
+    argv = ["prefix-sharing", "--requests", "5", "-np", "2", "-n", "4", "-t", "1", "-fa", "off", "-c", "512"]
+    data = _json(capsys, argv)
+    assert data["mode"] == "workload" and data["ok"]
+    off, on = data["rows"]
+    assert not off["prefix_cache"] and on["prefix_cache"] and on["kv_unified"]
+    assert off["n_prompt_reused"] == 0 and off["n_prompt_decoded"] == off["n_prompt"]
+    # the system prompt is decoded once, then shared: every later request reuses at least it
+    assert on["n_prompt_decoded"] + on["n_prompt_reused"] == on["n_prompt"] == off["n_prompt"]
+    assert on["n_prompt_reused"] >= 4 * (data["n_system"] - 1)
+    assert on["peak_cells"] < off["peak_cells"]  # counted from state dumps
+    assert off["n_tokens"] == on["n_tokens"] == 5 * 4 and all(data["same_tokens"])
+    assert [r["n_prompt_reused"] for r in on["requests"]][0] == 0
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "workload.png"
+    assert main(argv + ["-o", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "prefix cache" in out and "same greedy tokens with and without the cache: 5/5" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["prefix-sharing", "--requests", "-1"]) == 2
+
+
 def test_placement_flash_attention_off_restores_bit_identical(capsys, tmp_path):
     # one thread and a short prompt keep it quick; the effect with flash attention on needs
     # n_kv >= 512 and several threads (see the module), which the default flags give

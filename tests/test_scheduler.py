@@ -1,7 +1,7 @@
 """Scheduler: continuous batching and the prefix cache against requests generated alone.
 
 Greedy equality is claimed with flash attention off, on prompts whose greedy continuation has a
-clear winner at every step (top-2 logit margin >= 1.3 over 8 tokens on the default model). With
+clear winner at every step (top-2 logit margin >= 1.36 over 8 tokens on the default model). With
 this 135M model many prompts hit near-ties (margins under 0.1) within 10 tokens; there, decoding
 in a batch with other sequences' tokens, or into cells interleaved with theirs, can flip the
 greedy choice (measured: a 0.086 margin flipped), which is llama.cpp's numerics, not the scheduler.
@@ -13,19 +13,10 @@ import numpy as np
 import pytest
 
 import pyllamacpp as pl
+from pyllamacpp.experiments.prefix import LISTS, SYSTEM_PROMPT
 from pyllamacpp.scheduler import Event, Request, Scheduler
 
-SYSTEM = "Continue the list. "
-LISTS = [
-    "1, 2, 3, 4, 5,",
-    "January, February, March,",
-    "A, B, C, D, E,",
-    "one, two, three, four,",
-    "10, 20, 30, 40,",
-    "2, 4, 6, 8, 10,",
-    "a b c d e f",
-    "100, 200, 300,",
-]
+SYSTEM = SYSTEM_PROMPT  # 34 tokens, then a list to continue
 N = 8
 
 
@@ -35,8 +26,8 @@ def _ctx(model, n_seq_max=3, kv_unified=True, n_ctx=512, **kw):
         n_seq_max=n_seq_max,
         kv_unified=kv_unified,
         flash_attn="off",
-        n_threads=2,
-        n_threads_batch=2,
+        n_threads=1,  # one thread: the suite shares the machine, and ggml's threads spin under load
+        n_threads_batch=1,
         **kw,
     )
 

@@ -8,6 +8,15 @@ cell), not computed. With ``--no-kv-unified`` every sequence has its own stream,
 tokens carry several sequence ids is rejected ("coupled sequences"), and the prefix is decoded into
 sequence 0 and copied with ``seq_cp`` into every other stream: one copy per stream, which is the cost
 shown. Each greedy continuation is compared with the same prompt generated alone.
+
+Workload mode (``--requests N``): N requests that share a system prompt (``--prompt-text``, else a
+built-in one; each request adds a list to continue) go through a :class:`~pyllamacpp.Scheduler`
+with ``-np`` sequences, once without and once with its prefix cache, in fresh contexts
+(``kv_unified`` unless ``--no-kv-unified``). Per run: prompt tokens decoded and reused, KV cells in
+use (counted from a whole-context state dump after every step; the peak is shown), steps, the time
+spent in ``Scheduler.step`` (the dumps are outside it), mean time to first token, and whether each
+request's greedy tokens are the same in both runs. ``-o`` draws prompt tokens decoded and KV cells
+against the step.
 """
 
 from __future__ import annotations
@@ -115,6 +124,8 @@ def run_mode(model, prompt, n_seq: int, n_gen: int, unified: bool, kw: dict) -> 
 def run(args) -> dict:
     """Run :func:`run_mode` for each mode (``unified``, ``split``) and compare with the prompt alone.
 
+    With ``--requests N``, the workload mode instead (:func:`run_workload`).
+
     Args:
         args: The parsed flags: ``prompt_text``, ``n_prompt``, ``n_gen``, ``modes`` and those of
             :func:`~pyllamacpp.experiments.common.add_model_flags`.
@@ -129,6 +140,8 @@ def run(args) -> dict:
         DecodeError: A decode failed (``KVCacheFullError``, ``InvalidBatchError``...).
         StateError: The state dump cannot be read (``llama_state_get_data``).
     """
+    if getattr(args, "requests", 0):
+        return run_workload(args)
     model = load_model(args)
     try:
         prompt = model.tokenize(args.prompt_text or DEFAULT_PROMPT)
@@ -169,6 +182,9 @@ def print_report(data: dict) -> None:
     """
     from .common import print_table
 
+    if data.get("mode") == "workload":
+        print_workload(data)
+        return
     print(
         f"model {data['model']}: a {data['n_prompt']}-token prompt shared by -np sequences; "
         "KV cells counted from a whole-context state dump"
@@ -204,3 +220,239 @@ def print_report(data: dict) -> None:
         if data["ok"]
         else "verdict: MISMATCH between shared and alone continuations"
     )
+
+
+SYSTEM_PROMPT = (
+    "You are a careful assistant that continues lists. Read the start of a list and write the next items "
+    "in the same style, separated by commas, without any explanation. "
+)
+LISTS = [
+    "1, 2, 3, 4, 5,",
+    "January, February, March,",
+    "A, B, C, D, E,",
+    "one, two, three, four,",
+    "10, 20, 30, 40,",
+    "2, 4, 6, 8, 10,",
+    "a b c d e f",
+    "100, 200, 300,",
+]
+
+
+def workload_prompts(model, n_requests: int, system: str | None = None, n_system: int = 0) -> list[np.ndarray]:
+    """The prompts of the workload: one system prompt, then a list to continue (cycled).
+
+    Args:
+        model: The :class:`~pyllamacpp.Model`.
+        n_requests: How many prompts.
+        system: The system prompt (None: :data:`SYSTEM_PROMPT`).
+        n_system: Repeat the system prompt's tokens to this many (0: as it is).
+
+    Returns:
+        One int32 token array per request (the system prompt's tokens, then the list's).
+    """
+    sys_toks = model.tokenize(system or SYSTEM_PROMPT)
+    if n_system:
+        sys_toks = np.resize(sys_toks, n_system).astype(np.int32)
+    return [
+        np.concatenate([sys_toks, model.tokenize(LISTS[i % len(LISTS)], add_special=False)]).astype(np.int32)
+        for i in range(n_requests)
+    ]
+
+
+def run_scheduler(model, prompts: list[np.ndarray], n_gen: int, prefix_cache: bool, kw: dict) -> dict:
+    """Run ``prompts`` through a :class:`~pyllamacpp.Scheduler` in a fresh context; count per step.
+
+    Args:
+        model: The :class:`~pyllamacpp.Model`.
+        prompts: The prompts' token ids, all submitted before the first step.
+        n_gen: ``n_predict`` of each request (greedy).
+        prefix_cache: The scheduler's ``prefix_cache``.
+        kw: Context keywords (``n_ctx``, ``n_seq_max``, ``kv_unified``, ``flash_attn``...).
+
+    Returns:
+        The run: ``prefix_cache``, totals (``n_prompt``, ``n_prompt_decoded``, ``n_prompt_reused``,
+        ``n_tokens``, ``n_steps``, ``step_s``, ``peak_cells``, ``mean_ttft_s``), per-step series
+        (``series_decoded``, ``series_cells``), ``requests`` (each request's report) and
+        ``tokens`` (each request's tokens).
+
+    Raises:
+        ContextError: llama.cpp cannot make a context with these settings.
+        DecodeError: A decode failed.
+        StateError: The state dump cannot be read (``llama_state_get_data``).
+    """
+    from ..scheduler import Scheduler
+
+    with model.context(**kw) as ctx:
+        sched = Scheduler(ctx, prefix_cache=prefix_cache)
+        reqs = [sched.submit(p, n_gen) for p in prompts]
+        decoded, cells, step_s = [0], [0], 0.0
+        t0 = time.perf_counter()
+        while not sched.idle:
+            t = time.perf_counter()
+            sched.step()
+            step_s += time.perf_counter() - t
+            decoded.append(sched.n_prompt_decoded)
+            cells.append(_cells(ctx))  # a state dump: outside the timed step
+        wall = time.perf_counter() - t0
+        ttft = [r.time_to_first_token for r in reqs if r.time_to_first_token is not None]
+        return {
+            "prefix_cache": prefix_cache,
+            "kv_unified": sched.kv_unified,
+            "n_requests": len(reqs),
+            "n_seq_max": sched.n_seq_max,
+            "n_prompt": int(sum(r.n_prompt for r in reqs)),
+            "n_prompt_decoded": sched.n_prompt_decoded,
+            "n_prompt_reused": sched.n_prompt_reused,
+            "n_tokens": sched.n_tokens,
+            "n_steps": sched.n_steps,
+            "step_s": step_s,
+            "wall_s": wall,
+            "peak_cells": max(cells),
+            "mean_ttft_s": float(np.mean(ttft)) if ttft else None,
+            "series_decoded": decoded,
+            "series_cells": cells,
+            "requests": [{k: v for k, v in r.report().items() if k != "text"} for r in reqs],
+            "tokens": [list(r.tokens) for r in reqs],
+        }
+
+
+def run_workload(args) -> dict:
+    """The workload mode: N requests sharing a system prompt, without and with the prefix cache.
+
+    Args:
+        args: The parsed flags: ``requests``, ``prompt_text``, ``n_prompt``, ``n_gen`` and those of
+            :func:`~pyllamacpp.experiments.common.add_model_flags`.
+
+    Returns:
+        ``mode`` ("workload"), ``model``, ``n_system`` (system prompt tokens), ``rows`` (one per run,
+        see :func:`run_scheduler`), ``same_tokens`` (per request: equal greedy tokens in both runs)
+        and ``ok`` (the cache decoded fewer prompt tokens, or there was nothing to share).
+
+    Raises:
+        ValueError: ``--requests`` is less than 1.
+        ModelLoadError: The model cannot be loaded.
+        ContextError: llama.cpp cannot make a context with these settings.
+        DecodeError: A decode failed.
+        StateError: The state dump cannot be read.
+    """
+    from .common import context_kwargs
+
+    if args.requests < 1:
+        raise ValueError(f"--requests must be at least 1, got {args.requests}")
+    model = load_model(args)
+    try:
+        prompts = workload_prompts(model, args.requests, args.prompt_text, args.n_prompt)
+        n_system = len(model.tokenize(args.prompt_text or SYSTEM_PROMPT)) if not args.n_prompt else args.n_prompt
+        kw = context_kwargs(args)
+        kw.setdefault("kv_unified", True)
+        rows = [run_scheduler(model, prompts, args.n_gen, cache, kw) for cache in progress([False, True], "workload")]
+    finally:
+        model.close()
+    off, on = rows
+    same = [a == b for a, b in zip(off.pop("tokens"), on.pop("tokens"))]
+    ok = on["n_prompt_decoded"] < off["n_prompt_decoded"] or args.requests == 1
+    return {
+        "mode": "workload",
+        "model": str(model.path),
+        "n_system": n_system,
+        "n_gen": args.n_gen,
+        "flash_attn": args.flash_attn,
+        "rows": rows,
+        "same_tokens": same,
+        "ok": ok,
+    }
+
+
+def print_workload(data: dict) -> None:
+    """Print what :func:`run_workload` returned: one row per run, then the verdict.
+
+    Args:
+        data: What :func:`run_workload` returned.
+    """
+    from .common import print_table
+
+    r0 = data["rows"][0]
+    print(
+        f"model {data['model']}: {r0['n_requests']} requests sharing a {data['n_system']}-token system prompt, "
+        f"{data['n_gen']} greedy tokens each, {r0['n_seq_max']} sequences (kv_unified {r0['kv_unified']}); "
+        "KV cells counted from a state dump after each step"
+    )
+    rows = [
+        {
+            **r,
+            "cache": "on" if r["prefix_cache"] else "off",
+            "step_ms": r["step_s"] * 1e3,
+            "ttft_ms": r["mean_ttft_s"] * 1e3 if r["mean_ttft_s"] is not None else None,
+            "tps": r["n_tokens"] / r["step_s"] if r["step_s"] else None,
+        }
+        for r in data["rows"]
+    ]
+    print_table(
+        rows,
+        [
+            ("cache", "prefix cache", "s"),
+            ("n_prompt", "prompt tokens", "d"),
+            ("n_prompt_decoded", "decoded", "d"),
+            ("n_prompt_reused", "reused", "d"),
+            ("peak_cells", "peak KV cells", "d"),
+            ("n_steps", "steps", "d"),
+            ("step_ms", "time ms", ".1f"),
+            ("ttft_ms", "mean TTFT ms", ".1f"),
+            ("tps", "tokens/s", ".1f"),
+        ],
+    )
+    same = data["same_tokens"]
+    print(f"same greedy tokens with and without the cache: {sum(same)}/{len(same)} requests")
+    off, on = data["rows"]
+    saved = 1 - on["n_prompt_decoded"] / off["n_prompt_decoded"] if off["n_prompt_decoded"] else 0
+    print(
+        f"verdict: the prefix cache decoded {on['n_prompt_decoded']} of {on['n_prompt']} prompt tokens "
+        f"({saved:.0%} fewer than without it)"
+        if data["ok"]
+        else "verdict: the prefix cache saved no prompt tokens"
+    )
+
+
+def plot(data: dict, path: str) -> None:
+    """Draw the run as a PNG (matplotlib) into ``path``.
+
+    Workload mode: prompt tokens decoded and KV cells in use against the step, without and with
+    the prefix cache. Otherwise: KV cells with sharing against N copies, per mode.
+
+    Args:
+        data: What :func:`run` returned.
+        path: The image file to write (PNG).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if data.get("mode") == "workload":
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        for r in data["rows"]:
+            label = f"prefix cache {'on' if r['prefix_cache'] else 'off'}"
+            a1.plot(r["series_decoded"], label=label, drawstyle="steps-post")
+            a2.plot(r["series_cells"], label=label, drawstyle="steps-post")
+        r0 = data["rows"][0]
+        a1.set_title(f"{r0['n_requests']} requests, {data['n_system']}-token system prompt, -np {r0['n_seq_max']}")
+        a1.set_xlabel("scheduler step (one llama_decode)")
+        a1.set_ylabel("prompt tokens decoded (cumulative)")
+        a2.set_title("KV cells in use (state dump after each step)")
+        a2.set_xlabel("scheduler step (one llama_decode)")
+        a2.set_ylabel("cells")
+        a1.legend(fontsize=8)
+        a2.legend(fontsize=8)
+    else:
+        fig, a1 = plt.subplots(figsize=(6, 4))
+        rows = data["rows"]
+        x = np.arange(len(rows))
+        a1.bar(x - 0.2, [r["shared_cells"] for r in rows], 0.4, label="shared prefix")
+        a1.bar(x + 0.2, [r["copies_cells"] for r in rows], 0.4, label="N copies")
+        a1.set_xticks(x, [f"{r['mode']} (-np {r['n_seq']})" for r in rows])
+        a1.set_ylabel("KV cells")
+        a1.set_title(f"a {data['n_prompt']}-token prompt for -np sequences")
+        a1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
