@@ -12,6 +12,10 @@ How generation ends, and what the KV cache holds afterwards (the same for :func:
   prompt and every sampled token but the last in memory: ``seq_pos_max == start + n_prompt +
   len(tokens) - 2``. To continue a sequence, feed that last token back first
   (``generate(ctx, [last, *more], n)``); an end-of-generation token is fed back like any other.
+
+Sampling: :func:`generate` samples with one chain; :func:`generate_parallel` with one chain shared
+by every sequence (``examples/batched``) or one chain per sequence (a list, a factory, ``seed=``),
+each sampled at its own sequence's output (``llama_sampler_sample(chain, ctx, idx)``).
 """
 
 from __future__ import annotations
@@ -385,6 +389,7 @@ def _parallel(
     # the sequence's output index in the next step is k. Written through the batch's numpy views,
     # a few vectorized writes per step (Batch.add per token cost more than the rest of a step).
     p, tok_view, pos_view, seq_col = batch._p, batch._token, batch._pos, batch._seq[:, 0]
+    assert tok_view is not None  # a token batch
     batch._n_seq_id[:n_parallel] = 1
     batch._logits[:n_parallel] = 1
     eog, sample, decode = _EogIds(model), lib.llama_sampler_sample, ctx.decode

@@ -26,19 +26,32 @@ Workloads (rows):
                       both sides detokenize every sequence at the end, as generate_parallel does
   parallel, shared    the same with one Sampler for all sequences (examples/batched)
 
-Adding a workload (e.g. a continuous-batching scheduler) takes a few lines: write a function
-``run(ctx, prompt, n_predict, samplers, clock) -> (seconds, tokens_per_sequence)`` that runs the
-Python loop once from a cleared memory (``clock = PromptClock(ctx)``: ``clock.start()`` before the
-run, ``clock.t0`` is when the run's first ``ctx.decode`` returned, the prompt's; its steps then go
-through ``ctx.decode`` or ``generate``'s C step), and call::
+Adding a workload (e.g. a continuous-batching scheduler) takes a few lines. Write the Python
+side as ``run(ctx, prompt, n_predict, samplers, clock) -> (clock.elapsed(), tokens_per_sequence)``:
+it runs the loop once from a cleared memory and reset samplers; ``clock`` (a ``PromptClock``) wraps
+``ctx.decode`` and starts the span when the run's first decode (the prompt's) returns. Then::
 
-    compare_step_loop(ctx, run, prompt=tokens, n_seq=8, n_predict=64, samplers=chains, detok=True)
+    from bench_pertoken import compare_step_loop
 
-which returns medians, ``py_us_per_token`` and the ratio, and checks that both sides sampled the
+    def run_scheduler(ctx, prompt, n_predict, samplers, clock):
+        sched = pl.Scheduler(ctx)                        # the API is the scheduler's own
+        reqs = [sched.submit(prompt, n_predict, s) for s in samplers]
+        for _ in sched:
+            pass
+        return clock.elapsed(), [r.tokens for r in reqs]
+
+    r = compare_step_loop(ctx, run_scheduler, prompt=tokens, n_seq=8, n_predict=64,
+                          samplers=[pl.Sampler.greedy() for _ in range(8)], detok=True)
+    r["cpu"]["py_us_per_token"], r["cpu"]["ratio"], r["same_tokens"]
+
+``compare_step_loop`` builds the C loop on first use, alternates the sides ``pairs`` times and
+returns medians per clock (``cpu``: this thread's CPU time, robust to a loaded machine with
+``-t 1``; ``wall``), Python's own µs per token and the ratio, and whether both sides sampled the
 same tokens. ``samplers`` is one chain per sequence, or one chain repeated (the C side then samples
-every sequence with it, as Python does). The C loop decodes the prompt once with every seq id
-(the context needs ``kv_unified=True`` for ``n_seq > 1``), then one token per live sequence per
-decode; a scheduler that shares the prompt otherwise (``seq_cp``) differs only before ``clock.t0``.
+every sequence with it, as Python does). The C loop decodes the prompt once with every seq id (the
+context needs ``kv_unified=True`` for ``n_seq > 1``), then one token per live sequence per decode;
+a loop that shares the prompt otherwise (``seq_cp``) differs only before the span starts. To get a
+row in the table, add a branch in ``main`` as the ``parallel`` one.
 """
 
 from __future__ import annotations
@@ -282,6 +295,8 @@ def compare_step_loop(
     """
     import numpy as np
 
+    if not _LIB:  # built once per process
+        _LIB.append(native_pertoken_lib())
     lib = _LIB[0]
     assert len(samplers) == n_seq
     toks = np.ascontiguousarray(prompt, dtype=np.int32)
