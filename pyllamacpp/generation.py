@@ -21,7 +21,7 @@ each sampled at its own sequence's output (``llama_sampler_sample(chain, ctx, id
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -97,9 +97,8 @@ class Generation:
         """The :class:`KVCacheFullError` that ended it with ``"ctx_full"``, else None."""
         return self._out.error
 
-    def __iter__(self) -> Iterator[int]:
-        # the generator itself: a for loop then resumes it with no Python frame of ours per token
-        return self._it
+    def __iter__(self) -> Generation:
+        return self
 
     def __next__(self) -> int:
         return next(self._it)

@@ -254,6 +254,8 @@ def _summary(nat: list[float], py: list[float], n: int) -> dict:
         "py_us_per_token_min": min(over),
         "py_us_per_token_max": max(over),
         "ratio": statistics.median(p / c for p, c in zip(py, nat)),
+        "native_s_all": nat,
+        "python_s_all": py,
     }
 
 
