@@ -24,29 +24,51 @@ what its own sequence held (as the server without ``--kv-unified``).
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections import deque
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from ._lib import lib
 from .batch import Batch
 from .errors import DecodeAborted, DecodeInterrupted, KVCacheFullError
 from .sampling import Sampler
-from .text import Detokenizer
 
 if TYPE_CHECKING:
     from .context import Context
+    from .model import Model
 
 FinishReason = Literal["eog", "n_predict", "ctx_full", "cancelled"]
+
+
+class _Pieces(dict):
+    """``token -> (bytes, is_eog)`` from ``llama_token_to_piece`` and ``llama_vocab_is_eog``, asked of
+    llama.cpp once per distinct token: a dict hit costs less than the two calls per sampled token.
+    The bytes go through one incremental UTF-8 decoder per request, as :class:`Detokenizer` does."""
+
+    def __init__(self, model: Model, special: bool) -> None:
+        super().__init__()
+        self._model, self._special = model, special
+        self._vocab, self._is_eog = model._vocab_ptr(), lib.llama_vocab_is_eog
+
+    def __missing__(self, token: int) -> tuple[bytes, bool]:
+        v = self[token] = (self._model.token_to_bytes(token, self._special), bool(self._is_eog(self._vocab, token)))
+        return v
+
+
+_sample = lib.llama_sampler_sample
 
 
 class Request:
     """One request of a :class:`Scheduler`: its prompt, sampler, and what came of it.
 
-    Made by :meth:`Scheduler.submit`; read it at any time (the fields grow as it runs).
+    Made by :meth:`Scheduler.submit`; read it at any time (the fields grow as it runs). Its text
+    comes from the tokens' bytes (``llama_token_to_piece``) through an incremental UTF-8 decoder, as
+    :class:`~pyllamacpp.Detokenizer` makes it: no piece ends inside a character.
 
     Attributes:
         id: Its number, in submission order (0, 1, ...).
@@ -85,7 +107,8 @@ class Request:
         "t_first_token",
         "t_end",
         "_pieces",
-        "_detok",
+        "_info",
+        "_utf8",
         "_i",
         "_chunk",
         "_out",
@@ -96,7 +119,7 @@ class Request:
     )
 
     def __init__(
-        self, sched: Scheduler, rid: int, prompt: np.ndarray, n_predict: int, sampler: Sampler, detok: Detokenizer
+        self, sched: Scheduler, rid: int, prompt: np.ndarray, n_predict: int, sampler: Sampler, info: _Pieces
     ) -> None:
         self._sched = sched
         self._s = -1  # seq_id as a plain int, for the per-step code
@@ -113,7 +136,8 @@ class Request:
         self.t_first_token: float | None = None
         self.t_end: float | None = None
         self._pieces: list[str] = []
-        self._detok = detok
+        self._info = info
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
         self._i = 0  # next prompt index to decode
         self._chunk = 0  # prompt tokens in this step's batch
         self._out = -1  # output index of its logits in this step's batch
@@ -242,6 +266,8 @@ class Scheduler:
         self._n_vocab = self.model.n_vocab
         self._n_ctx_seq = ctx.n_ctx_seq
         self._batch = Batch(self.n_batch, 1, model=self.model)
+        self._batch._n_seq_id[:] = 1  # one seq id per token, in every slot, for good
+        self._pieces = {False: _Pieces(self.model, False), True: _Pieces(self.model, True)}
         # per sequence: the tokens its cells hold at positions 0..n-1, who runs in it, when it was last used
         self._held = np.zeros((n_seq, self._n_ctx_seq + 1), np.int32)
         self._n_held = [0] * n_seq
@@ -319,7 +345,7 @@ class Scheduler:
         if id(sampler) in self._samplers:
             raise ValueError("this sampler is used by another live request: give each request its own")
         self._samplers.add(id(sampler))
-        req = Request(self, self._next_id, toks, n_predict, sampler, Detokenizer(self.model, special))
+        req = Request(self, self._next_id, toks, n_predict, sampler, self._pieces[bool(special)])
         self._next_id += 1
         self._waiting.append(req)
         return req
@@ -409,7 +435,9 @@ class Scheduler:
                     raise
                 if self._evict_cache():
                     continue
-                self._end(max(self._gen + self._prefill, key=lambda r: self._n_held[r._s]), "ctx_full", events, e)
+                self._end(
+                    max(self._gen + self._prefill, key=lambda r: self._n_held[r._s]), "ctx_full", events.append, e
+                )
                 if not (self._gen or self._prefill):
                     return events
             except (DecodeAborted, DecodeInterrupted):
@@ -436,9 +464,9 @@ class Scheduler:
         if any(r._cancel for r in self._waiting):
             for r in [r for r in self._waiting if r._cancel]:
                 self._waiting.remove(r)
-                self._end(r, "cancelled", events)
+                self._end(r, "cancelled", events.append)
         for r in [r for r in self._gen + self._prefill if r._cancel]:
-            self._end(r, "cancelled", events)
+            self._end(r, "cancelled", events.append)
 
     def _admit(self) -> None:
         free = [s for s in range(self.n_seq_max) if self._running[s] is None]
@@ -503,12 +531,18 @@ class Scheduler:
         self._prefill.append(r)
 
     def _fill(self, batch: Batch) -> None:
-        batch.clear()
-        add, n_held = batch.add, self._n_held
+        # the pending tokens: sampled by llama.cpp from this vocabulary, seq ids of this context, so
+        # written through cffi without Batch.add's checks (one seq id per slot is set once)
+        p, n_held, i = batch._p, self._n_held, 0
+        token, pos, seq_id, logits = p.token, p.pos, p.seq_id, p.logits
         for r in self._gen:
             s = r._s
-            r._out = add(r._pending, n_held[s], s, True)
-        budget = self.n_batch - len(batch)
+            token[i], pos[i], logits[i] = r._pending, n_held[s], 1
+            seq_id[i][0] = s
+            r._out = i
+            i += 1
+        p.n_tokens = i
+        budget = self.n_batch - i
         for r in self._prefill:
             n = min(budget, r.prompt.size - r._i)
             r._chunk = n
@@ -523,11 +557,12 @@ class Scheduler:
         held, n_held = self._held, self._n_held
         gen = self._gen
         self._gen = []
+        sample, cptr, ev = self._sample, self.ctx.ptr, events.append
         for r in gen:
             s = r._s
             held[s, n_held[s]] = r._pending
             n_held[s] += 1
-            self._sample(r, events)
+            sample(r, cptr, ev)
         prefill, still = self._prefill, []
         self._prefill = []  # _end may remove from it while this loop runs
         for r in prefill:
@@ -545,38 +580,44 @@ class Scheduler:
             if r._i < r.prompt.size:
                 still.append(r)
             elif r.n_predict == 0:
-                self._end(r, "n_predict", events)
+                self._end(r, "n_predict", ev)
             else:
-                self._sample(r, events)
+                self._sample(r, cptr, ev)
         self._prefill = still
 
-    def _sample(self, r: Request, events: list[Event]) -> None:
-        tok = r.sampler.sample(self.ctx, r._out)
-        r.tokens.append(tok)
+    def _sample(self, r: Request, cptr: Any, ev: Callable[[Event], None]) -> None:
+        # llama_sampler_sample straight: the output index is this batch's own slot, and a closed
+        # sampler raises at .ptr; Sampler.sample's checks and log capture cost more than the rest
+        tok = _sample(r.sampler.ptr, cptr, r._out)
+        if tok < 0:
+            raise IndexError(f"llama_sampler_sample() failed for output {r._out} of request {r.id}")
+        toks = r.tokens
+        toks.append(tok)
         self.n_tokens += 1
         if r.t_first_token is None:
             r.t_first_token = time.perf_counter()
-        piece = r._detok.feed(tok)
+        data, eog = r._info[tok]
+        piece = r._utf8(data)
         reason: FinishReason
-        if self.model.is_eog(tok):
+        if eog:
             reason = "eog"
-        elif len(r.tokens) == r.n_predict:
+        elif len(toks) == r.n_predict:
             reason = "n_predict"  # its last token is not decoded
         else:
             r._pending = tok
             self._gen.append(r)
             r._pieces.append(piece)
-            events.append(Event(r, tok, piece, None))
+            ev(Event(r, tok, piece, None))
             return
-        piece += r._detok.flush()
+        piece += r._utf8(b"", True)
         r._pieces.append(piece)
-        self._end(r, reason, events, token=tok, piece=piece)
+        self._end(r, reason, ev, token=tok, piece=piece)
 
     def _end(
         self,
         r: Request,
         reason: FinishReason,
-        events: list[Event],
+        ev: Callable[[Event], None],
         error: KVCacheFullError | None = None,
         *,
         token: int | None = None,
@@ -594,10 +635,10 @@ class Scheduler:
             self._last_used[s] = self.n_steps
             if not self.prefix_cache or reason == "ctx_full":
                 self._drop(s)
-        if piece is None:  # an end without a token: what the detokenizer held back
-            piece = r._detok.flush()
+        if piece is None:  # an end without a token: what the UTF-8 decoder held back
+            piece = r._utf8(b"", True)
             r._pieces.append(piece)
-        events.append(Event(r, token, piece, reason))
+        ev(Event(r, token, piece, reason))
 
     def _evict_cache(self) -> bool:
         """Free the least recently used sequence that holds cells and runs no request."""
