@@ -100,16 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| workload | clock | C µs/seq-step | Python µs/seq-step | Python's own µs: median of pairs (min..max) "
-        "| Python / C | target | met |"
+        "| of the minimums | Python / C | target | met |"
     )
-    print("|---|---|---:|---:|---:|---:|---|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---|---|")
     for r in rows:
         for k in ("cpu", "wall"):
             m = r[k]
             print(
                 f"| {r['label']} | {k} | {m['native_us_per_token']:.1f} | {m['python_us_per_token']:.1f} | "
                 f"{m['py_us_per_token']:.1f} ({m['py_us_per_token_min']:.1f}..{m['py_us_per_token_max']:.1f}) | "
-                f"{m['ratio']:.3f} | <= 10 µs | {'yes' if m['py_us_per_token'] <= 10 else 'no'} |"
+                f"{m['py_us_per_token_of_mins']:.1f} | {m['ratio']:.3f} | <= 10 µs | "
+                f"{'yes' if m['py_us_per_token'] <= 10 else 'no'} |"
             )
     print()
     for r in rows:
