@@ -34,11 +34,11 @@ Workloads:
             ``seq_state(0, out=buf)`` and ``set_seq_state(0, st, validate=False,
             keep_on_error=False)`` against ``lib.llama_state_seq_get_data_ext`` / ``set_data_ext``
             called with pointers made once (the C calls themselves), alternating, for a 512-token
-            and a 32-token sequence (µs; target <= 1.02x at 512). Not in the default list.
+            and a 32-token sequence (µs; target <= 1.02x at 512).
   llama_cpp_python  optional, when ``import llama_cpp`` works (never a dependency; a one-line note
             otherwise): state get into a reused buffer through llama-cpp-python's ctypes binding
             on the same context and buffer, and greedy decode with ``Llama.generate`` against
-            ``pl.generate``, in one process. Not in the default list.
+            ``pl.generate``, in one process.
 """
 
 from __future__ import annotations
@@ -956,7 +956,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-r", "--repeats", type=int, default=5, help="runs per side and workload (default 5)")
     ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("-w", "--workloads", default="decode,parallel,prefill,fill,state")
+    ap.add_argument("-w", "--workloads", default="decode,parallel,prefill,fill,state,state_fast,llama_cpp_python")
     ap.add_argument("-n", "--n-predict", type=int, default=256, help="decode: tokens generated (256)")
     ap.add_argument("--n-parallel-predict", type=int, default=64, help="parallel: tokens per sequence (64)")
     ap.add_argument(
