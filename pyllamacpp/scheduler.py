@@ -35,7 +35,7 @@ import numpy.typing as npt
 
 from ._lib import lib
 from .batch import Batch
-from .errors import DecodeAborted, DecodeInterrupted, KVCacheFullError
+from .errors import DecodeAborted, KVCacheFullError
 from .sampling import Sampler
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ class Request:
         "_cancel",
         "_sched",
         "_s",
+        "_sptr",
     )
 
     def __init__(
@@ -123,6 +124,7 @@ class Request:
     ) -> None:
         self._sched = sched
         self._s = -1  # seq_id as a plain int, for the per-step code
+        self._sptr: Any = None  # the sampler's pointer, taken when the batch is filled
         self.id, self.prompt, self.n_predict, self.sampler = rid, prompt, n_predict, sampler
         self.seq_id: int | None = None
         self.tokens: list[int] = []
@@ -413,9 +415,11 @@ class Scheduler:
         Raises:
             DecodeAborted: ``ctx.abort()`` stopped the decode; what it put in memory was removed,
                 so the next step retries it.
-            DecodeInterrupted: Ctrl-C stopped the decode (a KeyboardInterrupt); as above.
+            DecodeInterrupted: Ctrl-C stopped the decode (a KeyboardInterrupt); as above (also for
+                a Ctrl-C delivered right after a decode that completed).
             DecodeError: Another ``llama_decode`` failure (``InvalidBatchError``...).
-            ClosedError: The context or a sampler is closed.
+            ClosedError: The context is closed, or a running request's sampler is (before the
+                decode; ``cancel()`` that request to go on).
         """
         events: list[Event] = []
         if self._n_cancel:
@@ -440,7 +444,7 @@ class Scheduler:
                 )
                 if not (self._gen or self._prefill):
                     return events
-            except (DecodeAborted, DecodeInterrupted):
+            except (DecodeAborted, KeyboardInterrupt):  # DecodeInterrupted, or Ctrl-C right after the decode
                 self._rollback()
                 raise
         self.n_steps += 1
@@ -540,6 +544,7 @@ class Scheduler:
             token[i], pos[i], logits[i] = r._pending, n_held[s], 1
             seq_id[i][0] = s
             r._out = i
+            r._sptr = r.sampler.ptr  # a closed sampler raises here, before the decode changes anything
             i += 1
         p.n_tokens = i
         budget = self.n_batch - i
@@ -549,6 +554,8 @@ class Scheduler:
             if n <= 0:
                 continue
             last = r._i + n == r.prompt.size
+            if last:
+                r._sptr = r.sampler.ptr
             sl = batch.add_sequence(r.prompt[r._i : r._i + n], r._s, r._i, logits="last" if last else "none")
             r._out = sl.stop - 1
             budget -= n
@@ -586,9 +593,9 @@ class Scheduler:
         self._prefill = still
 
     def _sample(self, r: Request, cptr: Any, ev: Callable[[Event], None]) -> None:
-        # llama_sampler_sample straight: the output index is this batch's own slot, and a closed
-        # sampler raises at .ptr; Sampler.sample's checks and log capture cost more than the rest
-        tok = _sample(r.sampler.ptr, cptr, r._out)
+        # llama_sampler_sample straight: the output index is this batch's own slot, the pointer was
+        # checked by _fill; Sampler.sample's checks and log capture cost more than the rest
+        tok = _sample(r._sptr, cptr, r._out)
         if tok < 0:
             raise IndexError(f"llama_sampler_sample() failed for output {r._out} of request {r.id}")
         toks = r.tokens

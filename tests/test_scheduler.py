@@ -255,3 +255,21 @@ def test_own_sampler_per_request(model):
         list(sched.run())
         assert reqs[0].tokens == reqs[1].tokens  # same seed, same chain: same draws
         assert reqs[0].tokens != reqs[2].tokens
+
+
+def test_closed_sampler_raises_before_the_decode_and_cancel_goes_on(model, solo):
+    with _ctx(model, n_seq_max=2) as ctx:
+        sched = Scheduler(ctx)
+        smp = pl.Sampler.greedy()
+        a = sched.submit(SYSTEM + LISTS[1], N, sampler=smp)
+        b = sched.submit(SYSTEM + LISTS[0], N)
+        sched.step()
+        sched.step()
+        n_steps, held = sched.n_steps, sched.cached()
+        smp.close()
+        with pytest.raises(pl.ClosedError):
+            sched.step()
+        assert sched.n_steps == n_steps and sched.cached() == held  # nothing decoded
+        a.cancel()
+        list(sched.run())
+        assert a.finish_reason == "cancelled" and b.tokens == solo[LISTS[0]]
