@@ -88,6 +88,14 @@ class Request:
         t_start: When it got a sequence (None while waiting).
         t_first_token: When its first token was sampled.
         t_end: When it finished.
+
+    Args:
+        sched: The :class:`Scheduler` it was submitted to.
+        rid: Its number.
+        prompt: The prompt's token ids (int32, checked by ``submit``).
+        n_predict: Most tokens to sample.
+        sampler: Its sampler chain.
+        info: The scheduler's per-token cache of pieces and end-of-generation flags.
     """
 
     __slots__ = (

@@ -21,11 +21,16 @@ against the step.
 
 from __future__ import annotations
 
+import argparse
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .common import load_model, progress
+
+if TYPE_CHECKING:
+    from ..model import Model
 
 DEFAULT_PROMPT = (
     "You are a careful assistant. Here is a story to continue. Once upon a time, in a small "
@@ -60,7 +65,7 @@ def _continue(ctx, model, n_seq: int, first_out: dict, pos0: int, n_gen: int):
     return out, time.perf_counter() - t0
 
 
-def run_mode(model, prompt, n_seq: int, n_gen: int, unified: bool, kw: dict) -> dict:
+def run_mode(model: Model, prompt: np.ndarray, n_seq: int, n_gen: int, unified: bool, kw: dict) -> dict:
     """One row: the prompt shared by ``n_seq`` sequences, against ``n_seq`` copies of it.
 
     Shared: with ``unified`` one ``llama_decode`` of a batch whose tokens carry every seq id; else
@@ -121,7 +126,7 @@ def run_mode(model, prompt, n_seq: int, n_gen: int, unified: bool, kw: dict) -> 
     return row
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """Run :func:`run_mode` for each mode (``unified``, ``split``) and compare with the prompt alone.
 
     With ``--requests N``, the workload mode instead (:func:`run_workload`).
@@ -238,7 +243,7 @@ LISTS = [
 ]
 
 
-def workload_prompts(model, n_requests: int, system: str | None = None, n_system: int = 0) -> list[np.ndarray]:
+def workload_prompts(model: Model, n_requests: int, system: str | None = None, n_system: int = 0) -> list[np.ndarray]:
     """The prompts of the workload: one system prompt, then a list to continue (cycled).
 
     Args:
@@ -259,7 +264,7 @@ def workload_prompts(model, n_requests: int, system: str | None = None, n_system
     ]
 
 
-def run_scheduler(model, prompts: list[np.ndarray], n_gen: int, prefix_cache: bool, kw: dict) -> dict:
+def run_scheduler(model: Model, prompts: list[np.ndarray], n_gen: int, prefix_cache: bool, kw: dict) -> dict:
     """Run ``prompts`` through a :class:`~pyllamacpp.Scheduler` in a fresh context; count per step.
 
     Args:
@@ -316,7 +321,7 @@ def run_scheduler(model, prompts: list[np.ndarray], n_gen: int, prefix_cache: bo
         }
 
 
-def run_workload(args) -> dict:
+def run_workload(args: argparse.Namespace) -> dict:
     """The workload mode: N requests sharing a system prompt, without and with the prefix cache.
 
     Args:
