@@ -46,17 +46,23 @@ FinishReason = Literal["eog", "n_predict", "ctx_full", "cancelled"]
 
 
 class _Pieces(dict):
-    """``token -> (bytes, is_eog)`` from ``llama_token_to_piece`` and ``llama_vocab_is_eog``, asked of
-    llama.cpp once per distinct token: a dict hit costs less than the two calls per sampled token.
-    The bytes go through one incremental UTF-8 decoder per request, as :class:`Detokenizer` does."""
+    """``token -> (bytes, is_eog, text)`` from ``llama_token_to_piece`` and ``llama_vocab_is_eog``,
+    asked of llama.cpp once per distinct token: a dict hit costs less than the two calls per sampled
+    token. ``text`` is the bytes decoded when they are whole UTF-8 characters by themselves, else
+    None: those go through the request's incremental UTF-8 decoder, as :class:`Detokenizer` does."""
 
     def __init__(self, model: Model, special: bool) -> None:
         super().__init__()
         self._model, self._special = model, special
         self._vocab, self._is_eog = model._vocab_ptr(), lib.llama_vocab_is_eog
 
-    def __missing__(self, token: int) -> tuple[bytes, bool]:
-        v = self[token] = (self._model.token_to_bytes(token, self._special), bool(self._is_eog(self._vocab, token)))
+    def __missing__(self, token: int) -> tuple[bytes, bool, str | None]:
+        data = self._model.token_to_bytes(token, self._special)
+        try:
+            text: str | None = data.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None  # part of a character, or invalid: the request's decoder handles it
+        v = self[token] = (data, bool(self._is_eog(self._vocab, token)), text)
         return v
 
 
@@ -117,6 +123,7 @@ class Request:
         "_pieces",
         "_info",
         "_utf8",
+        "_dec",
         "_i",
         "_chunk",
         "_out",
@@ -147,7 +154,8 @@ class Request:
         self.t_end: float | None = None
         self._pieces: list[str] = []
         self._info = info
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._utf8 = self._dec.decode
         self._i = 0  # next prompt index to decode
         self._chunk = 0  # prompt tokens in this step's batch
         self._out = -1  # output index of its logits in this step's batch
@@ -242,6 +250,9 @@ class Event(NamedTuple):
     finish_reason: FinishReason | None
 
 
+_new_event: Any = tuple.__new__  # Event from a tuple without NamedTuple's Python-level __new__
+
+
 class Scheduler:
     """Continuous batching over one context: many requests, one ``llama_decode`` per step.
 
@@ -278,9 +289,10 @@ class Scheduler:
         self._batch = Batch(self.n_batch, 1, model=self.model)
         self._batch._n_seq_id[:] = 1  # one seq id per token, in every slot, for good
         self._pieces = {False: _Pieces(self.model, False), True: _Pieces(self.model, True)}
-        # per sequence: the tokens its cells hold at positions 0..n-1, who runs in it, when it was last used
-        self._held = np.zeros((n_seq, self._n_ctx_seq + 1), np.int32)
+        # per sequence: how many tokens its cells hold (positions 0..n-1: the first n of its last
+        # request's prompt + sampled tokens), that request, who runs in it, when it was last used
         self._n_held = [0] * n_seq
+        self._owner: list[Request | None] = [None] * n_seq
         self._running: list[Request | None] = [None] * n_seq
         self._last_used = [0] * n_seq
         self._waiting: deque[Request] = deque()
@@ -460,11 +472,19 @@ class Scheduler:
         return events
 
     # -- internals -----------------------------------------------------------------------------
+    def _held(self, s: int, n: int) -> np.ndarray:
+        """The first ``n`` tokens sequence ``s`` holds (made when asked: nothing per step)."""
+        r = self._owner[s]
+        assert r is not None
+        if n <= r.prompt.size:
+            return r.prompt[:n]
+        return np.concatenate([r.prompt, np.asarray(r.tokens[: n - r.prompt.size], np.int32)])
+
     def _lcp(self, s: int, toks: np.ndarray) -> int:
         n = min(self._n_held[s], toks.size)
         if n == 0:
             return 0
-        d = np.flatnonzero(self._held[s, :n] != toks[:n])
+        d = np.flatnonzero(self._held(s, n) != toks[:n])
         return int(d[0]) if d.size else n
 
     def _drop(self, s: int) -> None:
@@ -533,8 +553,7 @@ class Scheduler:
             if self._n_held[s]:
                 mem.seq_rm(s)
             mem.seq_cp(src, s, 0, reuse)
-            self._held[s, :reuse] = toks[:reuse]
-        self._n_held[s] = reuse
+        self._n_held[s], self._owner[s] = reuse, r  # what s holds is a prefix of r's prompt
         r.seq_id, r._s, r.n_prompt_reused, r._i = s, s, reuse, reuse
         r.reused_from = src if reuse else None
         r.t_start = time.perf_counter()
@@ -569,14 +588,12 @@ class Scheduler:
             budget -= n
 
     def _decoded(self, events: list[Event]) -> None:
-        held, n_held = self._held, self._n_held
+        n_held = self._n_held
         gen = self._gen
         self._gen = []
         sample, cptr, ev = self._sample, self.ctx.ptr, events.append
         for r in gen:
-            s = r._s
-            held[s, n_held[s]] = r._pending
-            n_held[s] += 1
+            n_held[r._s] += 1
             sample(r, cptr, ev)
         prefill, still = self._prefill, []
         self._prefill = []  # _end may remove from it while this loop runs
@@ -585,9 +602,8 @@ class Scheduler:
             if n <= 0:
                 still.append(r)
                 continue
-            s, i = r._s, r._i
-            held[s, i : i + n] = r.prompt[i : i + n]
-            n_held[s] = i + n
+            i = r._i
+            n_held[r._s] = i + n
             r._i = i + n
             r.n_prompt_decoded += n
             self.n_prompt_decoded += n
@@ -611,8 +627,9 @@ class Scheduler:
         self.n_tokens += 1
         if r.t_first_token is None:
             r.t_first_token = time.perf_counter()
-        data, eog = r._info[tok]
-        piece = r._utf8(data)
+        data, eog, piece = r._info[tok]
+        if piece is None or r._dec.buffer:  # not whole characters by itself, or bytes held back
+            piece = r._utf8(data)
         reason: FinishReason
         if eog:
             reason = "eog"
@@ -622,7 +639,7 @@ class Scheduler:
             r._pending = tok
             self._gen.append(r)
             r._pieces.append(piece)
-            ev(Event(r, tok, piece, None))
+            ev(_new_event(Event, (r, tok, piece, None)))  # tuple.__new__: NamedTuple's own __new__ is Python
             return
         piece += r._utf8(b"", True)
         r._pieces.append(piece)

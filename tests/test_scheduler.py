@@ -273,3 +273,15 @@ def test_closed_sampler_raises_before_the_decode_and_cancel_goes_on(model, solo)
         a.cancel()
         list(sched.run())
         assert a.finish_reason == "cancelled" and b.tokens == solo[LISTS[0]]
+
+
+def test_text_pieces_never_split_a_character(model):
+    # the grammar makes it write two emoji; this model spells one as three tokens (f0 9f / 98 / 80)
+    with _ctx(model, n_seq_max=1, n_ctx=256) as ctx:
+        sched = Scheduler(ctx)
+        smp = pl.Sampler(model).grammar(model, 'root ::= "😀😀 ok"').pick_greedy()
+        r = sched.submit("Smile:", 12, sampler=smp)
+        pieces = [ev.text for ev in sched.run()]
+        assert r.text == "".join(pieces) == "😀😀 ok" and r.finish_reason == "eog"
+        assert len(r.tokens) > 4 and all("\ufffd" not in p for p in pieces)
+        assert "" in pieces  # a token that ended inside a character gave no text
