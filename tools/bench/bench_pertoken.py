@@ -25,6 +25,8 @@ Workloads (rows):
   parallel            ``pl.generate_parallel(ctx, prompt, 8, n, [one greedy chain per sequence])``;
                       both sides detokenize every sequence at the end, as generate_parallel does
   parallel, shared    the same with one Sampler for all sequences (examples/batched)
+  scheduler           ``pl.Scheduler``: the same requests submitted at once, run with ``sched.run()``
+                      (events and text pieces per token; ``run_scheduler`` of bench_scheduler.py)
 
 Adding a workload (e.g. a continuous-batching scheduler) takes a few lines. Write the Python
 side as ``run(ctx, prompt, n_predict, samplers, clock) -> (clock.elapsed(), tokens_per_sequence)``:
@@ -401,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-layer", type=int, default=2, help="synthetic model: layers (2)")
     ap.add_argument("--n-embd", type=int, default=256, help="synthetic model: embedding size (256)")
     ap.add_argument("--n-vocab", type=int, default=4096, help="synthetic model: vocabulary (4096)")
-    ap.add_argument("-w", "--workloads", default="generate,complete,parallel,parallel_shared")
+    ap.add_argument("-w", "--workloads", default="generate,complete,parallel,parallel_shared,scheduler")
     ap.add_argument("--json", metavar="PATH", help="also write the raw results here")
     a = ap.parse_args(argv)
 
@@ -449,6 +451,15 @@ def main(argv: list[str] | None = None) -> int:
                         )  # fmt: skip
                         which = "a chain per sequence" if w == "parallel" else "one shared Sampler"
                         label = f"`generate_parallel`, {n} sequences x {a.n_parallel_predict}, {which} (per seq-step)"
+                    elif w == "scheduler":
+                        from bench_scheduler import run_scheduler
+
+                        n = a.n_parallel
+                        r = compare_step_loop(
+                            ctx, run_scheduler, prompt=prompt, n_seq=n, n_predict=a.n_parallel_predict,
+                            samplers=[pl.Sampler.greedy() for _ in range(n)], pairs=a.pairs, detok=True,
+                        )  # fmt: skip
+                        label = f"`Scheduler`, {n} requests x {a.n_parallel_predict}, events and text (per seq-step)"
                     else:
                         raise SystemExit(f"unknown workload {w}")
                     r["workload"], r["label"] = w, label
