@@ -257,13 +257,15 @@ class Scheduler:
     """Continuous batching over one context: many requests, one ``llama_decode`` per step.
 
     The scheduler uses every sequence of ``ctx`` (ids ``0..n_seq_max-1``) and clears them when it
-    is made (``llama_memory_seq_rm(mem, -1, -1, -1)``); leave the context to it while it runs.
+    is made (``llama_memory_seq_rm(mem, seq, -1, -1)`` for each); leave the context to it while it runs.
     See the module's docstring for the batch it builds and the prefix cache.
 
     Args:
         ctx: The context; its ``n_seq_max`` is how many requests run at once.
         prefix_cache: Reuse cached prompt prefixes (default True). Across sequences only with
-            ``kv_unified=True``; otherwise a request reuses what its own sequence held.
+            ``kv_unified=True``; otherwise a request reuses what its own sequence held. Off, whatever
+            is asked, for a model with a sliding window (``n_swa > 0``) or a recurrent or hybrid
+            memory (:attr:`prefix_cache` says which).
 
     Raises:
         ValueError: ``n_batch`` is smaller than ``n_seq_max`` (a step could not hold one token per
@@ -281,7 +283,15 @@ class Scheduler:
             raise ValueError(f"n_batch {ctx.n_batch} < n_seq_max {n_seq}: a step needs one token per sequence")
         self.ctx, self.model = ctx, ctx.model
         self.n_seq_max, self.n_batch = n_seq, ctx.n_batch
-        self.prefix_cache = bool(prefix_cache)
+        model = ctx.model
+        # cutting a sequence at a position needs a plain KV cache: a sliding window drops early
+        # cells as a sequence moves on, and a recurrent state has no positions to cut at
+        self.plain_kv = not (
+            model.n_swa or lib.llama_model_is_recurrent(model.ptr) or lib.llama_model_is_hybrid(model.ptr)
+        )
+        """Whether the memory is one plain KV cache (no sliding window, no recurrent state)."""
+        self.prefix_cache = bool(prefix_cache) and self.plain_kv
+        """Whether prompt prefixes are reused: as asked, and only with a plain KV cache."""
         self.kv_unified = bool(ctx.params.kv_unified) or n_seq == 1
         """Whether cells can be shared between sequences (one KV stream)."""
         self._n_vocab = self.model.n_vocab
@@ -309,7 +319,8 @@ class Scheduler:
         """Prompt tokens reused from the prefix cache so far, all requests."""
         self.n_tokens = 0
         """Tokens sampled so far, all requests."""
-        ctx.memory.seq_rm(-1)
+        for s in range(n_seq):  # one by one: a recurrent memory refuses seq_id -1
+            ctx.memory.seq_rm(s)
 
     # -- requests ------------------------------------------------------------------------------
     def submit(
@@ -434,7 +445,8 @@ class Scheduler:
 
         Raises:
             DecodeAborted: ``ctx.abort()`` stopped the decode; what it put in memory was removed,
-                so the next step retries it.
+                so the next step retries it (with a recurrent memory, which cannot be cut, the
+                requests whose state moved on end ``"cancelled"``).
             DecodeInterrupted: Ctrl-C stopped the decode (a KeyboardInterrupt); as above (also for
                 a Ctrl-C delivered right after a decode that completed).
             DecodeError: Another ``llama_decode`` failure (``InvalidBatchError``...).
@@ -681,11 +693,17 @@ class Scheduler:
         return True
 
     def _rollback(self) -> None:
-        """After an abort: remove what the batch put in memory (ubatches computed before it stay)."""
+        """After an abort: remove what the batch put in memory (ubatches computed before it stay).
+
+        A recurrent state cannot be cut at a position (``llama_memory_seq_rm`` returns false): a
+        request whose state moved on ends ``"cancelled"``, its sequence cleared."""
         mem = self.ctx.memory
+        lost: list[Event] = []
         for r in self._gen + self._prefill:
-            mem.seq_rm(r._s, self._n_held[r._s], -1)
             r._chunk = 0
+            if not mem.seq_rm(r._s, self._n_held[r._s], -1):
+                self._end(r, "cancelled", lost.append)
+                self._drop(r._s)
 
     def __repr__(self) -> str:
         return (

@@ -285,3 +285,49 @@ def test_text_pieces_never_split_a_character(model):
         assert r.text == "".join(pieces) == "😀😀 ok" and r.finish_reason == "eog"
         assert len(r.tokens) > 4 and all("\ufffd" not in p for p in pieces)
         assert "" in pieces  # a token that ended inside a character gave no text
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mamba"])
+def test_prefix_cache_off_without_a_plain_kv_cache(tmp_path, arch):
+    from pyllamacpp.testing import make_model
+
+    kw = dict(n_head=4, n_swa=4, swa_pattern=2) if arch == "gemma3" else dict(ssm_d_conv=4, ssm_d_state=8)
+    path = make_model(tmp_path / f"{arch}.gguf", arch, n_layer=2, n_embd=64, n_vocab=128, **kw)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 11, 12], [5, 6]]
+    with pl.Model(path) as model:
+        with model.context(n_ctx=256, n_seq_max=2, kv_unified=True, flash_attn="off", n_threads=1) as ctx:
+            alone = []
+            for p in prompts:
+                ctx.memory.clear()
+                alone.append(list(pl.generate(ctx, p, 6)))
+            sched = Scheduler(ctx)
+            assert not sched.plain_kv and not sched.prefix_cache
+            reqs = [sched.submit(p, 6) for p in prompts]
+            list(sched.run())
+            assert all(r.n_prompt_reused == 0 and r.n_prompt_decoded == r.n_prompt for r in reqs)
+            assert [r.tokens for r in reqs] == alone and sched.cached() == {}
+
+
+def test_abort_with_a_recurrent_state(tmp_path):
+    from pyllamacpp.testing import make_model
+
+    path = make_model(tmp_path / "m.gguf", "mamba", n_layer=2, n_embd=64, n_vocab=128, ssm_d_conv=4, ssm_d_state=8)
+    with pl.Model(path) as model, model.context(n_ctx=256, n_seq_max=2, n_threads=1) as ctx:
+        alone = list(pl.generate(ctx, [1, 2, 3, 4], 8))
+        ctx.memory.clear()
+        sched = Scheduler(ctx)
+        r = sched.submit([1, 2, 3, 4], 8)
+        sched.step()
+        sched.step()
+        held = r.n_prompt + len(r.tokens) - 1  # positions 0..held-1 before the aborted step
+        ctx.abort()
+        with pytest.raises(pl.DecodeAborted) as exc:
+            sched.step()
+        if exc.value.seq_pos_max[r.seq_id] >= held:  # the state moved on: it cannot be cut back
+            assert r.finish_reason == "cancelled" and sched.cached() == {} and sched.idle
+        else:
+            list(sched.run())
+            assert r.tokens == alone
+        again = sched.submit([1, 2, 3, 4], 8)
+        list(sched.run())
+        assert again.tokens == alone
