@@ -51,6 +51,16 @@ PerfContextData.__doc__ = "Every field of ``llama_perf_context_data`` (times in 
 PerfContextData.__module__ = __name__
 
 
+def _outputs_max(model: Model, params: ContextParams) -> int:
+    """``cparams.n_outputs_max`` as ``llama_context``'s constructor sets it: ``n_outputs_max``, or
+    when 0 (or for an encoder model) ``n_batch``, itself capped at ``n_ctx`` (causal attention)."""
+    n_ctx = params.n_ctx or model.n_ctx_train
+    n_batch = min(n_ctx, params.n_batch)
+    if params.n_outputs_max and not lib.llama_model_has_encoder(model.ptr):
+        return int(params.n_outputs_max)
+    return int(n_batch)
+
+
 class Context(StateMethods, Owner):
     """A ``llama_context``: decode batches, read outputs, its sequences' memory and state.
 
@@ -90,6 +100,15 @@ class Context(StateMethods, Owner):
         if self.params.n_ctx is None:  # the default: what the model was trained for, capped
             self.params = dataclasses.replace(self.params, n_ctx=default_n_ctx(model.n_ctx_train))
         self.handle_sigint = handle_sigint
+        self._n_outputs_max = _outputs_max(model, self.params)
+        if self._n_outputs_max < self.params.n_seq_max:
+            # llama.cpp reserves n_seq_max output rows at creation and asserts (an abort) when that is
+            # more than n_outputs_max (llama_context::output_reserve)
+            raise ValueError(
+                f"n_seq_max {self.params.n_seq_max} is more than the {self._n_outputs_max} outputs this "
+                "context may hold (n_outputs_max, or n_batch when it is 0): llama.cpp would abort; "
+                "raise n_batch (or n_outputs_max) to at least n_seq_max"
+            )
         cparams = self.params.to_c()
         # Abort through a C flag (no GIL in ggml's threads) unless the caller brings a callback.
         self._abort_state = ffi.new("pyl_abort_state *")
@@ -265,6 +284,13 @@ class Context(StateMethods, Owner):
         cbatch = batch.struct
         self._check_batch(batch)
         n_outputs = batch.n_outputs
+        n_rows = len(batch) if self.params.embeddings else n_outputs  # embeddings: every token is output
+        if n_rows > self._n_outputs_max:  # llama.cpp asserts (aborts) in output_reserve
+            raise InvalidBatchError(
+                f"the batch asks for {n_rows} outputs, more than this context's n_outputs_max "
+                f"{self._n_outputs_max} (llama.cpp would abort)",
+                func="llama_decode" if fn is lib.llama_decode else "llama_encode",
+            )
         n_out = max(n_outputs, 1)
         if n_out > self._out_reserved and len(self._views):
             # llama.cpp would reallocate its output buffer under the live views.

@@ -361,3 +361,27 @@ def forged_cells(st):
     b = st.data.copy()
     b[12:16] = np.frombuffer(np.uint32(int(b[12:16].view("<u4")[0]) - 1).tobytes(), np.uint8)
     return b
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(n_seq_max=4, n_batch=2, n_ubatch=2), dict(n_seq_max=4, n_batch=64, n_outputs_max=2)]
+)
+def test_more_sequences_than_outputs_is_refused_before_c(model, kw):
+    # llama.cpp reserves n_seq_max output rows at creation: GGML_ASSERT(n_outputs_max <= ...) aborts
+    with pytest.raises(ValueError, match="n_seq_max 4 is more than the 2 outputs"):
+        model.context(n_ctx=256, n_threads=1, **kw)
+
+
+def test_batch_with_more_outputs_than_n_outputs_max_is_refused(model):
+    # without the check llama_decode aborts the process in llama_context::output_reserve
+    with model.context(n_ctx=256, n_batch=64, n_outputs_max=8, n_threads=1) as c:
+        b = pl.Batch(32, 1, model=model)
+        toks = np.arange(100, 120, dtype=np.int32)
+        b.add_sequence(toks, 0, 0, logits="all")
+        with pytest.raises(pl.InvalidBatchError, match="20 outputs, more than this context's n_outputs_max 8"):
+            c.decode(b)
+        assert c.memory.seq_pos_max(0) == -1  # nothing reached memory
+        b.clear()
+        b.add_sequence(toks, 0, 0, logits="last")
+        c.decode(b)  # the context is still usable
+        assert c.memory.seq_pos_max(0) == 19
