@@ -187,6 +187,10 @@ EXPERIMENT_OUTPUTS = [
             "{out}",
         ],
     ),
+    (
+        "prefix-workload.png",
+        ["prefix-sharing", "--requests", "8", "-np", "4", "-n", "16", "-t", "1", "-fa", "off", "-o", "{out}"],
+    ),
 ]
 
 
