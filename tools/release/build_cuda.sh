@@ -43,8 +43,12 @@ CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$ARCHS"
 if ! ls "$CUDA_HOME"/lib64/libcublas.so >/dev/null 2>&1; then
     stamp "cuBLAS: the toolkit has none; headers and libraries from the nvidia-cublas wheel"
     "$PY" -m pip download -q --no-deps --only-binary=:all: "nvidia-cublas>=$CU,<$((CU + 1))" -d "$WORK/whl"
-    "$PY" -m zipfile -e "$WORK"/whl/nvidia_cublas-*.whl "$WORK/cublas"
-    CB=$(dirname "$(find "$WORK/cublas" -name 'libcublas.so.*' | head -1)")
+    # unpacked at a fixed place per wheel: its -I path is part of every CUDA compile's command line,
+    # so a temporary folder would make the compiler cache miss all of them on the next run
+    CUBLAS_WHL=$(ls "$WORK"/whl/nvidia_cublas-*.whl | head -1)
+    CUBLAS_DIR=${CUBLAS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pyllamacpp/$(basename "$CUBLAS_WHL" .whl)}
+    [ -d "$CUBLAS_DIR" ] || "$PY" -m zipfile -e "$CUBLAS_WHL" "$CUBLAS_DIR"
+    CB=$(dirname "$(find "$CUBLAS_DIR" -name 'libcublas.so.*' | head -1)")
     CMAKE_ARGS="$CMAKE_ARGS -DCUDA_cublas_LIBRARY=$(ls "$CB"/libcublas.so.* | head -1)"
     CMAKE_ARGS="$CMAKE_ARGS -DCUDA_cublasLt_LIBRARY=$(ls "$CB"/libcublasLt.so.* | head -1)"
     CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_CUDA_FLAGS=-I$(dirname "$CB")/include"
