@@ -122,6 +122,9 @@ class Model(Owner):
         self._h = Handle(ptr, lib.llama_model_free, rpc=rpc_link)
         self._vocab = lib.llama_model_get_vocab(ptr)
         self._contexts: weakref.WeakSet = weakref.WeakSet()
+        # token -> its text, for tokens whose bytes are whole UTF-8 characters by themselves
+        # (special=False, special=True): Detokenizer's cache, shared by every stream of this model
+        self._whole_pieces: tuple[dict[int, str], dict[int, str]] = ({}, {})
         self.load_buffers = parse_buffer_sizes(cap.lines)
         self._metadata: dict[str, str] | None = None
         self._kv_head_counts: list[int] | None = None  # kv_head_counts(), read once

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 
-from .generation import FinishReason, Generation, generate
+from .generation import FinishReason, Generation, _EogIds, generate
 from .sampling import Sampler
 
 if TYPE_CHECKING:
@@ -38,8 +38,9 @@ class Detokenizer:
     """Token ids to text, one token at a time, never splitting a UTF-8 character.
 
     Each token's bytes come from ``llama_token_to_piece`` (:meth:`Model.token_to_bytes`); an
-    incremental UTF-8 decoder keeps the bytes of a character not yet complete. Special (control)
-    tokens give no text unless ``special=True``, as in llama.cpp's server by default.
+    incremental UTF-8 decoder keeps the bytes of a character not yet complete. The text of a token
+    whose bytes are whole characters is kept per model, so a token is asked of llama.cpp once.
+    Special (control) tokens give no text unless ``special=True``, as in llama.cpp's server by default.
 
     Args:
         model: The model whose vocabulary the tokens are from.
@@ -49,6 +50,9 @@ class Detokenizer:
     def __init__(self, model: Model, special: bool = False) -> None:
         self.model, self.special = model, special
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # a token's text when its bytes are whole characters (asked of llama.cpp once per model)
+        self._whole = model._whole_pieces[bool(special)]
+        self._held = False  # the decoder holds the first bytes of a character
 
     def feed(self, token: int) -> str:
         """The text ``token`` completes (``llama_token_to_piece``).
@@ -63,7 +67,24 @@ class Detokenizer:
             ValueError: The token is outside the vocabulary.
             ClosedError: The model is closed.
         """
-        return self._decoder.decode(self.model.token_to_bytes(token, self.special))
+        if not self._held:
+            text = self._whole.get(token)
+            if text is not None:
+                if self.model._h is None:
+                    self.model.ptr  # noqa: B018 (raises ClosedError)
+                return text
+        data = self.model.token_to_bytes(token, self.special)
+        if not self._held:
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                pass  # part of a character, or invalid bytes: the incremental decoder below
+            else:
+                self._whole[token] = text
+                return text
+        text = self._decoder.decode(data)
+        self._held = bool(self._decoder.getstate()[0])
+        return text
 
     def flush(self) -> str:
         """What is held back, as U+FFFD for an incomplete character (then ready for new text).
@@ -71,6 +92,7 @@ class Detokenizer:
         Returns:
             The held-back text ("" when nothing is held back).
         """
+        self._held = False
         return self._decoder.decode(b"", True)
 
 
@@ -240,9 +262,9 @@ def _stream(st: _StreamState, tokens: np.ndarray, n_predict: int) -> Generator[s
             ctx.memory.seq_rm(st.seq_id)  # a fresh sequence, whatever it held
         gen = st.generation = generate(ctx, tokens, n_predict, st.sampler, st.seq_id)
         detok = Detokenizer(st.model)
-        feed, keep, is_eog = detok.feed, st.pieces.append, st.model.is_eog
+        feed, keep, eog = detok.feed, st.pieces.append, _EogIds(st.model)
         for tok in gen:
-            if is_eog(tok):
+            if eog[tok]:
                 continue  # the last token: it ends generation and writes nothing
             piece = feed(tok)
             if piece:

@@ -217,3 +217,20 @@ def test_cli_demo_generates_and_names_the_size(capsys):
     d = json.loads(out)
     assert d["n_params"] == 134_515_008 and d["generated_tokens"] == 8 and d["generated"]
     assert d["finish_reason"] == "n_predict"
+
+
+def test_detokenizer_cache_keeps_split_characters_whole_and_raises_after_close(model_path):
+    # a token's text is kept per model; a character split across tokens still goes through the
+    # incremental decoder, and a cached token on a closed model raises as an uncached one does
+    with pl.Model(model_path) as m:
+        toks = [int(t) for t in m.tokenize("héllo 日本語 wörld ✓ 😀 héllo", add_special=False)]
+        want = m.detokenize(toks)
+        for _ in range(2):  # the second pass answers whole tokens from the cache
+            d = Detokenizer(m)
+            pieces = [d.feed(t) for t in toks] + [d.flush()]
+            assert "".join(pieces) == want
+            assert all("\ufffd" not in p for p in pieces)
+        assert m._whole_pieces[0], "nothing was cached"
+        cached = next(iter(m._whole_pieces[0]))
+    with pytest.raises(pl.ClosedError):
+        d.feed(cached)
