@@ -393,6 +393,49 @@ def synthetic_model(path: Path, n_layer: int, n_embd: int, n_vocab: int) -> Path
     return make_model(path, "llama", n_layer=n_layer, n_embd=n_embd, n_head=4, n_vocab=n_vocab, seed=1)
 
 
+def print_report(
+    rows: list[dict],
+    cmd: str,
+    a: argparse.Namespace,
+    load_before: tuple[float, float, float],
+    load_after: tuple[float, float, float],
+    t_start: float,
+    unit: str = "token",
+) -> None:
+    """The markdown report of ``compare_step_loop`` rows (also bench_scheduler.py's): the command,
+    the model and the load, one table row per workload and clock, then what each row checked."""
+    print(
+        f"\n`{cmd.strip()}`: synthetic llama, {a.n_layer} layers, n_embd {a.n_embd}, n_vocab {a.n_vocab}; "
+        f"{a.threads} thread(s); {a.pairs} pairs per workload, alternating, one process, one context; "
+        f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
+        f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}; {time.time() - t_start:.0f} s\n"
+    )
+    print(
+        f"| workload | clock | C µs/{unit} | Python µs/{unit} | Python's own µs/{unit}: median of pairs (min..max) "
+        "| of the minimums | Python / C | target | met |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---|---|")
+    for r in rows:
+        for k in ("cpu", "wall"):
+            m = r[k]
+            print(
+                f"| {r['label']} | {k} | {m['native_us_per_token']:.1f} | {m['python_us_per_token']:.1f} | "
+                f"{m['py_us_per_token']:.1f} ({m['py_us_per_token_min']:.1f}..{m['py_us_per_token_max']:.1f}) | "
+                f"{m['py_us_per_token_of_mins']:.1f} | {m['ratio']:.3f} | <= 10 µs | "
+                f"{'yes' if m['py_us_per_token'] <= 10 else 'no'} |"
+            )
+    print()
+    print(
+        "- cpu: this thread's CPU time (CLOCK_THREAD_CPUTIME_ID), which time given to other processes does not "
+        "inflate; with one decode thread the decode runs in this thread. wall: CLOCK_MONOTONIC."
+    )
+    for r in rows:
+        print(
+            f"- {r['workload']}: {r['n_sampled']} tokens sampled, {r['n_decoded']} decoded per run; tokens "
+            + ("identical on both sides" if r["same_tokens"] else "DIFFER between the sides")
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-p", "--pairs", type=int, default=15, help="timed runs per side and workload (15)")
@@ -467,36 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{w}: {json.dumps(r)}", file=sys.stderr, flush=True)
     load_after = os.getloadavg()
     cmd = "python tools/bench/bench_pertoken.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(
-        f"\n`{cmd.strip()}`: synthetic llama, {a.n_layer} layers, n_embd {a.n_embd}, n_vocab {a.n_vocab}; "
-        f"{a.threads} thread(s); {a.pairs} pairs per workload, alternating, one process, one context; "
-        f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
-        f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}; {time.time() - t_start:.0f} s\n"
-    )
-    print(
-        "| workload | clock | C µs/token | Python µs/token | Python's own µs/token: median of pairs (min..max) "
-        "| of the minimums | Python / C | target | met |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---|---|")
-    for r in rows:
-        for k in ("cpu", "wall"):
-            m = r[k]
-            print(
-                f"| {r['label']} | {k} | {m['native_us_per_token']:.1f} | {m['python_us_per_token']:.1f} | "
-                f"{m['py_us_per_token']:.1f} ({m['py_us_per_token_min']:.1f}..{m['py_us_per_token_max']:.1f}) | "
-                f"{m['py_us_per_token_of_mins']:.1f} | {m['ratio']:.3f} | <= 10 µs | "
-                f"{'yes' if m['py_us_per_token'] <= 10 else 'no'} |"
-            )
-    print()
-    print(
-        "- cpu: this thread's CPU time (CLOCK_THREAD_CPUTIME_ID), which time given to other processes does not "
-        "inflate; with one decode thread the decode runs in this thread. wall: CLOCK_MONOTONIC."
-    )
-    for r in rows:
-        print(
-            f"- {r['workload']}: {r['n_sampled']} tokens sampled, {r['n_decoded']} decoded per run; tokens "
-            + ("identical on both sides" if r["same_tokens"] else "DIFFER between the sides")
-        )
+    print_report(rows, cmd, a, load_before, load_after, t_start)
     if a.json:
         out = dict(command=cmd, load_before=load_before, load_after=load_after, rows=rows)
         Path(a.json).write_text(json.dumps(out, indent=1))

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_core import synthetic_tokens  # noqa: E402
-from bench_pertoken import PromptClock, compare_step_loop, run_parallel, synthetic_model  # noqa: E402
+from bench_pertoken import PromptClock, compare_step_loop, print_report, run_parallel, synthetic_model  # noqa: E402
 
 
 def run_scheduler(ctx: Any, prompt: Any, n_predict: int, samplers: Sequence[Any], clock: PromptClock):
@@ -92,32 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{w}: {json.dumps(r)}", file=sys.stderr, flush=True)
     load_after = os.getloadavg()
     cmd = "python tools/bench/bench_scheduler.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(
-        f"\n`{cmd.strip()}`: synthetic llama, {a.n_layer} layers, n_embd {a.n_embd}, n_vocab {a.n_vocab}; "
-        f"{a.threads} thread(s); {a.pairs} pairs per workload, alternating, one process, one context; "
-        f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
-        f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}; {time.time() - t_start:.0f} s\n"
-    )
-    print(
-        "| workload | clock | C µs/seq-step | Python µs/seq-step | Python's own µs: median of pairs (min..max) "
-        "| of the minimums | Python / C | target | met |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---|---|")
-    for r in rows:
-        for k in ("cpu", "wall"):
-            m = r[k]
-            print(
-                f"| {r['label']} | {k} | {m['native_us_per_token']:.1f} | {m['python_us_per_token']:.1f} | "
-                f"{m['py_us_per_token']:.1f} ({m['py_us_per_token_min']:.1f}..{m['py_us_per_token_max']:.1f}) | "
-                f"{m['py_us_per_token_of_mins']:.1f} | {m['ratio']:.3f} | <= 10 µs | "
-                f"{'yes' if m['py_us_per_token'] <= 10 else 'no'} |"
-            )
-    print()
-    for r in rows:
-        print(
-            f"- {r['workload']}: {r['n_sampled']} tokens sampled per run; tokens "
-            + ("identical on both sides" if r["same_tokens"] else "DIFFER between the sides")
-        )
+    print_report(rows, cmd, a, load_before, load_after, t_start, unit="seq-step")
     if a.json:
         Path(a.json).write_text(
             json.dumps(dict(command=cmd, load_before=load_before, load_after=load_after, rows=rows))
