@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the lazy names below, as mypy should see them
     from .batch import Batch as Batch
     from .context import Context as Context
     from .context_state import SeqState as SeqState
+    from .context_state import StateBuffer as StateBuffer
     from .context_state import StateFlags as StateFlags
     from .generation import Generation as Generation
     from .generation import generate as generate
@@ -62,6 +63,7 @@ _LAZY = {
     "Context": ".context",
     "Memory": ".memory",
     "SeqState": ".context_state",
+    "StateBuffer": ".context_state",
     "StateFlags": ".context_state",
     "devices": ".rpc",
     "sync_log_level": "._log",

@@ -65,6 +65,9 @@ class SeqState:
     # without parsing it again while ``data`` is this very array, still read-only. Unpickled, the
     # token is another object, so the blob is checked; dataclasses.replace() does not carry it.
     _made: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # (data, its C pointer) when seq_state wrote it into a StateBuffer: set_seq_state's fast path
+    # passes that pointer while ``data`` is this very view (no buffer export per call)
+    _cptr: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         """The dump's size in bytes."""
@@ -76,6 +79,64 @@ class SeqState:
 
     def __buffer__(self, flags):  # Python >= 3.12 buffer protocol
         return memoryview(self.data)
+
+    def __getstate__(self) -> dict:
+        # a C pointer does not pickle, nor would it mean anything in another process
+        return {**self.__dict__, "_cptr": None}
+
+
+class StateBuffer:
+    """A reusable destination for ``seq_state(out=...)`` whose C pointer is made once.
+
+    ``ctx.seq_state(seq_id, out=sb)`` is the cheapest dump there is: one
+    ``llama_state_seq_get_data_ext`` into ``sb.array`` through a pointer made when the buffer was,
+    instead of a buffer export (``ffi.from_buffer``) per call as for a plain numpy ``out``. The
+    ``SeqState`` returned is a view of ``sb.array``, overwritten by the next dump into it. The
+    pointer holds a reference to the array, so numpy refuses to ``resize()`` it (and must not be
+    asked to with ``refcheck=False``).
+
+    Args:
+        size: The size in bytes: at least the state's (``len(ctx.seq_state(seq_id))``, or
+            ``llama_state_seq_get_size_ext``); the dump of a longer sequence needs more. Or an
+            array to adopt (a writable, C-contiguous 1-D uint8 numpy array: memory of your own,
+            e.g. a ``np.memmap``).
+
+    Attributes:
+        array: The buffer, a writable 1-D uint8 numpy array of ``size`` bytes.
+        size: Its size in bytes.
+
+    Raises:
+        ValueError: ``size`` is not positive, or the array is not a writable, C-contiguous 1-D
+            uint8 array.
+        MemoryError: The buffer could not be allocated.
+    """
+
+    __slots__ = ("_p", "array", "size")
+
+    def __init__(self, size: int | np.ndarray) -> None:
+        if isinstance(size, np.ndarray):
+            arr = size
+            if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous or not arr.flags.writeable:
+                raise ValueError(
+                    f"StateBuffer needs a writable, C-contiguous 1-D uint8 array, got a {arr.ndim}-D {arr.dtype} one"
+                )
+            if arr.size == 0:
+                raise ValueError("StateBuffer size must be positive, got an empty array")
+        else:
+            n = int(size)
+            if n <= 0:
+                raise ValueError(f"StateBuffer size must be positive, got {n}")
+            arr = np.empty(n, dtype=np.uint8)
+        self.array: np.ndarray = arr
+        self.size = int(arr.size)
+        self._p = ffi.from_buffer(arr, require_writable=True)
+
+    def __len__(self) -> int:
+        """The buffer's size in bytes."""
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"<StateBuffer {self.size:,} bytes>"
 
 
 @contextlib.contextmanager
@@ -168,7 +229,7 @@ class StateMethods:
         @property
         def n_seq_max(self) -> int: ...
 
-    def seq_state(self, seq_id: int, flags: int = 0, *, out: np.ndarray | None = None) -> SeqState:
+    def seq_state(self, seq_id: int, flags: int = 0, *, out: np.ndarray | StateBuffer | None = None) -> SeqState:
         """Dump one sequence's state: ``llama_state_seq_get_size_ext`` +
         ``llama_state_seq_get_data_ext``.
 
@@ -189,7 +250,8 @@ class StateMethods:
             seq_id: the sequence to dump (checked against the context's ``n_seq_max``).
             flags: ``StateFlags`` (``PARTIAL_ONLY``, ``ON_DEVICE``; ``ON_DEVICE`` with ``out``
                 takes the checked path).
-            out: a writable, C-contiguous 1-D uint8 array to reuse, at least the state's size.
+            out: a :class:`StateBuffer` (its pointer made once: the cheapest) or a writable,
+                C-contiguous 1-D uint8 array to reuse, at least the state's size.
 
         Returns:
             A ``SeqState``: the bytes (``.data``), ``seq_id`` and ``flags``.
@@ -211,20 +273,36 @@ class StateMethods:
             ptr = h.ptr if h is not None and h.rpc is None else self.ptr  # self.ptr raises or asks RPC
             if type(seq_id) is not int or not 0 <= seq_id < self._n_seq_max_seen:
                 seq_id = self._seq_checked(seq_id)
-            try:
-                if out.ndim != 1 or (out.dtype is not _U8 and out.dtype != _U8):
-                    raise ValueError(f"a {out.ndim}-D {out.dtype} array")
-                p = ffi.from_buffer(out, require_writable=True)  # raises for read-only, non-contiguous
-            except (AttributeError, ValueError, TypeError) as e:
-                raise ValueError(f"out must be a writable, contiguous 1-D uint8 array ({e})") from None
+            arr: np.ndarray
+            if type(out) is StateBuffer:  # its pointer was made once
+                p, size, arr = out._p, out.size, out.array
+                n = lib.llama_state_seq_get_data_ext(ptr, p, size, seq_id, int(flags))
+                if not n:
+                    self._seq_state_failed(ptr, seq_id, flags, arr)
+                if _tls.errors or _tls.partial:  # a log handler raised inside the C callback
+                    _log.raise_pending()
+                st = SeqState(arr[:n], seq_id, flags)
+                st._cptr = (st.data, p)
+                return st
+            else:
+                arr = cast(np.ndarray, out)
+                try:
+                    if arr.ndim != 1 or (arr.dtype is not _U8 and arr.dtype != _U8):
+                        raise ValueError(f"a {arr.ndim}-D {arr.dtype} array")
+                    p = ffi.from_buffer(arr, require_writable=True)  # raises for read-only, non-contiguous
+                except (AttributeError, ValueError, TypeError) as e:
+                    raise ValueError(
+                        f"out must be a StateBuffer or a writable, contiguous 1-D uint8 array ({e})"
+                    ) from None
+                size = arr.size
             if type(flags) is not int:
                 flags = int(flags)
-            n = lib.llama_state_seq_get_data_ext(ptr, p, out.size, seq_id, flags)
+            n = lib.llama_state_seq_get_data_ext(ptr, p, size, seq_id, flags)
             if not n:
-                self._seq_state_failed(ptr, seq_id, flags, out)
+                self._seq_state_failed(ptr, seq_id, flags, arr)
             if _tls.errors or _tls.partial:  # a log handler raised inside the C callback
                 _log.raise_pending()
-            return SeqState(out[:n], seq_id, flags)
+            return SeqState(arr[:n], seq_id, flags)
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         flags = int(flags)
@@ -248,6 +326,7 @@ class StateMethods:
             if out is None:  # own: the hook is set (the other branch took the default path)
                 buf = cast(Callable[[int], np.ndarray], _new_state_buffer)(size)
             else:
+                out = out.array if isinstance(out, StateBuffer) else out
                 if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
                     raise ValueError("out must be a writable, contiguous 1-D uint8 array")
                 if out.size < size:
@@ -337,6 +416,14 @@ class StateMethods:
             if self._pending_stream_copies:
                 self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
             buf = data.data if type(data) is SeqState else data
+            fast = data._cptr if type(data) is SeqState else None
+            if fast is not None and fast[0] is buf:  # written into a StateBuffer: its pointer
+                n = lib.pyl_state_seq_set(ptr, fast[1], buf.size, seq_id, int(flags))
+                if not n:
+                    self._seq_set_failed(seq_id)
+                if _tls.errors or _tls.partial:
+                    _log.raise_pending()
+                return n
             if type(buf) is not np.ndarray or buf.ndim != 1 or buf.dtype is not _U8:
                 buf = _as_uint8(buf)  # any bytes-like or array, as uint8
             if type(flags) is not int:

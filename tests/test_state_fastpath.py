@@ -174,3 +174,59 @@ def test_use_after_close_raises(model):
     with pytest.raises(ClosedError):
         ctx.set_seq_state(0, st, validate=False, keep_on_error=False)
     assert bytes(st)  # the view is over the caller's buffer: still readable
+
+
+def test_state_buffer_round_trip_through_its_pointer(model, fa_off):
+    ctx = fa_off
+    toks = model.tokenize(PROMPT)
+    ctx.prefill(toks)
+    ref = _dump(ctx)
+    sb = pl.StateBuffer(2 * len(ref))
+    sb.array[:] = FILL
+    st = ctx.seq_state(0, out=sb)
+    assert bytes(st) == ref and np.shares_memory(st.data, sb.array)
+    assert st.data.ctypes.data == sb.array.ctypes.data and (sb.array[len(ref) :] == FILL).all()
+    nxt = np.array([int(toks[-1])], np.int32)
+    ctx.prefill(nxt, 0, toks.size)
+    want = ctx.logits().copy()
+    ctx.memory.clear()
+    assert ctx.set_seq_state(0, st, validate=False, keep_on_error=False) == len(ref)
+    ctx.prefill(nxt, 0, toks.size)
+    assert np.array_equal(ctx.logits(), want)
+    # the pointer is used only while st.data is the view seq_state made
+    st.data = np.frombuffer(ref, np.uint8).copy()
+    ctx.memory.clear()
+    assert ctx.set_seq_state(0, st, validate=False, keep_on_error=False) == len(ref)
+    import pickle
+
+    back = pickle.loads(pickle.dumps(ctx.seq_state(0, out=sb)))  # the C pointer is not pickled
+    assert bytes(back) == ref and back._cptr is None
+
+
+def test_state_buffer_checks(model, fa_off):
+    ctx = fa_off
+    ctx.prefill(model.tokenize(PROMPT))
+    n = len(_dump(ctx))
+    with pytest.raises(ValueError, match="positive"):
+        pl.StateBuffer(0)
+    for bad in (np.zeros(8, np.float32), np.zeros((2, 8), np.uint8), np.zeros(16, np.uint8)[::2]):
+        with pytest.raises(ValueError, match="StateBuffer needs"):
+            pl.StateBuffer(bad)
+    ro = np.zeros(8, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="StateBuffer needs"):
+        pl.StateBuffer(ro)
+    own = np.zeros(n + 10, np.uint8)
+    sb = pl.StateBuffer(own)  # adopted: no copy
+    assert np.shares_memory(sb.array, own) and len(sb) == n + 10
+    with pytest.raises(ValueError):  # numpy refuses to move memory the pointer holds
+        own.resize(10 * n)
+    small = pl.StateBuffer(n // 2)
+    with pytest.raises(ValueError, match=str(n)):
+        ctx.seq_state(0, out=small)
+    # ON_DEVICE takes the checked path, with the StateBuffer's array
+    st = ctx.seq_state(0, pl.StateFlags.ON_DEVICE, out=sb)
+    assert np.shares_memory(st.data, own)
+    ctx.close()
+    with pytest.raises(ClosedError):
+        ctx.seq_state(0, out=sb)

@@ -404,10 +404,18 @@ def state_fast_workload(model, s: dict) -> dict:
         size = lib.llama_state_seq_get_size_ext(cptr, 0, 0)
         buf = np.empty(size, dtype=np.uint8)
         p = ffi.from_buffer(buf)
-        t: dict[str, list[float]] = {"c_get": [], "c_set": [], "py_get": [], "py_set": []}
+        sb = pl.StateBuffer(buf)  # the same memory, its pointer made once
+        t: dict[str, list[float]] = {f"{side}_{op}": [] for side in ("c", "py", "sb") for op in ("get", "set")}
         for it in range(-20, s["pairs"]):
-            for side in ("c", "py") if it % 2 == 0 else ("py", "c"):
-                if side == "c":
+            for side in ("c", "py", "sb") if it % 2 == 0 else ("sb", "py", "c"):
+                if side == "sb":
+                    t0 = clock()
+                    st = ctx.seq_state(0, out=sb)
+                    t1 = clock()
+                    m = ctx.set_seq_state(0, st, validate=False, keep_on_error=False)
+                    t2 = clock()
+                    n = len(st)
+                elif side == "c":
                     t0 = clock()
                     n = get(cptr, p, size, 0, 0)
                     t1 = clock()
@@ -430,6 +438,8 @@ def state_fast_workload(model, s: dict) -> dict:
             c, py = t[f"c_{op}"], t[f"py_{op}"]
             out[f"{key}c_{op}_us"], out[f"{key}py_{op}_us"] = med(c) * 1e6, med(py) * 1e6
             out[f"{key}{op}_ratio"] = med(b / a for a, b in zip(c, py))  # the steps' pairs
+            sbt = t[f"sb_{op}"]
+            out[f"{key}sb_{op}_us"], out[f"{key}sb_{op}_ratio"] = med(sbt) * 1e6, med(b / a for a, b in zip(c, sbt))
     return out
 
 
@@ -880,20 +890,26 @@ def summarize(runs: dict) -> list[dict]:
             )
     for key in ("", "short_"):  # the state fast path against the C calls: 512 tokens, short
         rs = runs.get("state_fast", {}).get("python", [])
-        for op, label in (("get", "seq_state(out=buf)"), ("set", "set_seq_state(validate=False, keep_on_error=False)")):
-            if not rs:
-                break
+        for side, op, label in (
+            ("py", "get", "seq_state(out=buf)"),
+            ("py", "set", "set_seq_state(validate=False, keep_on_error=False)"),
+            ("sb", "get", "seq_state(out=StateBuffer)"),
+            ("sb", "set", "set_seq_state(its state, validate=False, keep_on_error=False)"),
+        ):
+            if not rs or f"{key}{side}_{op}_us" not in rs[0]:
+                continue
             r = row(
                 "state_fast",
-                f"{key}{op}_us",
+                f"{key}{side}_{op}_us",
                 f"state fast path, {label}, {rs[0][f'{key}n_tokens']} tok, one process ('native' = the cffi call)",
                 "µs",
                 "time",
                 "<= 1.02x" if not key else "",
                 [x[f"{key}c_{op}_us"] for x in rs],
-                [x[f"{key}py_{op}_us"] for x in rs],
+                [x[f"{key}{side}_{op}_us"] for x in rs],
             )
-            r["ratio"] = statistics.median(x[f"{key}{op}_ratio"] for x in rs)  # the steps' pairs, in the worker
+            ratio_key = f"{key}{op}_ratio" if side == "py" else f"{key}sb_{op}_ratio"
+            r["ratio"] = statistics.median(x[ratio_key] for x in rs)  # the steps' pairs, in the worker
             r["met"] = target_met(r["target"], r["python"], r["ratio"])
             rows.append(r)
     rs = [x for x in runs.get("llama_cpp_python", {}).get("python", []) if not x.get("absent")]

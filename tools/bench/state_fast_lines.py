@@ -1,5 +1,7 @@
 """Where the state fast path's last few percent go: ``seq_state(out=buf)`` against the bare
-``llama_state_seq_get_data_ext`` call, with one line of its Python added at a time.
+``llama_state_seq_get_data_ext`` call, with one line of its Python added at a time; then
+``seq_state(out=StateBuffer)``, and ``set_seq_state(validate=False, keep_on_error=False)`` of
+both kinds of state against the bare ``llama_state_seq_set_data_ext``.
 
     python tools/bench/state_fast_lines.py [-p 300] [-n 512] [-t 1]
 
@@ -81,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     def seq_state():
         return ctx.seq_state(0, out=buf)
 
+    sb = pl.StateBuffer(buf)  # the same memory (llama.cpp's copy speed depends on where it lands)
+
+    def seq_state_sb():
+        return ctx.seq_state(0, out=sb)
+
     variants = {
         "bare llama_state_seq_get_data_ext": bare,
         "+ out[:n] and SeqState": view_and_seqstate,
@@ -89,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "+ the closed/RPC pointer check": plus_pointer_check,
         "+ the pending log-error check": plus_log_check,
         "ctx.seq_state(0, out=buf), all of it": seq_state,
+        "ctx.seq_state(0, out=StateBuffer), all of it": seq_state_sb,
     }
     names = list(variants)
     t: dict[str, list[float]] = {k: [] for k in names}
@@ -100,12 +108,35 @@ def main(argv: list[str] | None = None) -> int:
             put(cptr, p, size, 0, 0)
             if it >= 0:
                 t[k].append(t1 - t0)
+    # set: the bare call against set_seq_state with a SeqState from a numpy out and from a StateBuffer
+    st_np, st_sb = ctx.seq_state(0, out=buf), ctx.seq_state(0, out=sb)
+    sets = {
+        "bare llama_state_seq_set_data_ext": lambda: put(cptr, p, size, 0, 0),
+        "set_seq_state(st from out=buf)": lambda: ctx.set_seq_state(0, st_np, validate=False, keep_on_error=False),
+        "set_seq_state(st from out=StateBuffer)": lambda: ctx.set_seq_state(
+            0, st_sb, validate=False, keep_on_error=False
+        ),
+    }
+    set_names = list(sets)
+    ts: dict[str, list[float]] = {k: [] for k in set_names}
+    for it in range(-20, a.pairs):
+        for k in set_names if it % 2 == 0 else set_names[::-1]:
+            get(cptr, p, size, 0, 0)  # the caches as a dump leaves them, as before each set in a loop
+            t0 = clock()
+            sets[k]()
+            t1 = clock()
+            if it >= 0:
+                ts[k].append(t1 - t0)
     base = t[names[0]]
     print(f"{a.n_tokens}-token sequence, {size} bytes, {a.pairs} steps per variant, {a.threads} thread(s)")
     print("| variant | median µs | ratio to the bare call (median of pairs) |\n|---|---:|---:|")
     for k in names:
         ratio = statistics.median(b / x for x, b in zip(base, t[k]))
         print(f"| {k} | {statistics.median(t[k]) * 1e6:.1f} | {ratio:.3f} |")
+    print("\n| set variant | median µs | ratio to the bare call (median of pairs) |\n|---|---:|---:|")
+    for k in set_names:
+        ratio = statistics.median(b / x for x, b in zip(ts[set_names[0]], ts[k]))
+        print(f"| {k} | {statistics.median(ts[k]) * 1e6:.1f} | {ratio:.3f} |")
     return 0
 
 
