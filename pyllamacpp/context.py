@@ -101,6 +101,7 @@ class Context(StateMethods, Owner):
             self.params = dataclasses.replace(self.params, n_ctx=default_n_ctx(model.n_ctx_train))
         self.handle_sigint = handle_sigint
         self._n_outputs_max = _outputs_max(model, self.params)
+        self._all_rows_out = bool(self.params.embeddings)  # llama.cpp then outputs every token
         if self._n_outputs_max < self.params.n_seq_max:
             # llama.cpp reserves n_seq_max output rows at creation and asserts (an abort) when that is
             # more than n_outputs_max (llama_context::output_reserve)
@@ -284,7 +285,7 @@ class Context(StateMethods, Owner):
         cbatch = batch.struct
         self._check_batch(batch)
         n_outputs = batch.n_outputs
-        n_rows = len(batch) if self.params.embeddings else n_outputs  # embeddings: every token is output
+        n_rows = len(batch) if self._all_rows_out else n_outputs
         if n_rows > self._n_outputs_max:  # llama.cpp asserts (aborts) in output_reserve
             raise InvalidBatchError(
                 f"the batch asks for {n_rows} outputs, more than this context's n_outputs_max "

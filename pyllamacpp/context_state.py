@@ -274,16 +274,10 @@ class StateMethods:
             if type(seq_id) is not int or not 0 <= seq_id < self._n_seq_max_seen:
                 seq_id = self._seq_checked(seq_id)
             arr: np.ndarray
-            if type(out) is StateBuffer:  # its pointer was made once
-                p, size, arr = out._p, out.size, out.array
-                n = lib.llama_state_seq_get_data_ext(ptr, p, size, seq_id, int(flags))
-                if not n:
-                    self._seq_state_failed(ptr, seq_id, flags, arr)
-                if _tls.errors or _tls.partial:  # a log handler raised inside the C callback
-                    _log.raise_pending()
-                st = SeqState(arr[:n], seq_id, flags)
-                st._cptr = (st.data, p)
-                return st
+            made = None  # a StateBuffer's pointer, made once: its SeqState carries it to set_seq_state
+            if type(out) is StateBuffer:
+                made, size, arr = out._p, out.size, out.array
+                p = made
             else:
                 arr = cast(np.ndarray, out)
                 try:
@@ -302,7 +296,10 @@ class StateMethods:
                 self._seq_state_failed(ptr, seq_id, flags, arr)
             if _tls.errors or _tls.partial:  # a log handler raised inside the C callback
                 _log.raise_pending()
-            return SeqState(arr[:n], seq_id, flags)
+            st = SeqState(arr[:n], seq_id, flags)
+            if made is not None:
+                st._cptr = (st.data, made)
+            return st
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         flags = int(flags)
@@ -417,25 +414,21 @@ class StateMethods:
                 self._check_no_pending_copy(seq_id, "llama_state_seq_set_data_ext")
             buf = data.data if type(data) is SeqState else data
             fast = data._cptr if type(data) is SeqState else None
-            if fast is not None and fast[0] is buf:  # written into a StateBuffer: its pointer
-                n = lib.pyl_state_seq_set(ptr, fast[1], buf.size, seq_id, int(flags))
-                if not n:
-                    self._seq_set_failed(seq_id)
-                if _tls.errors or _tls.partial:
-                    _log.raise_pending()
-                return n
-            if type(buf) is not np.ndarray or buf.ndim != 1 or buf.dtype is not _U8:
-                buf = _as_uint8(buf)  # any bytes-like or array, as uint8
             if type(flags) is not int:
                 flags = int(flags)
-            size = buf.size
-            if not size:
-                raise StateError("empty state", func="llama_state_seq_set_data_ext")
-            try:
-                p = ffi.from_buffer(buf)
-            except ValueError:  # not contiguous: a contiguous copy
-                buf = _as_uint8(buf)
-                p = ffi.from_buffer(buf)
+            if fast is not None and fast[0] is buf:  # written into a StateBuffer: its pointer
+                p, size = fast[1], buf.size
+            else:
+                if type(buf) is not np.ndarray or buf.ndim != 1 or buf.dtype is not _U8:
+                    buf = _as_uint8(buf)  # any bytes-like or array, as uint8
+                size = buf.size
+                if not size:
+                    raise StateError("empty state", func="llama_state_seq_set_data_ext")
+                try:
+                    p = ffi.from_buffer(buf)
+                except ValueError:  # not contiguous: a contiguous copy
+                    buf = _as_uint8(buf)
+                    p = ffi.from_buffer(buf)
             n = lib.pyl_state_seq_set(ptr, p, size, seq_id, flags)
             if not n:
                 self._seq_set_failed(seq_id)

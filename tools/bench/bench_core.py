@@ -408,22 +408,16 @@ def state_fast_workload(model, s: dict) -> dict:
         t: dict[str, list[float]] = {f"{side}_{op}": [] for side in ("c", "py", "sb") for op in ("get", "set")}
         for it in range(-20, s["pairs"]):
             for side in ("c", "py", "sb") if it % 2 == 0 else ("sb", "py", "c"):
-                if side == "sb":
-                    t0 = clock()
-                    st = ctx.seq_state(0, out=sb)
-                    t1 = clock()
-                    m = ctx.set_seq_state(0, st, validate=False, keep_on_error=False)
-                    t2 = clock()
-                    n = len(st)
-                elif side == "c":
+                if side == "c":
                     t0 = clock()
                     n = get(cptr, p, size, 0, 0)
                     t1 = clock()
                     m = put(cptr, p, size, 0, 0)
                     t2 = clock()
-                else:
+                else:  # pyllamacpp into the numpy array (py) or the StateBuffer over it (sb)
+                    dest = sb if side == "sb" else buf
                     t0 = clock()
-                    st = ctx.seq_state(0, out=buf)
+                    st = ctx.seq_state(0, out=dest)
                     t1 = clock()
                     m = ctx.set_seq_state(0, st, validate=False, keep_on_error=False)
                     t2 = clock()
