@@ -62,6 +62,11 @@ class _ThreadState(threading.local):
 
 
 _tls = _ThreadState()
+# The idents of threads whose _tls holds a line without "\n" or a handler's exception: a set in
+# one global, so the hot calls that run without a capture (seq_state, set_seq_state with a reused
+# buffer) check ``if pending:`` instead of two thread-local lookups after a cache-cold copy.
+pending: set[int] = set()
+_ident = threading.get_ident
 
 
 def _emit(level: int, line: str) -> None:
@@ -74,6 +79,7 @@ def _emit(level: int, line: str) -> None:
 def _on_error(exc_type, exc, tb):
     # Never let an exception cross into C: keep it; the capture around the C call re-raises it.
     _tls.errors.append(exc)
+    pending.add(_ident())
 
 
 @ffi.def_extern(onerror=_on_error)
@@ -83,6 +89,8 @@ def _pyllamacpp_log_cb(level, text, user_data):
         _tls.level = _PY_LEVEL.get(level, logging.DEBUG)
     buf = _tls.partial + s
     *lines, _tls.partial = buf.split("\n")
+    if _tls.partial:
+        pending.add(_ident())
     for line in lines:
         _emit(_tls.level, line)
 
@@ -109,7 +117,10 @@ class capture:
         if _tls.errors and exc_type is None:  # a logging handler raised inside the C callback
             err = _tls.errors.pop(0)
             _tls.errors.clear()
+            pending.discard(_ident())
             raise err
+        if pending and not _tls.errors:
+            pending.discard(_ident())
 
 
 def c_reason() -> str | None:
@@ -130,7 +141,9 @@ def raise_pending() -> None:
     if t.errors:
         err = t.errors.pop(0)
         t.errors.clear()
+        pending.discard(_ident())
         raise err
+    pending.discard(_ident())
 
 
 def install() -> None:

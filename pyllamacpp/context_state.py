@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from . import _log
 from ._lib import ffi, lib
-from ._log import _tls
+from ._log import pending as _log_pending
 from .errors import LlamaError, StateError
 
 if TYPE_CHECKING:
@@ -91,9 +91,11 @@ class StateBuffer:
     ``ctx.seq_state(seq_id, out=sb)`` is the cheapest dump there is: one
     ``llama_state_seq_get_data_ext`` into ``sb.array`` through a pointer made when the buffer was,
     instead of a buffer export (``ffi.from_buffer``) per call as for a plain numpy ``out``. The
-    ``SeqState`` returned is a view of ``sb.array``, overwritten by the next dump into it. The
-    pointer holds a reference to the array, so numpy refuses to ``resize()`` it (and must not be
-    asked to with ``refcheck=False``).
+    ``SeqState`` returned is a view of ``sb.array``, overwritten by the next dump into it; a dump
+    of the same size, sequence and flags as the last one returns that same ``SeqState`` object
+    again (unless its ``data``, ``seq_id`` or ``flags`` were changed), so no view or object is
+    made per call. The pointer holds a reference to the array, so numpy refuses to ``resize()``
+    it (and must not be asked to with ``refcheck=False``).
 
     Args:
         size: The size in bytes: at least the state's (``len(ctx.seq_state(seq_id))``, or
@@ -111,7 +113,7 @@ class StateBuffer:
         MemoryError: The buffer could not be allocated.
     """
 
-    __slots__ = ("_p", "array", "size")
+    __slots__ = ("_p", "_st", "_view", "array", "size")
 
     def __init__(self, size: int | np.ndarray) -> None:
         if isinstance(size, np.ndarray):
@@ -130,6 +132,10 @@ class StateBuffer:
         self.array: np.ndarray = arr
         self.size = int(arr.size)
         self._p = ffi.from_buffer(arr, require_writable=True)
+        # the last dump's view (array[:n]) and SeqState, given again by the next dump of the same
+        # size, sequence and flags: slicing and a new SeqState cost microseconds after a copy
+        self._view: np.ndarray = arr[:0]
+        self._st: SeqState | None = None
 
     def __len__(self) -> int:
         """The buffer's size in bytes."""
@@ -250,8 +256,9 @@ class StateMethods:
             seq_id: the sequence to dump (checked against the context's ``n_seq_max``).
             flags: ``StateFlags`` (``PARTIAL_ONLY``, ``ON_DEVICE``; ``ON_DEVICE`` with ``out``
                 takes the checked path).
-            out: a :class:`StateBuffer` (its pointer made once: the cheapest) or a writable,
-                C-contiguous 1-D uint8 array to reuse, at least the state's size.
+            out: a :class:`StateBuffer` (its pointer made once, and its last ``SeqState``
+                returned again when it still fits: the cheapest) or a writable, C-contiguous
+                1-D uint8 array to reuse, at least the state's size.
 
         Returns:
             A ``SeqState``: the bytes (``.data``), ``seq_id`` and ``flags``.
@@ -273,33 +280,37 @@ class StateMethods:
             ptr = h.ptr if h is not None and h.rpc is None else self.ptr  # self.ptr raises or asks RPC
             if type(seq_id) is not int or not 0 <= seq_id < self._n_seq_max_seen:
                 seq_id = self._seq_checked(seq_id)
-            arr: np.ndarray
-            made = None  # a StateBuffer's pointer, made once: its SeqState carries it to set_seq_state
-            if type(out) is StateBuffer:
-                made, size, arr = out._p, out.size, out.array
-                p = made
-            else:
-                arr = cast(np.ndarray, out)
-                try:
-                    if arr.ndim != 1 or (arr.dtype is not _U8 and arr.dtype != _U8):
-                        raise ValueError(f"a {arr.ndim}-D {arr.dtype} array")
-                    p = ffi.from_buffer(arr, require_writable=True)  # raises for read-only, non-contiguous
-                except (AttributeError, ValueError, TypeError) as e:
-                    raise ValueError(
-                        f"out must be a StateBuffer or a writable, contiguous 1-D uint8 array ({e})"
-                    ) from None
-                size = arr.size
             if type(flags) is not int:
                 flags = int(flags)
-            n = lib.llama_state_seq_get_data_ext(ptr, p, size, seq_id, flags)
+            if type(out) is StateBuffer:
+                # its pointer, made once; its last view and SeqState, reused when they still fit
+                n = lib.llama_state_seq_get_data_ext(ptr, out._p, out.size, seq_id, flags)
+                if not n:
+                    self._seq_state_failed(ptr, seq_id, flags, out.array)
+                if _log_pending:  # a log line without "\n", or a log handler raised inside the C callback
+                    _log.raise_pending()
+                st = out._st
+                view = out._view
+                if st is not None and st.data is view and view.size == n and st.seq_id == seq_id and st.flags == flags:
+                    return st
+                if view.size != n:
+                    view = out._view = out.array[:n]
+                st = out._st = SeqState(view, seq_id, flags)
+                st._cptr = (view, out._p)  # set_seq_state's fast path passes it while st.data is view
+                return st
+            arr = cast(np.ndarray, out)
+            try:
+                if arr.ndim != 1 or (arr.dtype is not _U8 and arr.dtype != _U8):
+                    raise ValueError(f"a {arr.ndim}-D {arr.dtype} array")
+                p = ffi.from_buffer(arr, require_writable=True)  # raises for read-only, non-contiguous
+            except (AttributeError, ValueError, TypeError) as e:
+                raise ValueError(f"out must be a StateBuffer or a writable, contiguous 1-D uint8 array ({e})") from None
+            n = lib.llama_state_seq_get_data_ext(ptr, p, arr.size, seq_id, flags)
             if not n:
                 self._seq_state_failed(ptr, seq_id, flags, arr)
-            if _tls.errors or _tls.partial:  # a log handler raised inside the C callback
+            if _log_pending:  # a log line without "\n", or a log handler raised inside the C callback
                 _log.raise_pending()
-            st = SeqState(arr[:n], seq_id, flags)
-            if made is not None:
-                st._cptr = (st.data, made)
-            return st
+            return SeqState(arr[:n], seq_id, flags)
         ptr = self.ptr
         seq_id = self.memory._seq(self, seq_id)
         flags = int(flags)
@@ -432,7 +443,7 @@ class StateMethods:
             n = lib.pyl_state_seq_set(ptr, p, size, seq_id, flags)
             if not n:
                 self._seq_set_failed(seq_id)
-            if _tls.errors or _tls.partial:  # a log handler raised inside the C callback
+            if _log_pending:  # a log line without "\n", or a log handler raised inside the C callback
                 _log.raise_pending()
             return n
         ptr = self.ptr

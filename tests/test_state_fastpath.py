@@ -230,3 +230,65 @@ def test_state_buffer_checks(model, fa_off):
     ctx.close()
     with pytest.raises(ClosedError):
         ctx.seq_state(0, out=sb)
+
+
+def test_state_buffer_gives_its_last_seqstate_again_only_while_it_still_fits(model, fa_off):
+    # A dump of the same size, sequence and flags returns the StateBuffer's last SeqState (its
+    # data, a view of the buffer, was overwritten by the dump either way); anything else is new.
+    ctx = fa_off
+    toks = model.tokenize(PROMPT)
+    ctx.prefill(toks)
+    ctx.memory.seq_cp(0, 1)
+    sb = pl.StateBuffer(4 * len(_dump(ctx)))
+    a = ctx.seq_state(0, out=sb)
+    assert ctx.seq_state(0, out=sb) is a and a.seq_id == 0
+    b = ctx.seq_state(1, out=sb)  # another sequence: another SeqState, and a keeps its seq_id
+    assert b is not a and b.seq_id == 1 and a.seq_id == 0 and bytes(b) == _dump(ctx, 1)
+    c = ctx.seq_state(0, out=sb)
+    assert c is not b and c.seq_id == 0
+    c.flags = pl.StateFlags.PARTIAL_ONLY  # a caller's edit: the next dump does not hand c back
+    d = ctx.seq_state(0, out=sb)
+    assert d is not c and d.flags == 0
+    d.data = d.data.copy()  # replaced data: neither reused nor loaded through the buffer's pointer
+    e = ctx.seq_state(0, out=sb)
+    assert e is not d and np.shares_memory(e.data, sb.array)
+    n0 = len(e)
+    ctx.prefill(np.array([int(toks[-1])], np.int32), 0, toks.size)  # seq 0 grows: a longer view
+    f = ctx.seq_state(0, out=sb)
+    assert f is not e and len(f) > n0 and bytes(f) == _dump(ctx, 0) and len(e) == n0
+    ctx.memory.clear()
+    assert ctx.set_seq_state(0, f, validate=False, keep_on_error=False) == len(f)
+    assert ctx.memory.seq_pos_max(0) == toks.size
+
+
+def test_a_log_handlers_exception_from_an_earlier_raw_call_is_raised_by_the_next_fast_call(model, fa_off):
+    # The fast path runs without a capture; it re-raises what a logging handler raised inside C
+    # on this thread (here during a raw lib call that failed), once, and the call after it is clean.
+    import logging
+
+    from pyllamacpp import _log
+
+    ctx = fa_off
+    ctx.prefill(model.tokenize(PROMPT))
+    sb = pl.StateBuffer(2 * len(_dump(ctx)))
+
+    class Boom(logging.Handler):
+        def emit(self, record):
+            raise KeyError("from the handler")
+
+        def handleError(self, record):  # logging would swallow it otherwise
+            raise
+
+    lg = logging.getLogger("pyllamacpp.llama")
+    h = Boom(level=logging.ERROR)
+    lg.addHandler(h)
+    try:
+        small = np.empty(16, np.uint8)  # llama.cpp stops at its end and logs an ERROR line
+        assert pl.lib.llama_state_seq_get_data_ext(ctx.ptr, pl.ffi.from_buffer(small), 16, 0, 0) == 0
+    finally:
+        lg.removeHandler(h)
+    assert _log.pending
+    with pytest.raises(KeyError, match="from the handler"):
+        ctx.seq_state(0, out=sb)
+    assert not _log.pending
+    assert bytes(ctx.seq_state(0, out=sb)) == _dump(ctx)
