@@ -35,7 +35,6 @@ from .sampling import Sampler
 
 if TYPE_CHECKING:
     from .context import Context
-    from .model import Model
 
 FinishReason = Literal["eog", "n_predict", "ctx_full"]
 
@@ -187,19 +186,6 @@ def generate(
         ClosedError: The context or sampler was closed.
     """
     return Generation(ctx, tokens, n_predict, sampler, seq_id)
-
-
-class _EogIds(dict):
-    """``token -> llama_vocab_is_eog(token)``, asked of llama.cpp once per distinct token: a dict hit
-    costs less than a cffi call and ``Model.is_eog``'s property chain, every sampled token."""
-
-    def __init__(self, model: Model) -> None:
-        super().__init__()
-        self._vocab, self._is_eog = model._vocab_ptr(), lib.llama_vocab_is_eog
-
-    def __missing__(self, token: int) -> bool:
-        eog = self[token] = bool(self._is_eog(self._vocab, token))
-        return eog
 
 
 SamplerSpec = Sampler | Sequence[Sampler] | Callable[[int], Sampler] | None
@@ -391,7 +377,7 @@ def _parallel(
     assert tok_view is not None  # a token batch
     batch._n_seq_id[:n_parallel] = 1
     batch._logits[:n_parallel] = 1
-    eog, sample, decode = _EogIds(model), lib.llama_sampler_sample, ctx.decode
+    info, sample, decode = model._tokens[0], lib.llama_sampler_sample, ctx.decode  # token -> (bytes, is_eog, text)
     stepped = False  # the first tokens all come from the prompt's last output (-1)
     while live:
         cptr = ctx.ptr
@@ -402,7 +388,7 @@ def _parallel(
             tok = sample(ptrs[s], cptr, k if stepped else -1)
             toks = toks_of[s]
             toks.append(tok)
-            if eog[tok]:
+            if info[tok][1]:
                 results[s].finish_reason = "eog"
             elif len(toks) >= n_predict:
                 results[s].finish_reason = "n_predict"  # its last token is not decoded
@@ -426,5 +412,5 @@ def _parallel(
         stepped = True
         pos += 1
     for r in results:
-        r.text = model.detokenize([t for t in r.tokens if not eog[t]])
+        r.text = model.detokenize([t for t in r.tokens if not info[t][1]])
     return results

@@ -14,7 +14,7 @@ import numpy as np
 from . import _log
 from ._handle import Handle, Owner
 from ._lib import ffi, lib
-from .errors import ModelLoadError, check_ptr
+from .errors import ClosedError, ModelLoadError, check_ptr
 from .params import ggml_type, model_params
 
 if TYPE_CHECKING:
@@ -22,6 +22,38 @@ if TYPE_CHECKING:
     from .params import ContextParams
     from .sampling import Sampler
     from .text import Completion, TextStream
+
+
+class _TokenTable(dict):
+    """``token -> (bytes, is_eog, text)``, each asked of llama.cpp once per model and distinct token
+    (``llama_token_to_piece``, ``llama_vocab_is_eog``): a dict hit costs less than those calls, or
+    than ``Model.is_eog``'s property chain, for every sampled token. ``text`` is the bytes decoded
+    when they are whole UTF-8 characters by themselves, else None (part of a character: an
+    incremental decoder takes the bytes). One per model and ``special`` setting
+    (:meth:`Model._tokens`), shared by ``generate``, ``generate_parallel``, :class:`Detokenizer`,
+    the text streams and the :class:`Scheduler`. A miss on a closed model raises ``ClosedError``,
+    on a token outside the vocabulary ``ValueError``; a hit asks nothing of the model."""
+
+    __slots__ = ("_model", "_special")
+
+    def __init__(self, model: Model, special: bool) -> None:
+        super().__init__()
+        # weak: the model holds its tables, and a cycle would keep it (and its C model) until the
+        # garbage collector runs instead of freeing it with its last reference
+        self._model, self._special = weakref.ref(model), special
+
+    def __missing__(self, token: int) -> tuple[bytes, bool, str | None]:
+        m = self._model()
+        if m is None:
+            raise ClosedError("the model is gone")
+        data = m.token_to_bytes(token, self._special)  # checks the token and the model
+        try:
+            text: str | None = data.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None  # part of a character, or invalid bytes
+        v = self[token] = (data, bool(lib.llama_vocab_is_eog(m._vocab_ptr(), token)), text)
+        return v
+
 
 _BUFFER_LINE = re.compile(
     r"([\w\[\]:.\-]+)\s+(model|KV|compute|output|RS|compute_meta)\s+buffer size\s*=\s*([\d.]+)\s*MiB"
@@ -122,9 +154,8 @@ class Model(Owner):
         self._h = Handle(ptr, lib.llama_model_free, rpc=rpc_link)
         self._vocab = lib.llama_model_get_vocab(ptr)
         self._contexts: weakref.WeakSet = weakref.WeakSet()
-        # token -> its text, for tokens whose bytes are whole UTF-8 characters by themselves
-        # (special=False, special=True): Detokenizer's cache, shared by every stream of this model
-        self._whole_pieces: tuple[dict[int, str], dict[int, str]] = ({}, {})
+        # token -> (bytes, is_eog, text) for special=False and special=True (see _TokenTable)
+        self._tokens: tuple[_TokenTable, _TokenTable] = (_TokenTable(self, False), _TokenTable(self, True))
         self.load_buffers = parse_buffer_sizes(cap.lines)
         self._metadata: dict[str, str] | None = None
         self._kv_head_counts: list[int] | None = None  # kv_head_counts(), read once

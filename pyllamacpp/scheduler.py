@@ -40,30 +40,9 @@ from .sampling import Sampler
 
 if TYPE_CHECKING:
     from .context import Context
-    from .model import Model
+    from .model import _TokenTable
 
 FinishReason = Literal["eog", "n_predict", "ctx_full", "cancelled"]
-
-
-class _Pieces(dict):
-    """``token -> (bytes, is_eog, text)`` from ``llama_token_to_piece`` and ``llama_vocab_is_eog``,
-    asked of llama.cpp once per distinct token: a dict hit costs less than the two calls per sampled
-    token. ``text`` is the bytes decoded when they are whole UTF-8 characters by themselves, else
-    None: those go through the request's incremental UTF-8 decoder, as :class:`Detokenizer` does."""
-
-    def __init__(self, model: Model, special: bool) -> None:
-        super().__init__()
-        self._model, self._special = model, special
-        self._vocab, self._is_eog = model._vocab_ptr(), lib.llama_vocab_is_eog
-
-    def __missing__(self, token: int) -> tuple[bytes, bool, str | None]:
-        data = self._model.token_to_bytes(token, self._special)
-        try:
-            text: str | None = data.decode("utf-8")
-        except UnicodeDecodeError:
-            text = None  # part of a character, or invalid: the request's decoder handles it
-        v = self[token] = (data, bool(self._is_eog(self._vocab, token)), text)
-        return v
 
 
 _sample = lib.llama_sampler_sample
@@ -101,7 +80,7 @@ class Request:
         prompt: The prompt's token ids (int32, checked by ``submit``).
         n_predict: Most tokens to sample.
         sampler: Its sampler chain.
-        info: The scheduler's per-token cache of pieces and end-of-generation flags.
+        info: The model's per-token table of bytes, end-of-generation flags and text (``Model._tokens``).
     """
 
     __slots__ = (
@@ -135,7 +114,7 @@ class Request:
     )
 
     def __init__(
-        self, sched: Scheduler, rid: int, prompt: np.ndarray, n_predict: int, sampler: Sampler, info: _Pieces
+        self, sched: Scheduler, rid: int, prompt: np.ndarray, n_predict: int, sampler: Sampler, info: _TokenTable
     ) -> None:
         self._sched = sched
         self._s = -1  # seq_id as a plain int, for the per-step code
@@ -298,7 +277,6 @@ class Scheduler:
         self._n_ctx_seq = ctx.n_ctx_seq
         self._batch = Batch(self.n_batch, 1, model=self.model)
         self._batch._n_seq_id[:] = 1  # one seq id per token, in every slot, for good
-        self._pieces = {False: _Pieces(self.model, False), True: _Pieces(self.model, True)}
         # per sequence: how many tokens its cells hold (positions 0..n-1: the first n of its last
         # request's prompt + sampled tokens), that request, who runs in it, when it was last used
         self._n_held = [0] * n_seq
@@ -378,7 +356,7 @@ class Scheduler:
         if id(sampler) in self._samplers:
             raise ValueError("this sampler is used by another live request: give each request its own")
         self._samplers.add(id(sampler))
-        req = Request(self, self._next_id, toks, n_predict, sampler, self._pieces[bool(special)])
+        req = Request(self, self._next_id, toks, n_predict, sampler, self.model._tokens[bool(special)])
         self._next_id += 1
         self._waiting.append(req)
         return req

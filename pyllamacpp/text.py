@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 
-from .generation import FinishReason, Generation, _EogIds, generate
+from .generation import FinishReason, Generation, generate
 from .sampling import Sampler
 
 if TYPE_CHECKING:
@@ -38,8 +38,9 @@ class Detokenizer:
     """Token ids to text, one token at a time, never splitting a UTF-8 character.
 
     Each token's bytes come from ``llama_token_to_piece`` (:meth:`Model.token_to_bytes`); an
-    incremental UTF-8 decoder keeps the bytes of a character not yet complete. The text of a token
-    whose bytes are whole characters is kept per model, so a token is asked of llama.cpp once.
+    incremental UTF-8 decoder keeps the bytes of a character not yet complete. A token's bytes
+    (and its text, when they are whole characters) are kept per model, so a token is asked of
+    llama.cpp once.
     Special (control) tokens give no text unless ``special=True``, as in llama.cpp's server by default.
 
     Args:
@@ -50,8 +51,8 @@ class Detokenizer:
     def __init__(self, model: Model, special: bool = False) -> None:
         self.model, self.special = model, special
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        # a token's text when its bytes are whole characters (asked of llama.cpp once per model)
-        self._whole = model._whole_pieces[bool(special)]
+        # token -> (bytes, is_eog, text), asked of llama.cpp once per model and token
+        self._info = model._tokens[bool(special)]
         self._held = False  # the decoder holds the first bytes of a character
 
     def feed(self, token: int) -> str:
@@ -67,22 +68,12 @@ class Detokenizer:
             ValueError: The token is outside the vocabulary.
             ClosedError: The model is closed.
         """
-        if not self._held:
-            text = self._whole.get(token)
-            if text is not None:
-                if self.model._h is None:
-                    self.model.ptr  # noqa: B018 (raises ClosedError)
-                return text
-        data = self.model.token_to_bytes(token, self.special)
-        if not self._held:
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
-                pass  # part of a character, or invalid bytes: the incremental decoder below
-            else:
-                self._whole[token] = text
-                return text
-        text = self._decoder.decode(data)
+        if self.model._h is None:
+            self.model.ptr  # noqa: B018 (raises ClosedError: a cached token asks nothing of it)
+        data, _, text = self._info[token]
+        if text is not None and not self._held:  # whole characters by itself
+            return text
+        text = self._decoder.decode(data)  # part of a character, or after one held back
         self._held = bool(self._decoder.getstate()[0])
         return text
 
@@ -262,9 +253,9 @@ def _stream(st: _StreamState, tokens: np.ndarray, n_predict: int) -> Generator[s
             ctx.memory.seq_rm(st.seq_id)  # a fresh sequence, whatever it held
         gen = st.generation = generate(ctx, tokens, n_predict, st.sampler, st.seq_id)
         detok = Detokenizer(st.model)
-        feed, keep, eog = detok.feed, st.pieces.append, _EogIds(st.model)
+        feed, keep, info = detok.feed, st.pieces.append, st.model._tokens[0]
         for tok in gen:
-            if eog[tok]:
+            if info[tok][1]:  # is_eog
                 continue  # the last token: it ends generation and writes nothing
             piece = feed(tok)
             if piece:

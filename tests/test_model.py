@@ -83,3 +83,36 @@ def test_model_params_every_field_and_mmap_shorthand(model_path):
         assert m.tokenize(PROMPT).size == 7
     finally:
         m.close()
+
+
+def test_one_token_table_per_model_shared_by_every_text_path(model_path):
+    # Model._tokens: token -> (bytes, is_eog, text), asked of llama.cpp once per model and token,
+    # read by generate_parallel, the Detokenizer, the text streams and the Scheduler alike.
+    import gc
+    import weakref
+
+    gc.disable()  # the model must go with its last reference, not wait for the collector
+    try:
+        m = pl.Model(model_path)
+        table = m._tokens[0]
+        with m.context(n_ctx=256, n_seq_max=2, kv_unified=True, n_threads=2) as ctx:
+            res = pl.generate_parallel(ctx, m.tokenize("The cat sat on"), 2, 6)
+        toks = {t for r in res for t in r.tokens}
+        assert toks <= set(table)  # generate_parallel's eog checks filled it
+        eos = m.eos
+        for t in (*toks, eos):
+            data, eog, text = table[t]
+            assert data == m.token_to_bytes(t) and eog == m.is_eog(t)
+            assert text == (data.decode() if text is not None else None)
+        assert table[eos][1] and not m._tokens[1][m.tokenize("cat", add_special=False)[0]][1]
+        assert pl.Detokenizer(m)._info is table and pl.Detokenizer(m, special=True)._info is m._tokens[1]
+        with pytest.raises(ValueError):
+            table[m.n_vocab]  # outside the vocabulary: nothing stored
+        assert m.n_vocab not in table
+        ref = weakref.ref(m)
+        del m, ctx, res
+        assert ref() is None  # the tables hold their model weakly: no cycle
+        with pytest.raises(pl.ClosedError):
+            table[999]  # a miss after the model is gone
+    finally:
+        gc.enable()

@@ -230,7 +230,7 @@ def test_detokenizer_cache_keeps_split_characters_whole_and_raises_after_close(m
             pieces = [d.feed(t) for t in toks] + [d.flush()]
             assert "".join(pieces) == want
             assert all("\ufffd" not in p for p in pieces)
-        assert m._whole_pieces[0], "nothing was cached"
-        cached = next(iter(m._whole_pieces[0]))
+        assert m._tokens[0], "nothing was cached"
+        cached = next(iter(m._tokens[0]))
     with pytest.raises(pl.ClosedError):
         d.feed(cached)
