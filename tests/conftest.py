@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,25 @@ def ctx(model):
 
 
 PROMPT = "The cat sat on the mat."
+
+
+@pytest.fixture
+def raising_log_handler():
+    """``with raising_log_handler(exc):`` a handler on logger ``pyllamacpp.llama`` raises ``exc``
+    for every record at ``level`` (WARNING) or above: an exception inside llama.cpp's log callback,
+    which pyllamacpp must keep and raise once C has returned."""
+
+    @contextlib.contextmanager
+    def install(exc: BaseException, level: int = logging.WARNING):
+        class Boom(logging.Handler):
+            def emit(self, record):
+                raise exc
+
+        h, lg = Boom(level=level), logging.getLogger("pyllamacpp.llama")
+        lg.addHandler(h)
+        try:
+            yield h
+        finally:
+            lg.removeHandler(h)
+
+    return install

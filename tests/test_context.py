@@ -166,8 +166,7 @@ def test_seq_state_is_a_view_and_trust_follows_its_array(model, ctx):
     assert checked == [1, 1]
 
 
-def test_failed_state_load_reason_and_raising_log_handler(model, ctx):
-    import logging
+def test_failed_state_load_reason_and_raising_log_handler(model, ctx, raising_log_handler):
 
     ctx.prefill(model.tokenize(PROMPT))
     good = ctx.seq_state(0)
@@ -178,18 +177,9 @@ def test_failed_state_load_reason_and_raising_log_handler(model, ctx):
     assert e.value.reason  # llama.cpp's logged cause, kept in C (pyl_reason_text)
     assert ctx.memory.seq_pos_max(0) == 6
 
-    class Boom(logging.Handler):
-        def emit(self, record):
-            if record.levelno >= logging.WARNING:
-                raise RuntimeError("handler failed")
-
-    h = Boom()
-    logging.getLogger("pyllamacpp.llama").addHandler(h)
-    try:
+    with raising_log_handler(RuntimeError("handler failed")):
         with pytest.raises(RuntimeError, match="handler failed"):
             ctx.set_seq_state(0, bad, validate=False)
-    finally:
-        logging.getLogger("pyllamacpp.llama").removeHandler(h)
     assert ctx.memory.seq_pos_max(0) == 6  # put back before the handler's exception surfaced
     assert ctx.set_seq_state(0, good) == len(good)
 

@@ -215,29 +215,19 @@ def test_generate_says_how_it_ended(model):
             next(g)
 
 
-def test_a_raising_log_handler_during_a_failed_step_surfaces_there(tmp_path):
-    import logging
+def test_a_raising_log_handler_during_a_failed_step_surfaces_there(tmp_path, raising_log_handler):
 
     from pyllamacpp.testing import make_model
 
     path = make_model(tmp_path / "m.gguf", "llama", n_layer=2, n_embd=64, n_head=4, n_vocab=128)
 
-    class Boom(logging.Handler):
-        def emit(self, record):
-            if record.levelno >= logging.WARNING:
-                raise RuntimeError("handler failed")
-
     with pl.Model(path) as m, m.context(n_ctx=256, n_batch=64, n_threads=2) as ctx:
-        h, log = Boom(), logging.getLogger("pyllamacpp.llama")
-        log.addHandler(h)
-        try:
+        with raising_log_handler(RuntimeError("handler failed")):
             # a full context ends generation quietly, but not when a handler failed in that step:
             with pytest.raises(pl.KVCacheFullError) as e:  # the step's own error, the handler's as context
                 for _ in pl.generate(ctx, np.arange(1, 20, dtype=np.int32), 300):
                     pass
             assert isinstance(e.value.__context__, RuntimeError)
-        finally:
-            log.removeHandler(h)
         ctx.memory.clear()
         b = pl.Batch(8, model=m)
         b.add_sequence(np.arange(1, 5), 0, 0, logits="last")

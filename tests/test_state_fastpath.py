@@ -261,7 +261,9 @@ def test_state_buffer_gives_its_last_seqstate_again_only_while_it_still_fits(mod
     assert ctx.memory.seq_pos_max(0) == toks.size
 
 
-def test_a_log_handlers_exception_from_an_earlier_raw_call_is_raised_by_the_next_fast_call(model, fa_off):
+def test_a_log_handlers_exception_from_an_earlier_raw_call_is_raised_by_the_next_fast_call(
+    model, fa_off, raising_log_handler
+):
     # The fast path runs without a capture; it re-raises what a logging handler raised inside C
     # on this thread (here during a raw lib call that failed), once, and the call after it is clean.
     import logging
@@ -272,21 +274,9 @@ def test_a_log_handlers_exception_from_an_earlier_raw_call_is_raised_by_the_next
     ctx.prefill(model.tokenize(PROMPT))
     sb = pl.StateBuffer(2 * len(_dump(ctx)))
 
-    class Boom(logging.Handler):
-        def emit(self, record):
-            raise KeyError("from the handler")
-
-        def handleError(self, record):  # logging would swallow it otherwise
-            raise
-
-    lg = logging.getLogger("pyllamacpp.llama")
-    h = Boom(level=logging.ERROR)
-    lg.addHandler(h)
-    try:
+    with raising_log_handler(KeyError("from the handler"), logging.ERROR):
         small = np.empty(16, np.uint8)  # llama.cpp stops at its end and logs an ERROR line
         assert pl.lib.llama_state_seq_get_data_ext(ctx.ptr, pl.ffi.from_buffer(small), 16, 0, 0) == 0
-    finally:
-        lg.removeHandler(h)
     assert _log.pending
     with pytest.raises(KeyError, match="from the handler"):
         ctx.seq_state(0, out=sb)
