@@ -490,7 +490,8 @@ class Model(Owner):
         """
         arr = np.ascontiguousarray(tokens, dtype=np.int32)
         n_vocab = self.n_vocab
-        if arr.size and (arr.min() < 0 or arr.max() >= n_vocab):
+        # np.min, not arr.min(): numpy 2.5's stubs, read for python_version 3.10, have no no-argument overload
+        if arr.size and (np.min(arr) < 0 or np.max(arr) >= n_vocab):
             raise ValueError(f"tokens outside the vocabulary [0, {n_vocab})")
         cap = max(16, arr.size * 8)
         for _ in range(2):

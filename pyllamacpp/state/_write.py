@@ -20,7 +20,7 @@ def _indices(mask, n: int, where: str) -> np.ndarray:
     if not np.issubdtype(m.dtype, np.integer) or m.ndim != 1:
         raise TypeError(f"{where}: mask must be booleans or cell indices, not {m.dtype} {m.shape}")
     idx = m.astype(np.int64)
-    if idx.size and (idx.min() < 0 or idx.max() >= n or np.any(np.diff(idx) <= 0)):
+    if idx.size and (np.min(idx) < 0 or np.max(idx) >= n or np.any(np.diff(idx) <= 0)):  # np.min: see Model.detokenize
         raise ValueError(f"{where}: cell indices must be increasing and in [0, {n})")
     return idx
 
