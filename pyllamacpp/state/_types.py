@@ -114,7 +114,7 @@ def hadamard(n: int) -> np.ndarray:
     """
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Hadamard size is a power of two, not {n}")
-    h = np.ones((1, 1), dtype=np.float64)
+    h: np.ndarray = np.ones((1, 1), dtype=np.float64)  # typed loosely: np.block's shape type differs
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
     out = (h / np.sqrt(n)).astype(np.float32)
