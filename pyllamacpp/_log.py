@@ -143,7 +143,8 @@ def raise_pending() -> None:
         t.errors.clear()
         pending.discard(_ident())
         raise err
-    pending.discard(_ident())
+    if pending:
+        pending.discard(_ident())
 
 
 def install() -> None:

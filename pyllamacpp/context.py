@@ -366,7 +366,7 @@ class Context(StateMethods, Owner):
         batch = Batch(1, 1)
         pbatch, out, state, lock = batch._p, ffi.new("pyl_step_out *"), self._abort_state, self._lock
         fn, null, get_ident, vocab = lib.pyl_decode_sample, ffi.NULL, threading.get_ident, self.model._vocab_ptr()
-        raise_pending = _log.raise_pending
+        raise_pending, pending = _log.raise_pending, _log.pending
         _log.sync_log_level()
 
         def step(token: int, pos: int, sample_next: bool) -> int:
@@ -398,7 +398,8 @@ class Context(StateMethods, Owner):
                 self._decoded(1, out.sigint)
             else:
                 self._n_outputs = 1
-            raise_pending()
+            if pending:  # a log line without "\n", or a log handler raised inside the C callback
+                raise_pending()
             return out.next
 
         return step, out
