@@ -270,6 +270,13 @@ def integer_macros(defs: str, headers_text: str) -> list[str]:
     return sorted(n for n in ours if n in table and value(n) is not None)
 
 
+def _topic_files(suffix: str) -> list[Path]:
+    """The helpers of one topic each (``build_support/<topic>.h`` with its ``<topic>.cdef``: what
+    Python may call of it), compiled after helpers.h in name order."""
+    here = Path(__file__).parent
+    return sorted(p for p in here.glob(f"*{suffix}") if p.name != "helpers.h")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--llama-dir", type=Path, required=True)
@@ -309,7 +316,7 @@ def main() -> None:
     )
     names = integer_macros(preprocess(cc, headers, include_dirs, macros=True), headers_text)
     cdef += "".join(f"#define {n} ...\n" for n in names)
-    cdef += _PYTHON_CALLBACKS + _HELPERS_CDEF
+    cdef += _PYTHON_CALLBACKS + _HELPERS_CDEF + "".join(f.read_text() for f in _topic_files(".cdef"))
 
     info = json.loads(args.info_file.read_text())
     info["llama_h_sha256"] = hashlib.sha256((src / "include" / "llama.h").read_bytes()).hexdigest()
@@ -324,7 +331,8 @@ def main() -> None:
         "pyllamacpp._pyllamacpp",
         "".join(f'#include "{h}"\n' for h in headers)
         + f"static const char *pyllamacpp_build_info(void) {{ return {info_c}; }}\n"
-        + (Path(__file__).with_name("helpers.h")).read_text(),
+        + (Path(__file__).with_name("helpers.h")).read_text()
+        + "".join(f.read_text() for f in _topic_files(".h")),
         # After cffi's own code, so its declarations of the trampolines are in scope.
     )
     args.out_cdef.parent.mkdir(parents=True, exist_ok=True)
