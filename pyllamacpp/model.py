@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -605,13 +605,15 @@ class Model(Owner):
         add_special: bool = True,
         parse_special: bool = False,
         seq_id: int = 0,
+        stop: str | Sequence[str] | None = None,
     ) -> Completion | TextStream:
         """Text after ``prompt``, or with ``stream=True`` an iterator of UTF-8-safe pieces.
 
-        Stops at an end-of-generation token, after ``n_predict`` tokens or when the context is full
-        (``.finish_reason``). Greedy unless ``sampler``; ``ctx=None`` makes and closes a context,
-        a given ``ctx`` has ``seq_id`` cleared first. See :func:`pyllamacpp.text.complete`, which
-        this calls (``llama_tokenize``, ``llama_decode``, ``llama_token_to_piece``).
+        Stops at an end-of-generation token, after ``n_predict`` tokens, when the context is full,
+        or just before a stop string (``.finish_reason``). Greedy unless ``sampler``; ``ctx=None``
+        makes and closes a context, a given ``ctx`` has ``seq_id`` cleared first. See
+        :func:`pyllamacpp.text.complete`, which this calls (``llama_tokenize``, ``llama_decode``,
+        ``llama_token_to_piece``).
 
         Args:
             prompt: The text to continue.
@@ -622,15 +624,16 @@ class Model(Owner):
             add_special: ``llama_tokenize``'s ``add_special``.
             parse_special: ``llama_tokenize``'s ``parse_special``.
             seq_id: The sequence to use in ``ctx``.
+            stop: A stop string or a list of them (``finish_reason`` ``"stop"``).
 
         Returns:
             A :class:`~pyllamacpp.text.Completion`, or with ``stream=True`` a
             :class:`~pyllamacpp.text.TextStream`.
 
         Raises:
-            TypeError: ``prompt`` is not a str.
+            TypeError: ``prompt`` is not a str, or ``stop`` not a str or a list of str.
             ValueError: An empty prompt, a prompt longer than the context, a ``ctx`` of another
-                model, a bad ``seq_id``.
+                model, a bad ``seq_id``, an empty stop string.
             DecodeAborted: ``ctx.abort()`` stopped a decode.
             DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
             DecodeError: Another ``llama_decode`` failure.
@@ -648,6 +651,7 @@ class Model(Owner):
             add_special=add_special,
             parse_special=parse_special,
             seq_id=seq_id,
+            stop=stop,
         )
 
     def chat(
@@ -660,6 +664,7 @@ class Model(Owner):
         stream: bool = False,
         template: str | None = None,
         seq_id: int = 0,
+        stop: str | Sequence[str] | None = None,
     ) -> Completion | TextStream:
         """The assistant's answer to ``messages`` through the GGUF's chat template.
 
@@ -674,6 +679,7 @@ class Model(Owner):
             stream: Return a :class:`~pyllamacpp.text.TextStream` instead of the whole answer.
             template: A template (or a built-in template's name) instead of the model's.
             seq_id: The sequence to use in ``ctx``.
+            stop: A stop string or a list of them (``finish_reason`` ``"stop"``).
 
         Returns:
             A :class:`~pyllamacpp.text.Completion`, or with ``stream=True`` a
@@ -681,8 +687,9 @@ class Model(Owner):
 
         Raises:
             ValueError: No messages, no usable template, a prompt longer than the context, a
-                ``ctx`` of another model.
-            TypeError: A message that is not a dict with ``role`` and ``content`` strings.
+                ``ctx`` of another model, an empty stop string.
+            TypeError: A message that is not a dict with ``role`` and ``content`` strings, or a
+                ``stop`` that is not a str or a list of str.
             DecodeAborted: ``ctx.abort()`` stopped a decode.
             DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
             DecodeError: Another ``llama_decode`` failure.
@@ -691,7 +698,15 @@ class Model(Owner):
         from .text import chat
 
         return chat(
-            self, messages, n_predict, sampler=sampler, ctx=ctx, stream=stream, template=template, seq_id=seq_id
+            self,
+            messages,
+            n_predict,
+            sampler=sampler,
+            ctx=ctx,
+            stream=stream,
+            template=template,
+            seq_id=seq_id,
+            stop=stop,
         )
 
     # -- contexts ------------------------------------------------------------------------------

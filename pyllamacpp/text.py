@@ -15,12 +15,19 @@ collected. With ``ctx=``, the call first clears sequence ``seq_id`` (0 by defaul
 the context; afterwards the sequence holds the prompt and every sampled token but the last (the
 convention of :mod:`pyllamacpp.generation`). To continue a sequence instead, use
 :func:`pyllamacpp.generate`.
+
+Stop strings (``stop=``, a str or a list of them): the text ends just before the first stop string
+that appears in it, even one that spans tokens, and ``finish_reason`` is ``"stop"``. Generation
+ends with the token that completed it: that token is not decoded (the sequence holds the prompt
+and every sampled token but the last, as above) and no token after it is sampled. A stream holds
+back only the longest end of its text that is still the beginning of some stop string, and
+releases it as soon as the next text shows it is not one (or when generation ends).
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, overload
 
@@ -32,6 +39,9 @@ from .sampling import Sampler
 if TYPE_CHECKING:
     from .context import Context
     from .model import Model
+
+TextFinishReason = Literal[FinishReason, "stop"]
+"""How a text ended: :mod:`pyllamacpp.generation`'s reasons, and ``"stop"`` for a stop string."""
 
 
 class Detokenizer:
@@ -91,16 +101,18 @@ class Completion(str):
     """The text of :func:`complete` / :func:`chat`, a ``str`` that also says how it ended.
 
     Attributes:
-        finish_reason: ``"eog"``, ``"n_predict"`` or ``"ctx_full"`` (see :mod:`pyllamacpp.generation`).
-        tokens: Every sampled token (an end-of-generation token included; it adds no text).
+        finish_reason: ``"eog"``, ``"n_predict"`` or ``"ctx_full"`` (see :mod:`pyllamacpp.generation`),
+            or ``"stop"`` when a stop string ended the text.
+        tokens: Every sampled token (an end-of-generation token included; it adds no text; with
+            ``"stop"``, the last is the token that completed the stop string).
         n_prompt: The prompt's tokens.
     """
 
-    finish_reason: FinishReason
+    finish_reason: TextFinishReason
     tokens: list[int]
     n_prompt: int
 
-    def __new__(cls, text: str, finish_reason: FinishReason, tokens: list[int], n_prompt: int) -> Completion:
+    def __new__(cls, text: str, finish_reason: TextFinishReason, tokens: list[int], n_prompt: int) -> Completion:
         self = super().__new__(cls, text)
         self.finish_reason, self.tokens, self.n_prompt = finish_reason, tokens, n_prompt
         return self
@@ -117,9 +129,10 @@ class _StreamState:
     sampler: Sampler
     own_sampler: bool
     seq_id: int
+    stop: tuple[str, ...] = ()
     pieces: list[str] = field(default_factory=list)
     generation: Generation | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: TextFinishReason | None = None
 
     def release(self) -> None:
         if self.own_ctx:
@@ -132,7 +145,8 @@ class TextStream:
     """Pieces of text as tokens are generated: what ``complete``/``chat`` return with ``stream=True``.
 
     Whole characters only: a token that ends inside a character yields nothing until the next one
-    completes it.
+    completes it. With stop strings, text that may be the start of one is held back until it is
+    known not to be (no piece holds a stop string or text after one).
 
     ``close()`` (or leaving a ``with`` block, or dropping the stream) stops generation and closes
     the context when the call made it. Its attributes fill in as it runs.
@@ -143,7 +157,7 @@ class TextStream:
         n_prompt: The prompt's tokens.
         tokens: The tokens sampled so far.
         text: The text yielded so far.
-        finish_reason: ``"eog"``, ``"n_predict"`` or ``"ctx_full"`` once exhausted, else None.
+        finish_reason: ``"eog"``, ``"n_predict"``, ``"ctx_full"`` or ``"stop"`` once exhausted, else None.
         generation: The underlying :class:`Generation` once started (its ``error`` says why
             the context was full).
 
@@ -155,10 +169,12 @@ class TextStream:
         ctx: A context to decode in; None: one is made for the prompt and ``n_predict`` tokens,
             and closed with the stream.
         seq_id: The sequence to use.
+        stop: Stop strings: a str, a list of them, or None.
 
     Raises:
-        ValueError: No tokens, a bad ``seq_id``, a ``ctx`` of another model, or a prompt longer
-            than the context (``n_ctx_seq``).
+        ValueError: No tokens, a bad ``seq_id``, a ``ctx`` of another model, a prompt longer
+            than the context (``n_ctx_seq``), or an empty stop string.
+        TypeError: ``stop`` is not a str or a list of str.
         ContextError: A context could not be made.
         ClosedError: The model or ``ctx`` is closed.
     """
@@ -171,7 +187,9 @@ class TextStream:
         sampler: Sampler | None,
         ctx: Context | None,
         seq_id: int,
+        stop: str | Sequence[str] | None = None,
     ) -> None:
+        stops = _stop_strings(stop)
         if tokens.size == 0:
             raise ValueError("the prompt gave no tokens")
         if not isinstance(seq_id, int) or seq_id < 0:
@@ -190,7 +208,7 @@ class TextStream:
             raise ValueError(
                 f"the prompt is {tokens.size} tokens, more than the context holds (n_ctx_seq={ctx.n_ctx_seq})"
             )
-        self._st = _StreamState(model, ctx, own_ctx, sampler or Sampler.greedy(), sampler is None, seq_id)
+        self._st = _StreamState(model, ctx, own_ctx, sampler or Sampler.greedy(), sampler is None, seq_id, stops)
         self.n_prompt = int(tokens.size)
         self._it = _stream(self._st, tokens, n_predict)
 
@@ -210,8 +228,8 @@ class TextStream:
         return self._st.generation
 
     @property
-    def finish_reason(self) -> FinishReason | None:
-        """``"eog"``, ``"n_predict"`` or ``"ctx_full"`` once exhausted, else None."""
+    def finish_reason(self) -> TextFinishReason | None:
+        """``"eog"``, ``"n_predict"``, ``"ctx_full"`` or ``"stop"`` once exhausted, else None."""
         return self._st.finish_reason
 
     @property
@@ -254,6 +272,9 @@ def _stream(st: _StreamState, tokens: np.ndarray, n_predict: int) -> Generator[s
         gen = st.generation = generate(ctx, tokens, n_predict, st.sampler, st.seq_id)
         detok = Detokenizer(st.model)
         feed, keep, info = detok.feed, st.pieces.append, st.model._tokens[0]
+        if st.stop:
+            yield from _until_stop(st, gen, detok)
+            return
         for tok in gen:
             if info[tok][1]:  # is_eog
                 continue  # the last token: it ends generation and writes nothing
@@ -270,6 +291,63 @@ def _stream(st: _StreamState, tokens: np.ndarray, n_predict: int) -> Generator[s
         if st.generation is not None:
             st.generation.close()
         st.release()
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``stop=`` as a tuple of non-empty strings."""
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise TypeError(f"stop must be a str or a list of str, not {stop!r}")
+    if not all(stops):
+        raise ValueError("stop: an empty stop string would end every text before it starts")
+    return tuple(dict.fromkeys(stops))  # once each, in the order given
+
+
+def _until_stop(st: _StreamState, gen: Generation, detok: Detokenizer) -> Generator[str, None, None]:
+    """The text of ``gen`` up to the first stop string; ``st.finish_reason`` set at the end.
+
+    ``held`` is the longest end of the text that is the start of a stop string, not yet yielded:
+    a stop string not seen yet cannot begin before it, so ``held + piece`` is all a search needs."""
+    stops, keep, info, feed = st.stop, st.pieces.append, st.model._tokens[0], detok.feed
+    starts = {s[:i] for s in stops for i in range(1, len(s))}  # every proper prefix of a stop string
+    longest = max(map(len, stops)) - 1
+    held = ""
+
+    def first_stop(text: str) -> int:
+        found = [i for i in map(text.find, stops) if i >= 0]
+        return min(found) if found else -1
+
+    for tok in gen:
+        if info[tok][1]:  # is_eog: ends generation, writes nothing
+            continue
+        piece = feed(tok)
+        if not piece:
+            continue
+        text = held + piece
+        cut = first_stop(text)
+        if cut >= 0:  # returning closes gen before it decodes this token (no wasted decode)
+            if cut:
+                keep(text[:cut])
+                yield text[:cut]
+            st.finish_reason = "stop"
+            return
+        n = min(len(text), longest)
+        while n and text[-n:] not in starts:
+            n -= 1
+        held, out = (text[-n:], text[:-n]) if n else ("", text)
+        if out:
+            keep(out)
+            yield out
+    text = held + detok.flush()  # generation ended: what was held is no stop string
+    cut = first_stop(text)
+    if cut >= 0:
+        text = text[:cut]
+    if text:
+        keep(text)
+        yield text
+    st.finish_reason = "stop" if cut >= 0 else gen.finish_reason
 
 
 def _finish(stream: TextStream) -> Completion:
@@ -292,6 +370,7 @@ def complete(
     add_special: bool = ...,
     parse_special: bool = ...,
     seq_id: int = ...,
+    stop: str | Sequence[str] | None = ...,
 ) -> Completion: ...
 
 
@@ -307,6 +386,7 @@ def complete(
     add_special: bool = ...,
     parse_special: bool = ...,
     seq_id: int = ...,
+    stop: str | Sequence[str] | None = ...,
 ) -> TextStream: ...
 
 
@@ -322,6 +402,7 @@ def complete(
     add_special: bool = ...,
     parse_special: bool = ...,
     seq_id: int = ...,
+    stop: str | Sequence[str] | None = ...,
 ) -> Completion | TextStream: ...
 
 
@@ -336,6 +417,7 @@ def complete(
     add_special: bool = True,
     parse_special: bool = False,
     seq_id: int = 0,
+    stop: str | Sequence[str] | None = None,
 ) -> Completion | TextStream:
     """Generate text after ``prompt``.
 
@@ -353,15 +435,18 @@ def complete(
         add_special: ``llama_tokenize``'s ``add_special`` (BOS where the model wants one).
         parse_special: ``llama_tokenize``'s ``parse_special`` (``<|im_start|>`` as one token).
         seq_id: The sequence to use in ``ctx``.
+        stop: A stop string or a list of them: the text ends just before the first one that
+            appears (``finish_reason`` ``"stop"``); see the module's docstring.
 
     Returns:
         A :class:`Completion` (a ``str`` with ``finish_reason``, ``tokens``, ``n_prompt``), or with
         ``stream=True`` a :class:`TextStream`.
 
     Raises:
-        TypeError: ``prompt`` is not a str (token ids go to :func:`pyllamacpp.generate`).
+        TypeError: ``prompt`` is not a str (token ids go to :func:`pyllamacpp.generate`), or
+            ``stop`` is not a str or a list of str.
         ValueError: An empty prompt, a prompt longer than the context, a ``ctx`` of another model,
-            a bad ``seq_id``.
+            a bad ``seq_id``, an empty stop string.
         ContextError: The context could not be made.
         DecodeAborted: ``ctx.abort()`` stopped a decode.
         DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
@@ -371,7 +456,7 @@ def complete(
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a str, not {type(prompt).__name__} (use generate() for token ids)")
     tokens = model.tokenize(prompt, add_special, parse_special)
-    s = TextStream(model, tokens, int(n_predict), sampler, ctx, seq_id)
+    s = TextStream(model, tokens, int(n_predict), sampler, ctx, seq_id, stop)
     return s if stream else _finish(s)
 
 
@@ -420,6 +505,7 @@ def chat(
     stream: Literal[False] = ...,
     template: str | None = ...,
     seq_id: int = ...,
+    stop: str | Sequence[str] | None = ...,
 ) -> Completion: ...
 
 
@@ -434,6 +520,7 @@ def chat(
     stream: Literal[True],
     template: str | None = ...,
     seq_id: int = ...,
+    stop: str | Sequence[str] | None = ...,
 ) -> TextStream: ...
 
 
@@ -448,6 +535,7 @@ def chat(
     stream: bool,
     template: str | None = ...,
     seq_id: int = ...,
+    stop: str | Sequence[str] | None = ...,
 ) -> Completion | TextStream: ...
 
 
@@ -461,6 +549,7 @@ def chat(
     stream: bool = False,
     template: str | None = None,
     seq_id: int = 0,
+    stop: str | Sequence[str] | None = None,
 ) -> Completion | TextStream:
     """The assistant's answer to ``messages``, through the GGUF's chat template.
 
@@ -477,14 +566,16 @@ def chat(
         stream: Return a :class:`TextStream` instead of the whole answer.
         template: A template (or a built-in template's name, e.g. ``"chatml"``) instead of the model's.
         seq_id: The sequence to use in ``ctx``.
+        stop: A stop string or a list of them (see :func:`complete`).
 
     Returns:
         A :class:`Completion`, or with ``stream=True`` a :class:`TextStream`.
 
     Raises:
         ValueError: No messages, no usable template, a prompt longer than the context, a ``ctx``
-            of another model, a bad ``seq_id``.
-        TypeError: A message that is not a dict with ``role`` and ``content`` strings.
+            of another model, a bad ``seq_id``, an empty stop string.
+        TypeError: A message that is not a dict with ``role`` and ``content`` strings, or a
+            ``stop`` that is not a str or a list of str.
         ContextError: The context could not be made.
         DecodeAborted: ``ctx.abort()`` stopped a decode.
         DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
@@ -492,5 +583,5 @@ def chat(
         ClosedError: The model, context or sampler was closed.
     """
     tokens = chat_tokens(model, messages, template)
-    s = TextStream(model, tokens, int(n_predict), sampler, ctx, seq_id)
+    s = TextStream(model, tokens, int(n_predict), sampler, ctx, seq_id, stop)
     return s if stream else _finish(s)

@@ -234,3 +234,82 @@ def test_detokenizer_cache_keeps_split_characters_whole_and_raises_after_close(m
         cached = next(iter(m._tokens[0]))
     with pytest.raises(pl.ClosedError):
         d.feed(cached)
+
+
+# -- stop strings ---------------------------------------------------------------------------------
+PARIS = "The capital of France is"  # greedy: " Paris" "." "\n" "\n" "The" " United" " States" " has" ...
+
+
+def _released(text: str, stops: list[str]) -> str:
+    """What a stream may yield of ``text``: all but its longest end that begins a stop string."""
+    for n in range(min(len(text), max(map(len, stops)) - 1), 0, -1):
+        if any(s.startswith(text[-n:]) for s in stops):
+            return text[:-n]
+    return text
+
+
+def _expected_pieces(model, tokens: list[int], stops: list[str]) -> list[str]:
+    """The pieces a stream with ``stops`` yields over ``tokens`` when no stop string appears in
+    them: after each token, what became releasable; at the end, the rest."""
+    d, text, out, done = Detokenizer(model), "", [], 0
+    for t in tokens:
+        text += d.feed(t)
+        r = _released(text, stops)
+        if len(r) > done:
+            out.append(r[done:])
+            done = len(r)
+    text += d.flush()
+    if len(text) > done:
+        out.append(text[done:])
+    return out
+
+
+def test_a_stop_string_across_two_tokens_ends_the_text_before_it(model):
+    whole = model.complete(PARIS, 12)
+    pieces = [model.token_to_piece(t) for t in whole.tokens]
+    assert pieces[5:7] == [" United", " States"]  # "United States" spans two tokens
+    with model.context(n_ctx=256, n_threads=2) as ctx:
+        text = model.complete(PARIS, 12, ctx=ctx, stop="United States")
+        assert text == " Paris.\n\nThe " and text.finish_reason == "stop"
+        # generation ended with the token that completed the stop string, and did not decode it
+        assert text.tokens == whole.tokens[:7]
+        assert ctx.memory.seq_pos_max(0) == text.n_prompt + len(text.tokens) - 2
+        s = model.complete(PARIS, 12, ctx=ctx, stop=["United States"], stream=True)
+        streamed = list(s)
+        assert "".join(streamed) == s.text == text and s.finish_reason == "stop" and s.tokens == text.tokens
+        assert not any("United" in p or "States" in p for p in streamed)
+        # the stop string that appears first wins, whatever the order of the list
+        assert model.complete(PARIS, 12, stop=["States", "United States"]) == " Paris.\n\nThe "
+        assert model.complete(PARIS, 12, stop=["million", "\n\n"]) == " Paris."
+        assert model.complete(PARIS, 12, stop="Par") == " "  # inside the first token
+        # a stop string that never appears changes nothing
+        none = model.complete(PARIS, 12, stop=["Berlin", "Paris!"])
+        assert none == whole and none.finish_reason == "n_predict" and none.tokens == whole.tokens
+
+
+def test_a_stream_holds_back_only_what_may_still_be_a_stop_string(model):
+    whole = model.complete(PARIS, 12)
+    for stops in (["Paris!"], ["Paris!", ".\n\nThe Unix", "States of"], ["\n\nX", "Xyz"]):
+        assert not any(st in whole for st in stops)
+        s = model.complete(PARIS, 12, stop=stops, stream=True)
+        got = list(s)
+        # piece by piece what the reference says: held text comes out once it cannot be a stop
+        assert got == _expected_pieces(model, whole.tokens, stops), stops
+        assert "".join(got) == whole and s.finish_reason == "n_predict"
+    # "Paris" was held after " Paris" (it may begin "Paris!"), then released with "."
+    got = list(model.complete(PARIS, 12, stop="Paris!", stream=True))
+    assert got[:2] == [" ", "Paris."]
+    # an end-of-generation token releases what is held too
+    answer = model.chat(FRANCE, stop="Paris is")
+    assert answer == "The capital of France is Paris." and answer.finish_reason == "eog"
+
+
+def test_chat_stop_and_bad_stop_arguments(model):
+    answer = model.chat(FRANCE, stop="Paris")
+    assert answer == "The capital of France is " and answer.finish_reason == "stop"
+    with pytest.raises(ValueError, match="empty stop string"):
+        model.complete(PARIS, 4, stop=["x", ""])
+    with pytest.raises(TypeError, match="stop must be a str"):
+        model.complete(PARIS, 4, stop=[b"x"])
+    with pytest.raises(TypeError, match="stop must be a str"):
+        model.chat(FRANCE, 4, stop=5)
