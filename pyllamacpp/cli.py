@@ -176,7 +176,13 @@ def _cmd_generate(args) -> int:
         _sampler(model, args) as sampler,
     ):
         stream = model.complete(
-            args.prompt, args.n_predict, sampler=sampler, ctx=ctx, stream=True, parse_special=args.special
+            args.prompt,
+            args.n_predict,
+            sampler=sampler,
+            ctx=ctx,
+            stream=True,
+            parse_special=args.special,
+            stop=args.stop,
         )
         if args.display_prompt:
             sys.stdout.write(args.prompt)
@@ -208,7 +214,7 @@ def _cmd_chat(args) -> int:
                 continue
             messages.append({"role": "user", "content": line})
             try:
-                stream = model.chat(messages, args.n_predict, sampler=sampler, ctx=ctx, stream=True)
+                stream = model.chat(messages, args.n_predict, sampler=sampler, ctx=ctx, stream=True, stop=args.stop)
             except ValueError as e:
                 if "more than the context holds" not in str(e):
                     raise
@@ -288,10 +294,13 @@ def _doc(name: str) -> str:
 
 def _experiment(name: str):
     def run(args) -> int:
-        from .experiments.common import emit
+        from .experiments.common import Interrupted, emit, report_interrupted
 
         mod = importlib.import_module(f".experiments.{name}", __package__)
-        data = mod.run(args)
+        try:
+            data = mod.run(args)
+        except Interrupted as e:  # Ctrl-C: print what was measured, then exit 130
+            return report_interrupted(args, args.command, e, mod.print_report)
         emit(args, data, mod.print_report)
         if getattr(args, "output", None):
             mod.plot(data, args.output)
@@ -359,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--top-p", type=float, default=0.95, help="with --temp > 0")
         p.add_argument("--min-p", type=float, default=0.05, help="with --temp > 0")
         p.add_argument("-s", "--seed", type=int, default=None, help="with --temp > 0 (default: random)")
+        p.add_argument(
+            "--stop",
+            action="append",
+            metavar="TEXT",
+            help="end the text just before TEXT (repeat for several; default: none)",
+        )
 
     p = sub.add_parser("generate", help=_cmd_generate.__doc__, description=_cmd_generate.__doc__)
     p.add_argument("-p", "--prompt", required=True, help="the text to continue")

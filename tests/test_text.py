@@ -313,3 +313,11 @@ def test_chat_stop_and_bad_stop_arguments(model):
         model.complete(PARIS, 4, stop=[b"x"])
     with pytest.raises(TypeError, match="stop must be a str"):
         model.chat(FRANCE, 4, stop=5)
+
+
+def test_cli_stop(capsys, monkeypatch):
+    argv = ["generate", "-p", PARIS, "-n", "12", "-t", "2", "--no-display-prompt"]
+    rc, out, _ = _run_cli([*argv, "--stop", "million", "--stop", "United States"], capsys)
+    assert rc == 0 and out == " Paris.\n\nThe \n"
+    rc, out, _ = _run_cli(["chat", "-n", "32", "-t", "2", "--stop", "Paris"], capsys, FRANCE[0]["content"], monkeypatch)
+    assert rc == 0 and out == "The capital of France is \n"
