@@ -34,19 +34,36 @@ _PY_LEVEL = {
 }
 
 
+def _joined(first: str, more: list[str]) -> str:
+    """One llama.cpp message as one line: its first line, then each line that continued it
+    (llama.cpp's " - X = 4" detail lines), without their indent and list dash, after "; "."""
+    text = first.strip()
+    for line in more:
+        line = line.strip().removeprefix("- ").strip()
+        if line:
+            text = f"{text}{' ' if text.endswith(':') else '; '}{line}"
+    return text
+
+
 @dataclass
 class Capture:
-    """Log lines emitted on this thread while the ``capture()`` block ran: (level, text) pairs."""
+    """Log lines emitted on this thread while the ``capture()`` block ran: (level, text) pairs;
+    ``follows`` holds the indexes of the lines that continue the line before them (one
+    llama.cpp message of several lines, or a ``GGML_LOG_LEVEL_CONT`` call)."""
 
     lines: list[tuple[int, str]] = field(default_factory=list)
+    follows: set[int] = field(default_factory=set)
 
     def reason(self) -> str | None:
-        """The first ERROR line (llama.cpp logs the cause first, then each caller's "failed"),
-        else the first WARNING line, else None."""
+        """The first ERROR message (llama.cpp logs the cause first, then each caller's "failed"),
+        else the first WARNING one, else None: its first line with the lines that continue it."""
         for want in (logging.ERROR, logging.WARNING):
-            for level, text in self.lines:
+            for i, (level, text) in enumerate(self.lines):
                 if level == want:
-                    return text.strip()
+                    j = i + 1
+                    while j in self.follows:
+                        j += 1
+                    return _joined(text, [t for _, t in self.lines[i + 1 : j]])
         return None
 
     def text(self) -> str:
@@ -59,6 +76,11 @@ class _ThreadState(threading.local):
         self.level = logging.DEBUG  # for GGML_LOG_LEVEL_CONT
         self.captures: list[Capture] = []
         self.errors: list[BaseException] = []  # raised by a logging handler inside the callback
+        self.partial_follows = False  # the partial line continues the line before it
+        # the last few WARN/ERROR messages, each [first line, continuation lines...]: c_reason()
+        # finds there the lines C did not keep
+        self.messages: list[list[str]] = []
+        self.message_open = False  # the last line emitted belongs to messages[-1]
 
 
 _tls = _ThreadState()
@@ -69,9 +91,21 @@ pending: set[int] = set()
 _ident = threading.get_ident
 
 
-def _emit(level: int, line: str) -> None:
-    for cap in _tls.captures:
+def _emit(level: int, line: str, follows: bool = False) -> None:
+    t = _tls
+    for cap in t.captures:
+        if follows:
+            cap.follows.add(len(cap.lines))
         cap.lines.append((level, line))
+    if level >= logging.WARNING:
+        if follows and t.message_open:
+            t.messages[-1].append(line)
+        else:
+            t.messages.append([line])
+            del t.messages[:-4]
+        t.message_open = True
+    else:
+        t.message_open = False
     if logger.isEnabledFor(level):
         logger.log(level, line)
 
@@ -85,14 +119,19 @@ def _on_error(exc_type, exc, tb):
 @ffi.def_extern(onerror=_on_error)
 def _pyllamacpp_log_cb(level, text, user_data):
     s = ffi.string(text).decode("utf-8", "replace")
-    if level != lib.GGML_LOG_LEVEL_CONT:
-        _tls.level = _PY_LEVEL.get(level, logging.DEBUG)
-    buf = _tls.partial + s
-    *lines, _tls.partial = buf.split("\n")
-    if _tls.partial:
+    t = _tls
+    cont = level == lib.GGML_LOG_LEVEL_CONT
+    if not cont:
+        t.level = _PY_LEVEL.get(level, logging.DEBUG)
+    # a line begun by an earlier call keeps what it was; else a CONT call continues the last line
+    first_follows = t.partial_follows if t.partial else cont
+    buf = t.partial + s
+    *lines, t.partial = buf.split("\n")
+    t.partial_follows = first_follows if not lines else True  # after a "\n": a line of the same message
+    if t.partial:
         pending.add(_ident())
-    for line in lines:
-        _emit(_tls.level, line)
+    for i, line in enumerate(lines):
+        _emit(t.level, line, first_follows if i == 0 else True)
 
 
 class capture:
@@ -111,7 +150,7 @@ class capture:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if _tls.partial:  # a last line without "\n" belongs to this call
-            _emit(_tls.level, _tls.partial)
+            _emit(_tls.level, _tls.partial, _tls.partial_follows)
             _tls.partial = ""
         _tls.captures.remove(self.cap)
         if _tls.errors and exc_type is None:  # a logging handler raised inside the C callback
@@ -126,8 +165,19 @@ class capture:
 def c_reason() -> str | None:
     """The reason llama.cpp logged during the last pyl_decode_sample / pyl_state_seq_get /
     pyl_state_seq_set call on this thread (its first ERROR line, else its first WARN line, kept
-    in C by build_support/helpers.h), or None. Those calls run without :func:`capture`."""
-    return ffi.string(lib.pyl_reason_text()).decode("utf-8", "replace").strip() or None
+    in C by build_support/helpers.h), or None. Those calls run without :func:`capture`.
+
+    C keeps a message's first line only; the lines that continued it (llama.cpp's "X = 4" / "Y =
+    9" detail under "inconsistent sequence positions:") reached the log callback too, and are
+    taken from the last messages this thread logged when their first line is the one C kept."""
+    kept = ffi.string(lib.pyl_reason_text()).decode("utf-8", "replace").strip()
+    if not kept:
+        return None
+    for msg in reversed(_tls.messages):
+        first = msg[0].strip()
+        if first == kept or (len(kept) >= 500 and first.startswith(kept)):  # C keeps 511 bytes
+            return _joined(msg[0], msg[1:])
+    return kept
 
 
 def raise_pending() -> None:
@@ -137,7 +187,7 @@ def raise_pending() -> None:
     t = _tls
     if t.partial:
         line, t.partial = t.partial, ""
-        _emit(t.level, line)
+        _emit(t.level, line, t.partial_follows)
     if t.errors:
         err = t.errors.pop(0)
         t.errors.clear()

@@ -24,7 +24,44 @@ class LlamaError(RuntimeError):
         self.func, self.code, self.reason = func, code, reason
         if reason:
             message = f"{message}: {reason}"
+            message += "".join(f" ({hint})" for phrase, hint in _REASON_HINTS if phrase in reason)
         super().__init__(message)
+
+
+# What to change, for reasons llama.cpp logs without saying it.
+_REASON_HINTS = (
+    (
+        "n_stream mismatch",
+        "the state holds another number of KV streams than this context: a context made with "
+        "kv_unified=True has 1, one with kv_unified=False has n_seq_max; load it into a context with "
+        "the kv_unified and n_seq_max of the context that saved it",
+    ),
+)
+
+
+def n_stream_hint(state_streams: int, kv_unified: bool, n_seq_max: int) -> str:
+    """What a state of ``state_streams`` KV streams needs, said against this context's settings.
+
+    A ``kv_unified=True`` context (or one with ``n_seq_max=1``) has one stream; a
+    ``kv_unified=False`` one has ``n_seq_max`` (``llama_kv_cache``'s ``n_stream``), and a state
+    loads only into a context with as many.
+
+    Args:
+        state_streams: The ``n_stream`` the state holds.
+        kv_unified: This context's ``kv_unified``.
+        n_seq_max: This context's ``n_seq_max``.
+
+    Returns:
+        One sentence: what the state has, what this context has, which parameter to change.
+    """
+    has = 1 if kv_unified else n_seq_max
+    ctx = f"this context has {has} (kv_unified={bool(kv_unified)}, n_seq_max={n_seq_max})"
+    if state_streams == 1:
+        return f"the state has 1 KV stream (saved with kv_unified=True or n_seq_max=1), {ctx}: make it kv_unified=True"
+    saved = f"the state has {state_streams} KV streams (saved with kv_unified=False, n_seq_max={state_streams})"
+    if has == 1 and kv_unified:
+        return f"{saved}, {ctx}: make it kv_unified=False, n_seq_max={state_streams}"
+    return f"{saved}, {ctx}: make it with n_seq_max={state_streams}"
 
 
 class ModelLoadError(LlamaError):

@@ -206,6 +206,9 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]], file: Tex
 def emit(args: argparse.Namespace, data: Any, printer: Callable[[Any], None]) -> None:
     """Print ``data`` as JSON with ``--json``, else with ``printer``.
 
+    The text report names the model by its file name (``data["model"]`` keeps the path, as the
+    JSON does): a report pasted anywhere carries no folder of the machine that made it.
+
     Args:
         args: The parsed flags (``args.json``).
         data: What the command's ``run`` returned.
@@ -214,4 +217,47 @@ def emit(args: argparse.Namespace, data: Any, printer: Callable[[Any], None]) ->
     if getattr(args, "json", False):
         print(json.dumps(data, indent=2, default=str))
     else:
+        if isinstance(data, dict) and isinstance(data.get("model"), str):
+            data = {**data, "model": Path(data["model"]).name}
         printer(data)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped an experiment: what its finished steps measured, to print.
+
+    A ``KeyboardInterrupt``, so a caller that does not know it still stops as on Ctrl-C.
+
+    Args:
+        data: What the command's ``run`` returns, made from the steps that finished (None when
+            there is nothing to print).
+        done: The steps that finished.
+        total: The steps planned.
+        unit: What a step is, plural ("rows", "modes").
+    """
+
+    def __init__(self, data: Any, done: int, total: int, unit: str = "steps") -> None:
+        super().__init__(f"interrupted after {done} of {total} {unit}")
+        self.data, self.done, self.total, self.unit = data, done, total, unit
+
+
+def report_interrupted(args: argparse.Namespace, command: str, e: Interrupted, printer: Callable[[Any], None]) -> int:
+    """Print what an interrupted run measured (``emit``; with ``--json`` an ``interrupted`` key)
+    and say on stderr that it was interrupted.
+
+    Args:
+        args: The parsed flags (``args.json``).
+        command: The subcommand's name, for the message.
+        e: The :class:`Interrupted` the command's ``run`` raised.
+        printer: The command's ``print_report``.
+
+    Returns:
+        130, the shell's status for a command stopped by SIGINT.
+    """
+    note = f"interrupted (Ctrl-C) after {e.done} of {e.total} {e.unit}"
+    if e.data is not None:
+        as_json = getattr(args, "json", False)
+        emit(args, {**e.data, "interrupted": note} if as_json else e.data, printer)
+        if not as_json:
+            print(f"{note}: the {e.unit} above are all that was measured", flush=True)
+    print(f"pyllamacpp {command}: {note}" + ("" if e.data is not None else "; nothing to print"), file=sys.stderr)
+    return 130

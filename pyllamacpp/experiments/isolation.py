@@ -15,7 +15,7 @@ import argparse
 
 import numpy as np
 
-from .common import load_model, progress
+from .common import Interrupted, load_model, progress
 
 DEFAULT_PROMPTS = [
     "The cat sat on the mat.",
@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> dict:
         ModelLoadError: The model cannot be loaded.
         ContextError: llama.cpp cannot make a context with these settings.
         DecodeError: A decode failed (``KVCacheFullError``, ``InvalidBatchError``...).
+        Interrupted: Ctrl-C; it carries the ``-ub`` values compared before it.
     """
     prompts = args.prompt or DEFAULT_PROMPTS
     ubs = [int(x) for x in str(args.ubatch_list).split(",") if x]
@@ -120,8 +121,15 @@ def run(args: argparse.Namespace) -> dict:
                     "control_breaks": control_breaks,
                 }
             )
+    except KeyboardInterrupt:  # Ctrl-C: the -ub values compared so far are still worth printing
+        n = len(out["runs"])
+        raise Interrupted(_verdict(out) if n else None, n, len(ubs), "-ub values") from None
     finally:
         model.close()
+    return _verdict(out)
+
+
+def _verdict(out: dict) -> dict:
     out["verdict"] = ("isolated" if all(r["isolated"] for r in out["runs"]) else "LEAK") + (
         "" if all(r["control_breaks"] for r in out["runs"]) else " (control did not break: check is blind)"
     )

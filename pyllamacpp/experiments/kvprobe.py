@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import LlamaError
-from .common import context_kwargs, load_model
+from .common import Interrupted, context_kwargs, load_model
 
 if TYPE_CHECKING:
     from ..context import Context
@@ -315,6 +315,7 @@ def run(args: argparse.Namespace) -> dict:
         ModelLoadError: The model cannot be loaded.
         ContextError: llama.cpp cannot make a context with these settings.
         OSError: A file of a save or load op cannot be written or read.
+        Interrupted: Ctrl-C; it carries the ops that ran before it.
     """
     ops = parse_ops(args.ops, args.parallel)  # refused before the model is even loaded
     model = load_model(args)
@@ -335,6 +336,9 @@ def run(args: argparse.Namespace) -> dict:
                     out["error"] = f"op {op.index} {op.text!r}: {e}"
                     out["ok"] = False
                     break
+                except KeyboardInterrupt:  # Ctrl-C: so is what ran before it
+                    n = len(out["ops"])
+                    raise Interrupted(out if n else None, n, len(ops), "ops") from None
     finally:
         model.close()
     return out

@@ -202,39 +202,48 @@ def run(args: argparse.Namespace) -> dict:
         DecodeError: A decode failed (``KVCacheFullError``...).
         StateError: The sequence's state could not be written or loaded
             (``llama_state_seq_get_data_ext`` / ``llama_state_seq_set_data_ext``).
+        Interrupted: Ctrl-C; it carries the rows of the ``-fa`` values measured before it.
     """
-    from .common import load_model, progress
+    from .common import Interrupted, load_model, progress
 
     args.n_gpu_layers = getattr(args, "n_gpu_layers", 0)
     model = load_model(args)
     try:
         toks = _tokens(model, args)
         fas = ["on", "off"] if args.flash_attn == "both" else [args.flash_attn]
-        rows = []
-        for fa in progress(fas, "placement"):
-            rows += run_one(
-                model,
-                toks,
-                flash_attn=fa,
-                occupy=args.occupy,
-                type_k=args.cache_type_k,
-                type_v=args.cache_type_v,
-                n_threads=args.threads,
-            )
-        out = {
-            "model": str(model.path),
-            "n_prompt": int(toks.size),
-            "n_occupy": int(args.occupy),
-            "type_k": args.cache_type_k,
-            "type_v": args.cache_type_v,
-            "threads": args.threads,
-            "hist_edges": _BINS.tolist(),
-            "rows": rows,
-        }
+        rows: list[dict[str, Any]] = []
+        try:
+            for fa in progress(fas, "placement"):
+                rows += run_one(
+                    model,
+                    toks,
+                    flash_attn=fa,
+                    occupy=args.occupy,
+                    type_k=args.cache_type_k,
+                    type_v=args.cache_type_v,
+                    n_threads=args.threads,
+                )
+        except KeyboardInterrupt:  # Ctrl-C: the -fa values measured so far are still worth printing
+            done = len({r["flash_attn"] for r in rows})
+            part = _result(model, toks, args, rows) if rows else None
+            raise Interrupted(part, done, len(fas), "-fa values") from None
     finally:
         model.close()
-    off = [r for r in rows if r["flash_attn"] == "off"]
-    out["ok"] = all(r["bit_identical"] for r in off)
+    return _result(model, toks, args, rows)
+
+
+def _result(model: Model, toks: np.ndarray, args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict:
+    out = {
+        "model": str(model.path),
+        "n_prompt": int(toks.size),
+        "n_occupy": int(args.occupy),
+        "type_k": args.cache_type_k,
+        "type_v": args.cache_type_v,
+        "threads": args.threads,
+        "hist_edges": _BINS.tolist(),
+        "rows": rows,
+    }
+    out["ok"] = all(r["bit_identical"] for r in rows if r["flash_attn"] == "off")
     return out
 
 
@@ -336,13 +345,15 @@ def main(args: argparse.Namespace) -> int:
         The exit status: 0, 1 when a flash-attention-off restore changed the logits, 2 on bad input
         (a ValueError, printed on stderr).
     """
-    from .common import emit
+    from .common import Interrupted, emit, report_interrupted
 
     try:
         data = run(args)
     except ValueError as e:
         print(f"pyllamacpp placement: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:  # Ctrl-C: print what was measured, then exit 130
+        return report_interrupted(args, "placement", e, print_report)
     emit(args, data, print_report)
     if args.output:
         plot(data, args.output)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .common import load_model, progress
+from .common import Interrupted, load_model, progress
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> dict:
         ContextError: llama.cpp cannot make a context with these settings.
         DecodeError: A decode failed (``KVCacheFullError``, ``InvalidBatchError``...).
         StateError: The state dump cannot be read (``llama_state_get_data``).
+        Interrupted: Ctrl-C; it carries the modes measured before it.
     """
     if getattr(args, "requests", 0):
         return run_workload(args)
@@ -167,14 +168,21 @@ def run(args: argparse.Namespace) -> dict:
 
         with model.context(n_ctx=max(256, 2 * (len(prompt) + args.n_gen)), **kw) as ctx:
             alone = list(generate(ctx, prompt, args.n_gen))
-        rows = []
-        for mode in progress(modes, "prefix-sharing"):
-            r = run_mode(model, prompt, args.parallel, args.n_gen, mode == "unified", kw)
-            r["mode"] = mode
-            r["matches_alone"] = [t == alone[: len(t)] for t in r.pop("tokens")]
-            rows.append(r)
+        rows: list[dict] = []
+        try:
+            for mode in progress(modes, "prefix-sharing"):
+                r = run_mode(model, prompt, args.parallel, args.n_gen, mode == "unified", kw)
+                r["mode"] = mode
+                r["matches_alone"] = [t == alone[: len(t)] for t in r.pop("tokens")]
+                rows.append(r)
+        except KeyboardInterrupt:  # Ctrl-C: the modes measured so far are still worth printing
+            raise Interrupted(_result(model, prompt, rows) if rows else None, len(rows), len(modes), "modes") from None
     finally:
         model.close()
+    return _result(model, prompt, rows)
+
+
+def _result(model: Model, prompt: np.ndarray, rows: list[dict]) -> dict:
     ok = all(all(r["matches_alone"]) for r in rows)
     return {"model": str(model.path), "n_prompt": int(len(prompt)), "alone_text": None, "rows": rows, "ok": ok}
 
@@ -339,6 +347,7 @@ def run_workload(args: argparse.Namespace) -> dict:
         ContextError: llama.cpp cannot make a context with these settings.
         DecodeError: A decode failed.
         StateError: The state dump cannot be read.
+        Interrupted: Ctrl-C (with nothing to print: the report compares both runs).
     """
     from .common import context_kwargs
 
@@ -350,7 +359,12 @@ def run_workload(args: argparse.Namespace) -> dict:
         n_system = len(model.tokenize(args.prompt_text or SYSTEM_PROMPT)) if not args.n_prompt else args.n_prompt
         kw = context_kwargs(args)
         kw.setdefault("kv_unified", True)
-        rows = [run_scheduler(model, prompts, args.n_gen, cache, kw) for cache in progress([False, True], "workload")]
+        rows = []
+        try:
+            for cache in progress([False, True], "workload"):
+                rows.append(run_scheduler(model, prompts, args.n_gen, cache, kw))
+        except KeyboardInterrupt:  # the report compares the two runs: one alone has nothing to print
+            raise Interrupted(None, len(rows), 2, "runs") from None
     finally:
         model.close()
     off, on = rows

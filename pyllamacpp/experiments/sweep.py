@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .common import load_model, progress
+from .common import Interrupted, load_model, progress
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> dict:
         ValueError: An empty ``-ub`` list.
         ContextError: llama.cpp cannot make a context with these settings.
         DecodeError: A decode failed (``KVCacheFullError`` when the prompt does not fit...).
+        Interrupted: Ctrl-C; it carries the rows measured before it.
     """
     ubs = [int(x) for x in str(args.ubatch_list).split(",") if x]
     kw = dict(
@@ -116,7 +117,8 @@ def run(args: argparse.Namespace) -> dict:
     clamp_b = args.clamp_b if args.clamp_b else max(1, min(ubs) // 2)
     plan = [(args.batch_size, ub) for ub in ubs] + [(clamp_b, max(ubs))]
     model = load_model(args)
-    rows = []
+    rows: list[dict] = []
+    data = {"model": str(model.path), "n_ctx": args.ctx_size, "threads": args.threads, "rows": rows}
     try:
         for b, ub in progress(plan, "ubatch-sweep"):
             r = measure(
@@ -131,9 +133,11 @@ def run(args: argparse.Namespace) -> dict:
             )
             r["clamp_row"] = (b, ub) == plan[-1]
             rows.append(r)
+    except KeyboardInterrupt:  # Ctrl-C: the rows measured so far are still worth printing
+        raise Interrupted(data if rows else None, len(rows), len(plan), "rows") from None
     finally:
         model.close()
-    return {"model": str(model.path), "n_ctx": args.ctx_size, "threads": args.threads, "rows": rows}
+    return data
 
 
 def print_report(data: dict) -> None:
@@ -167,7 +171,7 @@ def print_report(data: dict) -> None:
             ("kv_mib", "KV MiB", ".2f"),
             ("prefill_tps", "prefill t/s", ".1f"),
             ("decode_tps", "decode t/s", ".1f"),
-            ("note", "", "s"),
+            ("note", "note", "s"),
         ],
     )
 
