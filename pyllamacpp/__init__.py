@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the lazy names below, as mypy should see them
     from .generation import Generation as Generation
     from .generation import generate as generate
     from .generation import generate_parallel as generate_parallel
+    from .lora import LoraAdapter as LoraAdapter
     from .memory import Memory as Memory
     from .model import Model as Model
     from .params import ContextParams as ContextParams
@@ -74,6 +75,7 @@ _LAZY = {
     "generate": ".generation",
     "generate_parallel": ".generation",
     "Generation": ".generation",
+    "LoraAdapter": ".lora",
     "Completion": ".text",
     "TextStream": ".text",
     "Detokenizer": ".text",

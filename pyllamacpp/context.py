@@ -33,6 +33,9 @@ from .params import ContextParams, context_params, default_n_ctx
 _MAIN_THREAD = threading.main_thread().ident
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .lora import LoraAdapter
 
     class PerfContextData:  # fields from the C struct at import: to mypy, attributes of any type
         __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
@@ -616,3 +619,51 @@ class Context(StateMethods, Owner):
             ClosedError: The context is closed.
         """
         lib.llama_perf_context_reset(self.ptr)
+
+    # -- LoRA adapters (pyllamacpp.lora) -------------------------------------------------------
+    def set_lora(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
+        """Apply ``adapter`` at ``scale``, keeping the other adapters; 0 takes it off.
+
+        ``llama_set_adapters_lora`` with the whole set (see :mod:`pyllamacpp.lora`). The context
+        keeps the adapter alive from here on. The KV cache is not recomputed.
+
+        Args:
+            adapter: A :class:`LoraAdapter` of this context's model.
+            scale: Its scale (llama.cpp multiplies it by ``alpha / rank``).
+
+        Raises:
+            TypeError: ``adapter`` is not a LoraAdapter.
+            ValueError: An adapter of another model, or a scale that is not finite.
+            RuntimeError: Another thread is decoding in the context.
+            ClosedError: The adapter or the context is closed.
+        """
+        from .lora import set_lora
+
+        set_lora(self, adapter, scale)
+
+    def set_loras(self, adapters: Mapping[LoraAdapter, float]) -> None:
+        """Apply exactly ``adapters`` (``{adapter: scale}``; ``{}`` removes all): ``llama_set_adapters_lora``.
+
+        Args:
+            adapters: Adapters of this context's model and their scales (0: left out).
+
+        Raises:
+            TypeError: A key that is not a LoraAdapter, or a scale that is not a number.
+            ValueError: An adapter of another model, or a scale that is not finite.
+            RuntimeError: Another thread is decoding in the context.
+            ClosedError: An adapter or the context is closed.
+        """
+        from .lora import set_loras
+
+        set_loras(self, adapters)
+
+    @property
+    def loras(self) -> dict[LoraAdapter, float]:
+        """The adapters applied and their scales, as float32 stored them (a copy).
+
+        Raises:
+            ClosedError: The context is closed.
+        """
+        from .lora import applied
+
+        return applied(self)

@@ -25,7 +25,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-__all__ = ["ARCHS", "make_model"]
+__all__ = ["ARCHS", "make_lora", "make_model"]
 
 ARCHS = ("llama", "qwen3", "gemma2", "gemma3", "mamba", "lfm2")
 """Architectures ``make_model`` writes (llama.cpp's ``general.architecture`` names)."""
@@ -60,6 +60,7 @@ def make_model(
     n_ctx_train: int = 4096,
     seed: int = 0,
     dtype: str = "f32",
+    tie_embeddings: bool = True,
     **arch_specific: Any,
 ) -> Path:
     """Write a random-weight GGUF of ``arch`` to ``path`` (atomically) and return the path.
@@ -81,6 +82,9 @@ def make_model(
         n_ctx_train: ``context_length``.
         seed: seed of the weights.
         dtype: ``"f32"`` or ``"f16"`` for the matrices.
+        tie_embeddings: True: no ``output.weight``, the output projection is ``token_embd.weight``
+            (llama.cpp's ``TENSOR_DUPLICATED`` fallback); False: an ``output.weight`` of its own
+            (not for ``gemma2``, which always ties them).
         **arch_specific: by arch, in llama.cpp's hparams names:
 
             - attention archs: ``rope_freq_base``, ``norm_rms_eps``;
@@ -104,7 +108,8 @@ def make_model(
         ``path`` as a ``Path``.
 
     Raises:
-        ValueError: an unknown ``arch`` or ``dtype``, or a size below 1.
+        ValueError: an unknown ``arch`` or ``dtype``, a size below 1, or ``tie_embeddings=False``
+            for ``gemma2``.
         TypeError: a keyword ``arch`` does not take.
         OSError: the file could not be written.
     """
@@ -135,6 +140,10 @@ def make_model(
         ("token_embd.weight", (n_embd, n_vocab), "w"),
         ("output_norm.weight", (n_embd,), "norm"),
     ]  # no output.weight: every arch here falls back to token_embd (TENSOR_DUPLICATED)
+    if not tie_embeddings:
+        if arch == "gemma2":  # models/gemma2.cpp never asks for output.weight: llama.cpp would refuse it
+            raise ValueError("gemma2 always ties its output projection to token_embd: tie_embeddings must be True")
+        tensors.append(("output.weight", (n_embd, n_vocab), "w"))
 
     if arch == "lfm2":
         n_ff = _lfm2(
@@ -339,3 +348,111 @@ def _weights(rng: np.random.Generator, ne: tuple[int, ...], kind: str, wtype) ->
     if kind == "dt_bias":  # softplus^-1(dt) for dt = 0.01, Mamba's dt init range being [1e-3, 0.1]
         return np.full(shape, math.log(math.expm1(0.01)), np.float32)
     raise AssertionError(kind)
+
+
+def make_lora(
+    path: str | os.PathLike,
+    base: str | os.PathLike,
+    targets: Any,
+    *,
+    rank: int = 4,
+    alpha: float | None = None,
+    seed: int = 0,
+    std: float = _STD,
+    alora_invocation_tokens: Any = None,
+) -> Path:
+    """Write a LoRA adapter GGUF for the model at ``base`` to ``path`` (atomically).
+
+    The file is what ``llama_adapter_lora_init`` reads (``src/llama-adapter.cpp``):
+    ``general.type = "adapter"``, ``general.architecture`` of the base, ``adapter.type = "lora"``,
+    ``adapter.lora.alpha`` when given, and for each target weight ``W`` a pair
+    ``W.lora_a`` / ``W.lora_b``. llama.cpp then adds ``scale * B @ (A @ x)`` to ``W @ x``, with
+    ``scale = s * alpha / rank`` for a context scale ``s`` (``s`` alone when alpha is 0 or absent).
+
+    Shapes, in numpy order for a weight of ggml ``ne = (n_in, n_out)``: ``A`` is ``(rank, n_in)``
+    and ``B`` is ``(n_out, rank)``. ``token_embd.weight`` is the exception llama.cpp makes for the
+    embedding lookup: ``A`` is ``(n_vocab, rank)`` (a row per token) and ``B`` is ``(n_embd, rank)``,
+    and the input of token ``t`` gains ``scale * B @ A[t]``.
+
+    Args:
+        path: where to write the adapter (a temporary name, then renamed).
+        base: the model GGUF the adapter is for (read with ``gguf.GGUFReader`` for the architecture
+            and the weights' shapes; :func:`make_model` output or a real model).
+        targets: weight names (``"output.weight"``, ``"blk.0.attn_q.weight"``), each given random
+            ``normal(0, std)`` factors of ``rank`` from ``numpy.random.default_rng(seed)``; or a
+            mapping ``name -> (A, B)`` of arrays in the shapes above (written as float32).
+        rank: the rank of random factors.
+        alpha: ``adapter.lora.alpha``; None writes no key (llama.cpp then reads 0: no alpha / rank factor).
+        seed: seed of random factors.
+        std: standard deviation of random factors.
+        alora_invocation_tokens: token ids for ``adapter.alora.invocation_tokens`` (an activated
+            LoRA, which llama.cpp's server applies only after these tokens); None writes no key.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        ValueError: no targets, a name that is not a 2-D weight of ``base``, factors of the wrong
+            shape, or a rank below 1.
+        OSError: ``base`` could not be read or the file could not be written.
+    """
+    reader = gguf.GGUFReader(base)
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}  # ggml ne order
+    arch = reader.fields["general.architecture"].contents()
+    del reader  # its memmap
+    if isinstance(targets, str):
+        targets = [targets]
+    given = dict(targets) if hasattr(targets, "items") else {name: None for name in targets}
+    if not given:
+        raise ValueError("make_lora needs at least one target weight")
+    if int(rank) < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    rng = np.random.default_rng(seed)
+    arrays: list[tuple[str, np.ndarray]] = []
+    for name, ab in given.items():
+        ne = shapes.get(name)
+        if ne is None or len(ne) != 2:
+            weights = sorted(n for n, s in shapes.items() if len(s) == 2)
+            raise ValueError(f"{name!r} is not a 2-D weight of {base}; it has {', '.join(weights[:8])} ...")
+        n_in, n_out = ne
+        if ab is None:
+            a_shape, b_shape = (
+                ((n_out, rank), (n_in, rank)) if name == "token_embd.weight" else ((rank, n_in), (n_out, rank))
+            )
+            a = rng.normal(0.0, std, a_shape).astype(np.float32)
+            b = rng.normal(0.0, std, b_shape).astype(np.float32)
+        else:
+            a, b = (np.ascontiguousarray(x, dtype=np.float32) for x in ab)
+            r = a.shape[-1] if name == "token_embd.weight" else a.shape[0]
+            want = ((n_out, r), (n_in, r)) if name == "token_embd.weight" else ((r, n_in), (n_out, r))
+            if (a.shape, b.shape) != want:
+                raise ValueError(f"{name}: A {a.shape} and B {b.shape}, expected {want[0]} and {want[1]}")
+        arrays += [(f"{name}.lora_a", a), (f"{name}.lora_b", b)]
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    writer = gguf.GGUFWriter(tmp, arch)
+    try:
+        writer.add_type("adapter")
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        writer.add_string("general.name", f"pyllamacpp synthetic LoRA for {Path(base).name}")
+        if alpha is not None:
+            writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
+        if alora_invocation_tokens is not None:
+            toks = [int(t) for t in alora_invocation_tokens]
+            writer.add_key_value(
+                gguf.Keys.Adapter.ALORA_INVOCATION_TOKENS, toks, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32
+            )
+        for name, arr in arrays:
+            writer.add_tensor(name, arr)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
