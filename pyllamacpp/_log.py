@@ -71,7 +71,7 @@ class Capture:
 
 
 class _ThreadState(threading.local):
-    def __init__(self):
+    def __init__(self) -> None:
         self.partial = ""  # text of a line not yet ended by "\n"
         self.level = logging.DEBUG  # for GGML_LOG_LEVEL_CONT
         self.captures: list[Capture] = []

@@ -75,60 +75,88 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+_ESCAPES = str.maketrans({"\\": "\\\\", "'": "\\'", "\n": "\\n", "\r": "\\r", "\t": "\\t"})
+
+
 def _cmd_demo(args) -> int:
-    """Tokenize, decode, print the top next tokens and the sequence's state size."""
+    """Tokenize, decode, print the top next tokens and the sequence's state size, then generate."""
     import numpy as np
 
     from . import default_model_path
     from .model import Model
 
     path = args.model or default_model_path()
-    with Model(path) as model, model.context(n_ctx=args.n_ctx, n_threads=args.threads) as ctx:
-        tokens = model.tokenize(args.prompt)
-        ctx.prefill(tokens)
-        logits = ctx.logits().copy()  # a view would show the generation's last logits below
-        top = np.argsort(logits)[::-1][: args.top]
-        probs = np.exp(logits - logits.max())
-        probs /= probs.sum()
-        state = ctx.seq_state(0)
-        state_bytes = len(state)
-        del state
-        text = model.complete(args.prompt, args.n_predict, ctx=ctx)  # greedy, sequence 0 afresh
+    kw = {"n_ctx": args.n_ctx, "n_threads": args.threads, "n_threads_batch": args.threads}  # as -t says
+    with Model(path) as model, model.context(**kw) as ctx:
         if args.json:
-            print(
-                json.dumps(
-                    {
-                        "model": str(path),
-                        "description": model.description,
-                        "n_params": model.n_params,
-                        "tokens": tokens.tolist(),
-                        "top": [
-                            {
-                                "token": int(t),
-                                "piece": model.token_to_piece(int(t)),
-                                "logit": float(logits[t]),
-                                "p": float(probs[t]),
-                            }
-                            for t in top
-                        ],
-                        "seq_state_bytes": state_bytes,
-                        "generated": str(text),
-                        "generated_tokens": len(text.tokens),
-                        "finish_reason": text.finish_reason,
-                    }
-                )
-            )
-            return 0
-        print(
+            return _demo_json(args, path, model, ctx)
+
+        # each line as soon as it is known, flushed: a reader that left (`| head -3`) shows as a
+        # failed write here, and the command stops instead of computing what nobody reads
+        def say(line: str) -> None:
+            print(line, flush=True)
+
+        say(
             f"model   {path.name}: {model.n_params / 1e6:.1f}M params, {model.n_layer} layers, "
             f"n_vocab {model.n_vocab} (llama.cpp's description: {model.description})"
         )
-        print(f"prompt  {args.prompt!r} -> {len(tokens)} tokens {tokens.tolist()}")
-        print("top next tokens:")
+        tokens = model.tokenize(args.prompt)
+        say(f"prompt  {args.prompt!r} -> {len(tokens)} tokens {tokens.tolist()}")
+        ctx.prefill(tokens)
+        logits = ctx.logits()
+        top = np.argsort(logits)[::-1][: args.top]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        say("top next tokens:")
         for t in top:
-            print(f"  {int(t):6d} {model.token_to_piece(int(t))!r:16} logit {logits[t]:8.3f}  p {probs[t]:.4f}")
-        print(f"sequence 0 state: {state_bytes:,} bytes (llama_state_seq_get_data_ext, {len(tokens)} cells)")
-        print(f"generated: {str(text)!r} ({len(text.tokens)} tokens, greedy, stopped by {text.finish_reason})")
+            say(f"  {int(t):6d} {model.token_to_piece(int(t))!r:16} logit {logits[t]:8.3f}  p {probs[t]:.4f}")
+        del logits  # a view of the output buffer: the generation below reuses it
+        say(f"sequence 0 state: {len(ctx.seq_state(0)):,} bytes (llama_state_seq_get_data_ext, {len(tokens)} cells)")
+        # streamed, escaped as repr() would (one line), so each token's piece is written as it comes
+        sys.stdout.write("generated: '")
+        with model.complete(args.prompt, args.n_predict, ctx=ctx, stream=True) as stream:  # greedy, seq 0 afresh
+            for piece in stream:
+                sys.stdout.write(piece.translate(_ESCAPES))
+                sys.stdout.flush()
+        say(f"' ({len(stream.tokens)} tokens, greedy, stopped by {stream.finish_reason})")
+    return 0
+
+
+def _demo_json(args, path: Path, model, ctx) -> int:
+    """``demo --json``: the same facts as one JSON object, printed when all are known."""
+    import numpy as np
+
+    tokens = model.tokenize(args.prompt)
+    ctx.prefill(tokens)
+    logits = ctx.logits().copy()  # a view would show the generation's last logits below
+    top = np.argsort(logits)[::-1][: args.top]
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    state_bytes = len(ctx.seq_state(0))
+    text = model.complete(args.prompt, args.n_predict, ctx=ctx)  # greedy, sequence 0 afresh
+    print(
+        json.dumps(
+            {
+                "model": str(path),
+                "description": model.description,
+                "n_params": model.n_params,
+                "tokens": tokens.tolist(),
+                "top": [
+                    {
+                        "token": int(t),
+                        "piece": model.token_to_piece(int(t)),
+                        "logit": float(logits[t]),
+                        "p": float(probs[t]),
+                    }
+                    for t in top
+                ],
+                "seq_state_bytes": state_bytes,
+                "generated": str(text),
+                "generated_tokens": len(text.tokens),
+                "finish_reason": text.finish_reason,
+            }
+        )
+    )
     return 0
 
 
@@ -525,8 +553,13 @@ def _run(argv: list[str] | None) -> int:
 
         level = (logging.INFO, logging.DEBUG, TRACE)[min(args.verbose, 3) - 1]
         logging.basicConfig(level=level, format="%(name)s %(levelname)s %(message)s")
+    import warnings
+
     from .errors import LlamaError
 
+    # a warning (BusyCoresWarning...) as a command says it: no file and line of the installed package
+    shown = warnings.formatwarning
+    warnings.formatwarning = lambda message, *_, **__: f"pyllamacpp {args.command}: warning: {message}\n"
     try:
         return args.func(args)
     except BrokenPipeError:
@@ -534,6 +567,8 @@ def _run(argv: list[str] | None) -> int:
     except (ValueError, LlamaError, OSError) as e:  # bad input: say why, no traceback
         print(f"pyllamacpp {args.command}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        warnings.formatwarning = shown
 
 
 if __name__ == "__main__":

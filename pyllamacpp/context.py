@@ -64,6 +64,48 @@ def _outputs_max(model: Model, params: ContextParams) -> int:
     return int(n_batch)
 
 
+def _loadavg() -> tuple[float, int] | None:
+    """The 1-minute load average and the CPUs it is spread over (the whole system's, as the load
+    average is), or None where the OS has no load average (Windows)."""
+    import os
+
+    try:
+        return os.getloadavg()[0], os.cpu_count() or 1
+    except (AttributeError, OSError):
+        return None
+
+
+def _warn_if_cores_busy(params: ContextParams) -> None:
+    """A :class:`BusyCoresWarning` when more than one thread would compute and the load average
+    is at least the CPU count: ggml's threads meet at a barrier after every op, and one that waits
+    for a core holds up the others (on the 2-core development machine at load 5.5, 2 threads
+    decoded 16 tokens in 4.1-5.7 s, 1 thread in 0.8-1.0 s). A warning, not a log line: the
+    package's logger has no handler unless the application adds one, and this must be seen."""
+    n = max(params.n_threads, params.n_threads_batch)
+    load = _loadavg() if n > 1 else None
+    if load is not None and load[0] >= load[1]:
+        import os
+        import sys
+        import types
+        import warnings
+
+        from .errors import BusyCoresWarning
+
+        # point at the caller's line (Context(...), model.context(...)), not at this package's
+        level, here = 2, os.path.dirname(__file__)
+        f: types.FrameType | None = sys._getframe(1)
+        while f is not None and f.f_code.co_filename.startswith(here):
+            level, f = level + 1, f.f_back
+        warnings.warn(
+            f"the load average is {load[0]:.1f} on {load[1]} CPU(s): every core is taken, and "
+            f"{n} threads (n_threads={params.n_threads}, n_threads_batch={params.n_threads_batch}) "
+            "wait for each other at every step, which can decode several times slower than one "
+            "thread; pass n_threads=1, n_threads_batch=1 (-t 1) while the machine is busy",
+            BusyCoresWarning,
+            stacklevel=level,
+        )
+
+
 class Context(StateMethods, Owner):
     """A ``llama_context``: decode batches, read outputs, its sequences' memory and state.
 
@@ -153,6 +195,7 @@ class Context(StateMethods, Owner):
             model.n_swa or lib.llama_model_is_recurrent(model.ptr) or lib.llama_model_is_hybrid(model.ptr)
         )
         model._contexts.add(self)
+        _warn_if_cores_busy(self.params)
 
     # -- lifetime ------------------------------------------------------------------------------
     _what, _free = "context", "llama_free"  # Owner: ptr, closed, with-statement

@@ -18,7 +18,7 @@ import numpy.typing as npt
 from . import _log
 from ._lib import ffi, lib
 from ._log import pending as _log_pending
-from .errors import LlamaError, StateError
+from .errors import LlamaError, StateError, n_stream_hint
 
 if TYPE_CHECKING:
     import weakref
@@ -771,10 +771,7 @@ class StateMethods:
             # indexer_head_size values) nor in an MLA one (dsa's mla, dsa-iswa's, dsv4's caches)
             widths = label in ("kv", "base", "swa") and memory not in ("dsa", "dsa-iswa") and not dsv4
             if part.n_stream != n_stream:
-                bad(
-                    f"{part.n_stream} KV stream(s), this context has {n_stream} "
-                    f"(kv_unified={bool(self.params.kv_unified)}, n_seq_max={self.n_seq_max})"
-                )
+                bad(n_stream_hint(part.n_stream, n_stream, bool(self.params.kv_unified), self.n_seq_max))
             for s in part.streams:
                 if not s.cell_count:
                     continue

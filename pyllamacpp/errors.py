@@ -39,7 +39,7 @@ _REASON_HINTS = (
 )
 
 
-def n_stream_hint(state_streams: int, kv_unified: bool, n_seq_max: int) -> str:
+def n_stream_hint(state_streams: int, n_stream: int, kv_unified: bool, n_seq_max: int) -> str:
     """What a state of ``state_streams`` KV streams needs, said against this context's settings.
 
     A ``kv_unified=True`` context (or one with ``n_seq_max=1``) has one stream; a
@@ -48,20 +48,23 @@ def n_stream_hint(state_streams: int, kv_unified: bool, n_seq_max: int) -> str:
 
     Args:
         state_streams: The ``n_stream`` the state holds.
+        n_stream: This context's stream count.
         kv_unified: This context's ``kv_unified``.
         n_seq_max: This context's ``n_seq_max``.
 
     Returns:
         One sentence: what the state has, what this context has, which parameter to change.
     """
-    has = 1 if kv_unified else n_seq_max
-    ctx = f"this context has {has} (kv_unified={bool(kv_unified)}, n_seq_max={n_seq_max})"
+    head = (
+        f"the state has {state_streams} KV stream(s), this context has {n_stream} "
+        f"(kv_unified={bool(kv_unified)}, n_seq_max={n_seq_max}): the state was saved by"
+    )
     if state_streams == 1:
-        return f"the state has 1 KV stream (saved with kv_unified=True or n_seq_max=1), {ctx}: make it kv_unified=True"
-    saved = f"the state has {state_streams} KV streams (saved with kv_unified=False, n_seq_max={state_streams})"
-    if has == 1 and kv_unified:
-        return f"{saved}, {ctx}: make it kv_unified=False, n_seq_max={state_streams}"
-    return f"{saved}, {ctx}: make it with n_seq_max={state_streams}"
+        return f"{head} a kv_unified=True context (or one with n_seq_max=1); make this one with kv_unified=True"
+    saved = f"{head} a kv_unified=False context with n_seq_max={state_streams}; make this one with"
+    if kv_unified:
+        return f"{saved} kv_unified=False, n_seq_max={state_streams}"
+    return f"{saved} n_seq_max={state_streams}"
 
 
 class ModelLoadError(LlamaError):
@@ -128,6 +131,11 @@ class ClosedError(LlamaError, ValueError):
 
 class RPCError(LlamaError):
     """An RPC server (ggml-rpc) could not be used: unreachable, or gone while objects lived on it."""
+
+
+class BusyCoresWarning(RuntimeWarning):
+    """A context computes with several threads while the load average says every core is taken:
+    ggml's threads wait for each other at every step, so decoding can be slower than with one."""
 
 
 def check_ptr(
