@@ -177,6 +177,23 @@ def _as_uint8(data) -> np.ndarray:
     return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
 
 
+def _file_format_error(e: Any, size: int) -> str:
+    """What a ``StateFormatError`` from parsing a state file says, against the file's length:
+    a short read as the bytes its field needs (``file is 138,000 bytes; its ... needs 277,376``)."""
+    if e.needed is None:
+        return f"file is {size:,} bytes; {e}"
+    end = e.offset + e.needed
+    at = f" (from byte {e.offset:,})" if e.offset else ""
+    return f"file is {size:,} bytes; its {e.what}{at} needs {end:,}"
+
+
+def _kv_has_v(m) -> bool:
+    """Whether model ``m``'s KV caches hold V: the llama_kv_cache constructor makes V tensors,
+    and state_write_data writes V records, unless hparams.is_mla() (attention.key_length_mla and
+    value_length_mla both set)."""
+    return not all(int(m.meta(f"{m.arch}.attention.{x}_length_mla") or 0) for x in ("key", "value"))
+
+
 def _model_memory(m) -> tuple[str | None, dict | None]:
     """(memory, layer map) of model ``m`` from llama.cpp's metadata (llama_model_meta_val_str).
     Not from the GGUF through gguf.GGUFReader, which reads the whole vocabulary (~2 s for 49k
@@ -621,7 +638,16 @@ class StateMethods:
         # reads as counts, and a checked sequence blob has cells in one stream
         counts = buf[12 : 12 + 4 * n_stream].view("<u4")
         nz = np.flatnonzero(counts)
-        cell_count = int(counts[nz[0]]) if nz.size else 0
+        return self._room_for(seq_id, int(counts[nz[0]]) if nz.size else 0)
+
+    def _room_for(self, seq_id: int, cell_count: int) -> bool:
+        """True when ``cell_count`` cells loaded into ``seq_id`` cannot fail on room (see
+        _load_fits): always with a stream of its own, else when the cells the other sequences
+        of the one stream hold leave that many (plain KV caches only)."""
+        if not self._plain_kv:
+            return False
+        if self._own_stream_fits():
+            return True
         room = self.n_ctx_seq  # of the one stream the other sequences share
         for s in range(self.n_seq_max):
             if s != seq_id and self.memory.seq_pos_max(s) >= 0:
@@ -696,7 +722,6 @@ class StateMethods:
                 context (the message names what does not match).
         """
         from . import state as st
-        from .params import ggml_type_name
 
         try:
             parsed = st.parse(_as_uint8(data))  # rows stay flat: a dump of another model still parses
@@ -705,6 +730,13 @@ class StateMethods:
         want = {"sequence": (st.DumpKind.SEQUENCE,), "context": (st.DumpKind.CONTEXT,)}[kind]
         if parsed.kind not in want:
             raise StateError(f"this is a {parsed.kind}, not a {want[0]}", func="pyllamacpp.state.parse")
+        StateMethods._check_parsed(self, parsed, kind, flags)  # unbound: tests check it on stand-ins of a Context
+
+    def _check_parsed(self, parsed: Any, kind: str, flags: int) -> None:
+        """check_state's comparison of a parsed dump (a ``KVState``: a blob's, or a state file's
+        body) with this context; ``kind`` "sequence" or "context" says how llama.cpp reads it."""
+        from . import state as st
+        from .params import ggml_type_name
 
         def bad(what: str) -> NoReturn:
             raise StateError(f"state does not fit this context: {what}", func="pyllamacpp.state.parse")
@@ -718,6 +750,9 @@ class StateMethods:
         partial = kind == "sequence" and bool(int(flags) & lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
         memory, layers = self._memory_layers()
         m = self.model
+        arch = parsed.header.arch
+        if arch is not None and arch != m.arch:  # state_read_data: "wrong model arch"
+            bad(f"a state of a {arch!r} model, this context's model is {m.arch!r}")
         # the parts llama.cpp will read, each with its model layers (None: unknown architecture)
         expect: list[tuple[str, Any] | None] = [None] * len(parsed.parts)
         if memory is not None:
@@ -752,6 +787,7 @@ class StateMethods:
         k_swa = int(m.meta(f"{m.arch}.attention.key_length_swa") or k_len)
         v_swa = int(m.meta(f"{m.arch}.attention.value_length_swa") or v_len)
         swa_layers = set((layers or {}).get("swa") or ())
+        mla = not _kv_has_v(m)
         # per-layer KV heads, 0 for a layer without attention (hybrid models)
         heads = m.kv_head_counts()
         # without a layer map: a lone "kv" part holds every attention layer, in order, unless a
@@ -784,6 +820,13 @@ class StateMethods:
                         f"{s.n_layer} layers in the {label} part, the model's has {len(ils)}"
                         if exp is not None
                         else f"{s.n_layer} layers, the model has {len(ils)}"
+                    )
+                n_v = sum(1 for r in s.records if r.kind == "V")
+                if widths and n_v != (0 if mla else s.n_layer):
+                    # a dump cut right after its K records reads as a cache without V
+                    bad(
+                        f"{n_v} V records in stream {s.index} of the {label} part, this context's cache "
+                        f"has {0 if mla else s.n_layer}"
                     )
                 for r in s.records:
                     want_t = self.params.type_k if r.kind == "K" else self.params.type_v
@@ -878,6 +921,13 @@ class StateMethods:
     def load_seq_state(self, path: str | os.PathLike, seq_id: int, max_tokens: int | None = None) -> np.ndarray:
         """Load one sequence's state from a file into ``seq_id``: ``llama_state_seq_load_file``.
 
+        The file is checked first (:meth:`check_state_file`: its header against its length, its
+        state against this context), so llama.cpp only reads files it can read to the end: its
+        file reader does not stop at the end of the file (it asserts, aborting the process, once
+        it has counted more bytes than the file holds). When the load could still fail (the
+        sequence's stream is short of room for the file's cells), an occupied ``seq_id`` is
+        copied aside first and put back if it does.
+
         Args:
             path: a file ``save_seq_state`` (``llama_state_seq_save_file``) wrote.
             seq_id: the sequence to load into.
@@ -888,8 +938,10 @@ class StateMethods:
 
         Raises:
             FileNotFoundError: no such file.
-            StateError: llama.cpp could not load it (with the reason it logged), or a
-                cross-stream ``seq_cp`` into ``seq_id`` is still queued.
+            StateError: the file is not a seq file this context can load (what it claims against
+                its length, or its state against this context; the sequence untouched),
+                llama.cpp could not load it (with the reason it logged; the sequence as it was),
+                or a cross-stream ``seq_cp`` into ``seq_id`` is still queued.
             ValueError: a bad ``seq_id``.
             ClosedError: the context is closed.
         """
@@ -897,21 +949,100 @@ class StateMethods:
         seq_id = self.memory._seq(self, seq_id)
         self._check_no_pending_copy(seq_id, "llama_state_seq_load_file")
         cap_tokens = max_tokens if max_tokens is not None else self.n_ctx
+        cell_count = self._check_file(path, "sequence", cap_tokens, "llama_state_seq_load_file")
+        occupied = self._occupied(seq_id)
+        backup = None
+        if occupied and not self._own_stream_fits() and not self._room_for(seq_id, cell_count):
+            backup = self.seq_state(seq_id)
         toks = np.empty(cap_tokens, dtype=np.int32)
         count = ffi.new("size_t *")
-        if not Path(path).is_file():
-            raise FileNotFoundError(path)
         with _log.capture() as cap:
             n = lib.llama_state_seq_load_file(
                 ptr, os.fsencode(path), seq_id, ffi.from_buffer("llama_token[]", toks), cap_tokens, count
             )
         if n == 0:
+            self.memory.seq_rm(seq_id)  # llama.cpp clears what it had loaded (state_clear)
+            if backup is not None:
+                lib.pyl_state_seq_set(ptr, ffi.from_buffer(backup.data), len(backup), seq_id, 0)
             raise StateError(
-                f"llama_state_seq_load_file() could not load {path}",
+                f"llama_state_seq_load_file() could not load {path}; the sequence is "
+                + ("unchanged" if backup is not None or not occupied else "now empty"),
                 func="llama_state_seq_load_file",
                 reason=cap.reason(),
             )
         return toks[: count[0]].copy()
+
+    def check_state_file(
+        self, path: str | os.PathLike, *, kind: str = "sequence", max_tokens: int | None = None
+    ) -> None:
+        """Check a state file against what it claims and against this context, before anything
+        reaches C: what ``load_seq_state`` and ``load_state`` do first.
+
+        The file is memory-mapped (``np.memmap``; only the pages of its headers are read) and
+        parsed with :mod:`pyllamacpp.state`, as llama.cpp's loaders read it: the magic and
+        version (``LLAMA_STATE_SEQ_MAGIC`` / ``_VERSION`` for a seq file, ``LLAMA_SESSION_MAGIC``
+        / ``_VERSION`` for a session file), ``n_token_count`` against ``max_tokens`` and against
+        the file's length, every size in the state against the bytes that follow it (no byte
+        missing, none left over), then the state itself as :meth:`check_state` checks a blob.
+
+        Args:
+            path: the file.
+            kind: ``"sequence"`` (a seq file, ``llama_state_seq_save_file``) or ``"context"``
+                (a session file, ``llama_state_save_file``).
+            max_tokens: the room for tokens the load will give (default ``n_ctx``).
+
+        Raises:
+            FileNotFoundError: no such file.
+            StateError: the file is not one this context can load; the message says what is
+                wrong, with the file's length and what its fields need.
+            ValueError: ``kind`` is neither ``"sequence"`` nor ``"context"``.
+            ClosedError: the context is closed.
+        """
+        if kind not in ("sequence", "context"):
+            raise ValueError(f"kind must be 'sequence' or 'context', not {kind!r}")
+        func = "llama_state_seq_load_file" if kind == "sequence" else "llama_state_load_file"
+        self._check_file(path, kind, max_tokens if max_tokens is not None else self.n_ctx, func)
+
+    def _check_file(self, path: str | os.PathLike, kind: str, cap_tokens: int, func: str) -> int:
+        """check_state_file's checks; returns the cells of the file's state (all streams)."""
+        from . import state as st
+
+        self.ptr  # noqa: B018 - raises ClosedError before the file is read
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(path)
+        size = path.stat().st_size
+        want = st.DumpKind.SEQ_FILE if kind == "sequence" else st.DumpKind.SESSION_FILE
+
+        def refuse(what: str, cause: BaseException | None = None) -> NoReturn:
+            raise StateError(f"{path} is not a {want} this context can load: {what}", func=func) from cause
+
+        # mapped, not read: parsing slices the rows and reads only the headers' pages
+        arr = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        try:
+            try:
+                # V pinned: a file cut right after its K records would read as a cache without V
+                parsed = st.parse(arr, has_v=_kv_has_v(self.model))
+            except st.StateFormatError as e:
+                refuse(_file_format_error(e, size), e)
+            if parsed.kind is not want:
+                other = "load_state" if parsed.kind is st.DumpKind.SESSION_FILE else "load_seq_state"
+                hint = (
+                    f" (load it with {other})"
+                    if parsed.kind in (st.DumpKind.SEQ_FILE, st.DumpKind.SESSION_FILE)
+                    else ""
+                )
+                refuse(f"it is a {parsed.kind}{hint}")
+            n_tokens = int(cast(np.ndarray, parsed.header.tokens).size)  # a file's header has them
+            if n_tokens > cap_tokens:  # llama.cpp: "token count in ... file exceeded capacity"
+                refuse(f"it holds {n_tokens:,} tokens, more than max_tokens={cap_tokens:,}")
+            try:
+                self._check_parsed(parsed, kind, 0)  # llama.cpp reads a file's state with flags 0
+            except StateError as e:
+                refuse(str(e), e)
+            return sum(s.cell_count for p in parsed.parts for s in p.streams)
+        finally:
+            del arr  # the mapping goes with its last view (parsed's, dropped on return)
 
     def state(self) -> np.ndarray:
         """The whole context's state: ``llama_state_get_size`` + ``llama_state_get_data``.
@@ -990,6 +1121,10 @@ class StateMethods:
     def load_state(self, path: str | os.PathLike, max_tokens: int | None = None) -> np.ndarray:
         """Load the whole context's state from a session file: ``llama_state_load_file``.
 
+        The file is checked first (:meth:`check_state_file` with ``kind="context"``): llama.cpp
+        reads a session file into the memory as it goes, so a file it cannot read to the end
+        would leave the memory half-loaded.
+
         Args:
             path: a file ``save_state`` (``llama_state_save_file``) wrote.
             max_tokens: room for the stored tokens (default ``n_ctx``).
@@ -999,8 +1134,10 @@ class StateMethods:
 
         Raises:
             FileNotFoundError: no such file.
-            StateError: llama.cpp could not load it (with the reason it logged), or a
-                cross-stream ``seq_cp`` is still queued.
+            StateError: the file is not a session file this context can load (what it claims
+                against its length, or its state against this context; the context untouched),
+                llama.cpp could not load it (with the reason it logged), or a cross-stream
+                ``seq_cp`` is still queued.
             LlamaError: output views are alive (the load may reallocate their buffer).
             ClosedError: the context is closed.
         """
@@ -1013,6 +1150,7 @@ class StateMethods:
                 "output views are alive; copy or delete them before loading a whole state", func="llama_state_load_file"
             )
         cap_tokens = max_tokens if max_tokens is not None else self.n_ctx
+        self._check_file(path, "context", cap_tokens, "llama_state_load_file")
         toks = np.empty(cap_tokens, dtype=np.int32)
         count = ffi.new("size_t *")
         with _log.capture() as cap:

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -68,3 +74,70 @@ def raising_log_handler():
             lg.removeHandler(h)
 
     return install
+
+
+@dataclasses.dataclass
+class Child:
+    """What a child interpreter (:func:`run_child`) left: exit status and output."""
+
+    rc: int
+    stdout: str
+    stderr: str
+
+    @property
+    def signal(self) -> str | None:
+        """The signal that ended the child (``"SIGABRT"`` for a GGML_ASSERT), None when it exited."""
+        if self.rc >= 0:
+            return None
+        try:
+            return signal.Signals(-self.rc).name
+        except ValueError:
+            return f"signal {-self.rc}"
+
+    def describe(self) -> str:
+        """How the child ended, the assert llama.cpp printed, where in the snippet (faulthandler)
+        and the end of its stdout: enough to see which case of a batch of cases ended it."""
+        err = self.stderr.splitlines()
+        if not self.signal:  # a Python exception (an assert in the snippet): its traceback
+            return "\n".join(
+                [f"the child process exited with {self.rc}", *err[-15:], "last stdout:", *self.stdout.splitlines()[-8:]]
+            )
+        asserts = [ln for ln in err if "GGML_ASSERT" in ln or "GGML_ABORT" in ln]
+        where = [ln for ln in err if ln.startswith(("Fatal Python error", '  File "<string>"'))]
+        lines = [f"the child process was killed by {self.signal}", *asserts[-3:], *where]
+        lines += ["last stdout:", *self.stdout.splitlines()[-8:]]
+        if not (asserts or where):
+            lines += ["last stderr:", *err[-15:]]
+        return "\n".join(lines)
+
+
+def run_child(code: str, *args: object, timeout: float = 300, check: bool = True) -> Child:
+    """Run ``code`` in a fresh interpreter, so that an abort (SIGABRT from a GGML_ASSERT, a
+    SIGSEGV) ends that process and fails the calling test, not the pytest run.
+
+    ``python -X faulthandler -c code args...`` from the temporary folder (the installed package is
+    imported), with ``GGML_NO_BACKTRACE=1`` (ggml's abort would run gdb for a backtrace).
+
+    Args:
+        code: The snippet (it imports what it needs; ``sys.argv[1:]`` are ``args``).
+        args: Arguments, passed as strings.
+        timeout: Seconds before the child is killed (``subprocess.TimeoutExpired``).
+        check: Fail the test (``pytest.fail``, with :meth:`Child.describe`) unless the child
+            exited with 0.
+
+    Returns:
+        The :class:`Child`.
+    """
+    env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", code, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tempfile.gettempdir(),
+        env=env,
+    )
+    child = Child(proc.returncode, proc.stdout, proc.stderr)
+    if check and child.rc != 0:
+        pytest.fail(child.describe(), pytrace=False)
+    return child

@@ -20,6 +20,7 @@ SEQ_FILE_MAGIC = 0x67677371  # 'ggsq', LLAMA_STATE_SEQ_MAGIC (llama.h)
 SESSION_MAGIC = 0x6767736E  # 'ggsn', LLAMA_SESSION_MAGIC
 SEQ_FILE_VERSION = 3  # LLAMA_STATE_SEQ_VERSION
 SESSION_VERSION = 10  # LLAMA_SESSION_VERSION
+FILE_HEADER_SIZE = 12  # u32 magic, u32 version, u32 n_token_count (llama_state_*_save_file), then the tokens
 LLAMA_MAX_SEQ = 256  # src/llama-cparams.h; also bounds n_stream
 CELL_EXT_SIZE = 12  # llama_kv_cell_ext: i32 x, i32 y, i32 tok (llama-kv-cells.h)
 MAX_ARCH_NAME = 64
@@ -64,17 +65,26 @@ def parse_header(buf: Buffer) -> Header:
             if magic == SEQ_FILE_MAGIC
             else (DumpKind.SESSION_FILE, SESSION_VERSION, "LLAMA_SESSION_VERSION")
         )
-        got = buf.u32(4, "version")
-        if got != version:
+        got = buf.u32(4, "version") if buf.size >= 8 else None
+        if got is not None and got != version:
             raise StateFormatError(
                 f"version {got}, expected {version} ({name} of this llama.cpp)", offset=4, what=f"{kind} version"
             )
+        if buf.size < FILE_HEADER_SIZE:  # llama_state_*_load_file read magic, version, n_token_count first
+            raise short_read(0, f"{kind} header (u32 magic, version, n_token_count)", FILE_HEADER_SIZE, buf.size)
         n_tokens = buf.u32(8, "n_token_count")
-        tokens = buf.array(12, n_tokens, "<i4", f"{n_tokens} prompt tokens")
-        off, arch = 12 + 4 * n_tokens, None
+        off, arch = FILE_HEADER_SIZE + 4 * n_tokens, None
+        if off > buf.size:  # the whole header measured against the dump, as one short read
+            raise short_read(
+                0,
+                f"{kind} header ({FILE_HEADER_SIZE} bytes, then n_token_count {n_tokens:,} tokens of 4)",
+                off,
+                buf.size,
+            )
+        tokens = buf.array(FILE_HEADER_SIZE, n_tokens, "<i4", f"{n_tokens} prompt tokens")
         if kind is DumpKind.SESSION_FILE:  # then what llama_state_get_data writes: arch, memory
             arch, off = _arch(buf, off)
-        return Header(kind, magic, got, None, arch, tokens, 12, off)
+        return Header(kind, magic, got, None, arch, tokens, FILE_HEADER_SIZE, off)
     if 1 <= magic <= MAX_ARCH_NAME:  # llama_context::state_write_data: write_string(arch), memory
         arch, off = _arch(buf, 0)
         return Header(DumpKind.CONTEXT, None, None, None, arch, None, None, off)

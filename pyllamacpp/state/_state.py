@@ -98,7 +98,8 @@ def parse(
             "dsa", "msa", "dsa-iswa", "hybrid-idx", "dsv4"); detected otherwise.
         cell_ext: pins whether cells carry ``llama_kv_cell_ext``; detected otherwise.
         has_v: pins whether KV parts have V records; detected otherwise.
-        metadata_only: pins a StateFlags.ON_DEVICE dump (headers without rows); detected otherwise.
+        metadata_only: pins a StateFlags.ON_DEVICE dump (headers without rows); detected otherwise
+            (a sequence dump only: files and whole-context states always hold their rows).
         layers: the layer map: part name -> the model's il of each record (see _layers); without
             one, layer numbers are record indices.
         partial: True when written with StateFlags.PARTIAL_ONLY, so only the memory's partial
@@ -150,6 +151,12 @@ def parse(
                 f"a {header.kind} is written without PARTIAL_ONLY: it cannot be partial", offset=0, what="dump kind"
             )
         partial = False
+        # ... and with every row (llama_io_write_file / _host): only a sequence dump can be ON_DEVICE
+        if metadata_only:
+            raise StateFormatError(
+                f"a {header.kind} is written with its rows: it cannot be metadata-only", offset=0, what="dump kind"
+            )
+        metadata_only = False
     # the sequence it was written for: llama_state_seq_get_data writes it; whole states are of
     # every sequence (-1); a seq file does not say
     seq_id = header.seq_id if header.kind is DumpKind.SEQUENCE else None if header.kind is DumpKind.SEQ_FILE else -1
