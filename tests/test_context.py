@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import textwrap
 import threading
 import time
 
 import numpy as np
 import pytest
-from conftest import PROMPT
+from conftest import PROMPT, run_child
 
 import pyllamacpp as pl
 from pyllamacpp import ffi, lib
@@ -96,9 +97,7 @@ def test_memory_operations(model):
         assert mem.seq_pos_max(1) == 6
         mem.seq_keep(0)
         assert mem.seq_pos_max(1) == -1 and mem.seq_pos_max(0) == 6
-        with pytest.raises(ValueError, match="seq_id 4"):
-            mem.seq_cp(0, 4)
-        mem.clear()
+        mem.clear()  # out-of-range seq ids: test_seq_ids_out_of_range_are_refused_before_c
         assert mem.seq_pos_max(0) == -1
 
 
@@ -358,45 +357,58 @@ def test_gil_is_released_during_decode(model):
     assert t1 - t0 > 0.05 and len(during) > 10, (t1 - t0, len(during))
 
 
-def test_views_survive_close_and_guard_reallocation(model):
-    ctx = model.context(n_ctx=256, n_threads=2)
-    ctx.prefill(model.tokenize(PROMPT))
+# Without these refusals the calls below read freed memory or a NULL pointer (SIGSEGV): in a child.
+LIFETIMES = textwrap.dedent("""
+    import numpy as np, pyllamacpp as pl
+
+    def closed(call):
+        try:
+            call()
+            raise AssertionError("used after close")
+        except pl.ClosedError:
+            pass
+
+    m = pl.Model()
+    ctx = m.context(n_ctx=256, n_threads=1, n_threads_batch=1)
+    ctx.prefill(m.tokenize("The cat sat on the mat."))
     view = ctx.logits()
     keep = view.copy()
-    b = pl.Batch(16, model=model)
-    b.add_sequence(model.tokenize(" and"), 0, 7, logits="all")
-    b.add_sequence(model.tokenize(" the dog"), 0, 8, logits="all")
-    with pytest.raises(pl.LlamaError, match="view"):
+    b = pl.Batch(16, model=m)
+    b.add_sequence(m.tokenize(" and"), 0, 7, logits="all")
+    b.add_sequence(m.tokenize(" the dog"), 0, 8, logits="all")
+    print("case: a decode that reallocates the outputs under a view", flush=True)
+    try:
         ctx.decode(b)  # 3 outputs > 1 reserved while `view` is alive
+        raise AssertionError("decoded")
+    except pl.LlamaError as e:
+        assert "view" in str(e), e
     ctx.close()
-    with pytest.raises(pl.ClosedError):
-        ctx.logits()
-    np.testing.assert_array_equal(view, keep)  # memory kept alive by the view
+    closed(lambda: ctx.logits())
+    print("case: a view read after close", flush=True)
+    assert np.array_equal(view, keep)  # memory kept alive by the view
     del view
-
-
-def test_use_after_close_raises(model):
-    ctx = model.context(n_ctx=128, n_threads=2)
     ctx.close()
-    ctx.close()
-    for call in (
-        lambda: ctx.n_ctx,
-        lambda: ctx.prefill([1, 2]),
-        lambda: ctx.seq_state(0),
-        lambda: ctx.memory.clear(),
-        lambda: ctx.perf(),
-    ):
-        with pytest.raises(pl.ClosedError):
-            call()
+    for name, call in {
+        "n_ctx": lambda: ctx.n_ctx,
+        "prefill": lambda: ctx.prefill([1, 2]),
+        "seq_state": lambda: ctx.seq_state(0),
+        "memory.clear": lambda: ctx.memory.clear(),
+        "perf": lambda: ctx.perf(),
+    }.items():
+        print("case: closed context,", name, flush=True)
+        closed(call)
+    m2 = pl.Model()
+    c2 = m2.context(n_ctx=128, n_threads=1, n_threads_batch=1)
+    m2.close()
+    assert c2.closed
+    print("case: a context of a closed model", flush=True)
+    closed(lambda: c2.prefill([1]))
+    print("OK")
+""")
 
 
-def test_closing_the_model_closes_its_contexts(model_path):
-    m = pl.Model(model_path)
-    ctx = m.context(n_ctx=128, n_threads=2)
-    m.close()
-    assert ctx.closed
-    with pytest.raises(pl.ClosedError):
-        ctx.prefill([1])
+def test_views_close_and_use_after_close():
+    assert run_child(LIFETIMES).stdout.endswith("OK\n")
 
 
 def test_perf(model):
@@ -409,15 +421,78 @@ def test_perf(model):
         assert p.t_p_eval_ms == 0 and p.n_p_eval == 1  # llama.cpp reports max(1, n_p_eval)
 
 
-def test_guards_for_what_would_abort_llama_cpp(model):
-    with model.context(n_ctx=256, n_batch=32, n_seq_max=2, n_threads=2) as ctx:
-        b = pl.Batch(64, model=model)
+GUARDS = textwrap.dedent("""
+    import numpy as np, pyllamacpp as pl
+    m = pl.Model()
+    with m.context(n_ctx=256, n_batch=32, n_seq_max=2, n_threads=1, n_threads_batch=1) as ctx:
+        b = pl.Batch(64, model=m)
         b.add_sequence(np.arange(40) + 100)
-        with pytest.raises(pl.InvalidBatchError, match="n_batch"):
+        print("case: 40 tokens, n_batch 32", flush=True)
+        try:
             ctx.decode(b)  # GGML_ASSERT(n_tokens_all <= n_batch) in llama.cpp
-        ctx.prefill(model.tokenize(PROMPT), 0)
-        with pytest.raises(ValueError, match="different streams"):
+            raise AssertionError("decoded")
+        except pl.InvalidBatchError as e:
+            assert "n_batch" in str(e), e
+        ctx.prefill(m.tokenize("The cat sat on the mat."), 0)
+        print("case: a partial seq_cp across streams", flush=True)
+        try:
             ctx.memory.seq_cp(0, 1, 2, 5)  # GGML_ASSERT(is_full) in llama.cpp
+            raise AssertionError("copied")
+        except ValueError as e:
+            assert "different streams" in str(e), e
+        assert ctx.memory.seq_pos_max(1) == -1
+    print("OK")
+""")
+
+
+def test_guards_for_what_would_abort_llama_cpp():
+    assert run_child(GUARDS).stdout.endswith("OK\n")
+
+
+# Every call that takes a seq id, given one outside [0, n_seq_max): llama.cpp indexes its
+# per-sequence vectors with it (seq_to_stream[seq_id]) or asserts; refused in Python first.
+SEQ_IDS = textwrap.dedent("""
+    import os, tempfile, numpy as np, pyllamacpp as pl
+    m = pl.Model()
+    f = os.path.join(tempfile.mkdtemp(), "s.bin")
+    with m.context(n_ctx=256, n_seq_max=2, kv_unified=True, n_threads=1, n_threads_batch=1) as ctx:
+        ctx.prefill(m.tokenize("The cat sat on the mat."), 0)
+        mem = ctx.memory
+        ctx.save_seq_state(f, 0)
+        st = ctx.seq_state(0)
+        calls = {
+            "seq_rm": lambda s: mem.seq_rm(s, 0, 2),
+            "seq_cp src": lambda s: mem.seq_cp(s, 0),
+            "seq_cp dst": lambda s: mem.seq_cp(0, s),
+            "seq_keep": lambda s: mem.seq_keep(s),
+            "seq_add": lambda s: mem.seq_add(s, 0, -1, 3),
+            "seq_div": lambda s: mem.seq_div(s, 0, -1, 2),
+            "seq_pos_min": lambda s: mem.seq_pos_min(s),
+            "seq_pos_max": lambda s: mem.seq_pos_max(s),
+            "seq_state": lambda s: ctx.seq_state(s),
+            "seq_state out": lambda s: ctx.seq_state(s, out=pl.StateBuffer(1 << 20)),
+            "set_seq_state": lambda s: ctx.set_seq_state(s, st),
+            "set_seq_state fast": lambda s: ctx.set_seq_state(s, st, validate=False, keep_on_error=False),
+            "save_seq_state": lambda s: ctx.save_seq_state(f + ".x", s),
+            "load_seq_state": lambda s: ctx.load_seq_state(f, s),
+        }
+        accepted = []
+        for name, call in calls.items():
+            for s in (2, 3, -2) if name != "seq_rm" else (2, 3):  # seq_rm takes a negative id: all
+                print("case:", name, s, flush=True)
+                try:
+                    call(s)
+                    accepted.append(f"{name}({s})")
+                except ValueError as e:
+                    assert f"seq_id {s} is outside [0, 2)" in str(e), (name, e)
+        assert not accepted, f"not refused: {accepted}"
+        assert mem.seq_pos_max(0) == 6 and mem.seq_pos_max(1) == -1  # nothing changed
+    print("OK")
+""")
+
+
+def test_seq_ids_out_of_range_are_refused_before_c():
+    assert run_child(SEQ_IDS).stdout.endswith("OK\n")
 
 
 def test_sidecar_written_with_dumps(model, tmp_path):

@@ -1,20 +1,19 @@
 """No input from Python crashes the process; failures leave things as they were (issue: hardening).
 
-Fuzzers run in a subprocess: a crash (SIGFPE, SIGABRT, SIGSEGV) fails the test instead of pytest.
+Fuzzers, and every test whose failure would be an abort, run in a child process
+(``conftest.run_child``): a crash (SIGFPE, SIGABRT, SIGSEGV) fails that test instead of ending pytest.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import subprocess
-import sys
-import tempfile
 import textwrap
 import threading
 
 import numpy as np
 import pytest
-from conftest import PROMPT
+from conftest import PROMPT, run_child
 
 import pyllamacpp as pl
 
@@ -54,16 +53,7 @@ BATCH_FUZZ = textwrap.dedent("""
 
 
 def _run_fuzz(code: str, *args, timeout=600) -> str:
-    # outside the checkout, so the installed package (not the source folder) is imported
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=tempfile.gettempdir(),
-    )
-    assert proc.returncode == 0, f"fuzz process died with {proc.returncode}: {proc.stderr[-1500:]}"
-    return proc.stdout
+    return run_child(code, *args, timeout=timeout).stdout  # a crash fails the test, naming its signal
 
 
 @pytest.mark.parametrize("seed", [3, 4])
@@ -323,12 +313,26 @@ def test_aborted_prefill_says_where_to_resume(model):
         assert int(np.argmax(ctx.logits())) == int(np.argmax(resumed))
 
 
-def test_on_device_state_from_elsewhere_is_refused(model):
-    # With ON_DEVICE, llama.cpp keeps the data and the blob only names the sequence; loading a
-    # blob that names a sequence this context never saved on device is a GGML_ASSERT abort there.
+ON_DEVICE_FORGERIES = textwrap.dedent("""
+    import numpy as np, pyllamacpp as pl
+    m = pl.Model()
     on_dev = pl.StateFlags.ON_DEVICE
-    toks = model.tokenize(PROMPT)
-    with model.context(n_ctx=256, n_seq_max=2, kv_unified=True, n_threads=2) as ctx:
+
+    def refused(f, match):
+        try:
+            f()
+        except pl.StateError as e:
+            assert match in str(e), e
+            return
+        raise AssertionError(f"accepted, expected a StateError with {match!r}")
+
+    def forged_cells(st):  # one cell fewer: cell_count - 1 (u32 at byte 12, one stream)
+        b = st.data.copy()
+        b[12:16] = np.frombuffer(np.uint32(int(b[12:16].view("<u4")[0]) - 1).tobytes(), np.uint8)
+        return b
+
+    toks = m.tokenize("The cat sat on the mat.")
+    with m.context(n_ctx=256, n_seq_max=2, kv_unified=True, n_threads=1, n_threads_batch=1) as ctx:
         ctx.prefill(toks, 0)
         meta = ctx.seq_state(0, on_dev)
         assert len(meta) < 2000  # metadata only: the rows stay in llama.cpp
@@ -336,52 +340,73 @@ def test_on_device_state_from_elsewhere_is_refused(model):
         assert ctx.set_seq_state(0, meta, on_dev) > 0 and ctx.memory.seq_pos_max(0) == 6
         forged = meta.data.copy()
         forged[4:8] = np.frombuffer(np.int32(1).tobytes(), np.uint8)  # names seq 1: never saved on device
-        with pytest.raises(pl.StateError, match="ON_DEVICE"):
-            ctx.set_seq_state(1, forged, on_dev)
-        with model.context(n_ctx=256, n_threads=2) as other:
-            with pytest.raises(pl.StateError, match="ON_DEVICE"):
-                other.set_seq_state(0, meta, on_dev)
+        print("case: a blob naming a sequence never saved on device", flush=True)
+        refused(lambda: ctx.set_seq_state(1, forged, on_dev), "ON_DEVICE")
+        with m.context(n_ctx=256, n_threads=1, n_threads_batch=1) as other:
+            print("case: another context", flush=True)
+            refused(lambda: other.set_seq_state(0, meta, on_dev), "ON_DEVICE")
         # llama.cpp keeps the rows of a sequence's latest ON_DEVICE save only, and aborts
         # ("memory buffer mismatch") on a blob whose cells do not add up to them: an older blob of
         # the same sequence, or one edited, is refused; without the flag, a metadata-only blob is
         # refused by the check
         ctx.prefill(toks, 0)
         newer = ctx.seq_state(0, on_dev)
-        for stale in (meta, forged_cells(newer)):
-            with pytest.raises(pl.StateError, match="latest"):
-                ctx.set_seq_state(0, stale, on_dev)
+        for name, stale in (("an older blob", meta), ("an edited blob", forged_cells(newer))):
+            print("case:", name, flush=True)
+            refused(lambda: ctx.set_seq_state(0, stale, on_dev), "latest")
         assert ctx.memory.seq_pos_max(0) == 13
-        with pytest.raises(pl.StateError, match="metadata-only"):
-            ctx.set_seq_state(1, newer)
+        refused(lambda: ctx.set_seq_state(1, newer), "metadata-only")
         assert ctx.set_seq_state(1, newer, on_dev) > 0 and ctx.memory.seq_pos_max(1) == 13
+    print("OK")
+""")
 
 
-def forged_cells(st):
-    """An ON_DEVICE blob with one cell fewer: cell_count - 1 (u32 at byte 12, one stream)."""
-    b = st.data.copy()
-    b[12:16] = np.frombuffer(np.uint32(int(b[12:16].view("<u4")[0]) - 1).tobytes(), np.uint8)
-    return b
+def test_on_device_state_from_elsewhere_is_refused():
+    # With ON_DEVICE, llama.cpp keeps the data and the blob only names the sequence; loading a
+    # blob that names a sequence this context never saved on device is a GGML_ASSERT abort there
+    assert run_child(ON_DEVICE_FORGERIES).stdout.endswith("OK\n")
+
+
+CONTEXT_OVER_OUTPUTS = textwrap.dedent("""
+    import json, sys, pyllamacpp as pl
+    m = pl.Model()
+    try:
+        m.context(n_ctx=256, n_threads=1, n_threads_batch=1, **json.loads(sys.argv[1]))
+    except ValueError as e:
+        print("REFUSED", e)
+""")
 
 
 @pytest.mark.parametrize(
     "kw", [dict(n_seq_max=4, n_batch=2, n_ubatch=2), dict(n_seq_max=4, n_batch=64, n_outputs_max=2)]
 )
-def test_more_sequences_than_outputs_is_refused_before_c(model, kw):
+def test_more_sequences_than_outputs_is_refused_before_c(kw):
     # llama.cpp reserves n_seq_max output rows at creation: GGML_ASSERT(n_outputs_max <= ...) aborts
-    with pytest.raises(ValueError, match="n_seq_max 4 is more than the 2 outputs"):
-        model.context(n_ctx=256, n_threads=1, **kw)
+    out = run_child(CONTEXT_OVER_OUTPUTS, json.dumps(kw)).stdout
+    assert "REFUSED n_seq_max 4 is more than the 2 outputs" in out, out
 
 
-def test_batch_with_more_outputs_than_n_outputs_max_is_refused(model):
-    # without the check llama_decode aborts the process in llama_context::output_reserve
-    with model.context(n_ctx=256, n_batch=64, n_outputs_max=8, n_threads=1) as c:
-        b = pl.Batch(32, 1, model=model)
+OUTPUTS_OVER_MAX = textwrap.dedent("""
+    import numpy as np, pyllamacpp as pl
+    m = pl.Model()
+    with m.context(n_ctx=256, n_batch=64, n_outputs_max=8, n_threads=1, n_threads_batch=1) as c:
+        b = pl.Batch(32, 1, model=m)
         toks = np.arange(100, 120, dtype=np.int32)
         b.add_sequence(toks, 0, 0, logits="all")
-        with pytest.raises(pl.InvalidBatchError, match="20 outputs, more than this context's n_outputs_max 8"):
+        try:
             c.decode(b)
+            raise AssertionError("a batch of 20 outputs was decoded")
+        except pl.InvalidBatchError as e:
+            assert "20 outputs, more than this context's n_outputs_max 8" in str(e), e
         assert c.memory.seq_pos_max(0) == -1  # nothing reached memory
         b.clear()
         b.add_sequence(toks, 0, 0, logits="last")
         c.decode(b)  # the context is still usable
         assert c.memory.seq_pos_max(0) == 19
+    print("OK")
+""")
+
+
+def test_batch_with_more_outputs_than_n_outputs_max_is_refused():
+    # without the check llama_decode aborts the process in llama_context::output_reserve
+    assert run_child(OUTPUTS_OVER_MAX).stdout.endswith("OK\n")
