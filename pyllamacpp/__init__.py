@@ -48,6 +48,13 @@ if TYPE_CHECKING:  # the lazy names below, as mypy should see them
     from .scheduler import Event as Event
     from .scheduler import Request as Request
     from .scheduler import Scheduler as Scheduler
+    from .scoring import BaseLogits as BaseLogits
+    from .scoring import KLDivergence as KLDivergence
+    from .scoring import PerplexityResult as PerplexityResult
+    from .scoring import Scores as Scores
+    from .scoring import kl_divergence as kl_divergence
+    from .scoring import perplexity as perplexity
+    from .scoring import score as score
     from .text import Completion as Completion
     from .text import Detokenizer as Detokenizer
     from .text import TextStream as TextStream
@@ -79,9 +86,16 @@ _LAZY = {
     "Completion": ".text",
     "TextStream": ".text",
     "Detokenizer": ".text",
+    "score": ".scoring",
+    "perplexity": ".scoring",
+    "kl_divergence": ".scoring",
+    "Scores": ".scoring",
+    "PerplexityResult": ".scoring",
+    "KLDivergence": ".scoring",
+    "BaseLogits": ".scoring",
 }
 # public subpackages and modules, also imported on first access (``pyllamacpp.state.parse``)
-_SUBMODULES = ("state", "testing", "models", "experiments", "rpc", "cli")
+_SUBMODULES = ("state", "testing", "models", "experiments", "rpc", "cli", "scoring")
 
 
 def __getattr__(name: str) -> Any:

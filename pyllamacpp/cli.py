@@ -524,6 +524,12 @@ def build_parser() -> argparse.ArgumentParser:
     splits.add_parser(sub)
     trace.add_parser(sub)
     placement.add_parser(sub)
+
+    from . import _scoring_cli
+    from .experiments import kvtypes
+
+    _scoring_cli.add_parser(sub)
+    kvtypes.add_parser(sub).set_defaults(func=_experiment("kvtypes"))
     return ap
 
 

@@ -39,6 +39,7 @@ from .sampling import Sampler
 if TYPE_CHECKING:
     from .context import Context
     from .model import Model
+    from .scoring import CompletionLogprobs, _LogprobsRecorder
 
 TextFinishReason = Literal[FinishReason, "stop"]
 """How a text ended: :mod:`pyllamacpp.generation`'s reasons, and ``"stop"`` for a stop string."""
@@ -106,11 +107,14 @@ class Completion(str):
         tokens: Every sampled token (an end-of-generation token included; it adds no text; with
             ``"stop"``, the last is the token that completed the stop string).
         n_prompt: The prompt's tokens.
+        logprobs: With ``logprobs=k``, the generated tokens' log-probabilities as llama-cpp-python
+            gives them (:class:`~pyllamacpp.scoring.CompletionLogprobs`); else None.
     """
 
     finish_reason: TextFinishReason
     tokens: list[int]
     n_prompt: int
+    logprobs: CompletionLogprobs | None = None
 
     def __new__(cls, text: str, finish_reason: TextFinishReason, tokens: list[int], n_prompt: int) -> Completion:
         self = super().__new__(cls, text)
@@ -130,6 +134,7 @@ class _StreamState:
     own_sampler: bool
     seq_id: int
     stop: tuple[str, ...] = ()
+    logprobs: _LogprobsRecorder | None = None
     pieces: list[str] = field(default_factory=list)
     generation: Generation | None = None
     finish_reason: TextFinishReason | None = None
@@ -170,6 +175,8 @@ class TextStream:
             and closed with the stream.
         seq_id: The sequence to use.
         stop: Stop strings: a str, a list of them, or None.
+        logprobs: Record each generated token's log-probability and the ``logprobs`` most likely
+            tokens' (``.logprobs``); None: not.
 
     Raises:
         ValueError: No tokens, a bad ``seq_id``, a ``ctx`` of another model, a prompt longer
@@ -188,8 +195,14 @@ class TextStream:
         ctx: Context | None,
         seq_id: int,
         stop: str | Sequence[str] | None = None,
+        logprobs: int | None = None,
     ) -> None:
         stops = _stop_strings(stop)
+        rec = None
+        if logprobs is not None:  # text offsets count the prompt's characters, as llama-cpp-python's
+            from .scoring import _LogprobsRecorder
+
+            rec = _LogprobsRecorder(model, logprobs, len(model.detokenize(tokens)))
         if tokens.size == 0:
             raise ValueError("the prompt gave no tokens")
         if not isinstance(seq_id, int) or seq_id < 0:
@@ -208,7 +221,7 @@ class TextStream:
             raise ValueError(
                 f"the prompt is {tokens.size} tokens, more than the context holds (n_ctx_seq={ctx.n_ctx_seq})"
             )
-        self._st = _StreamState(model, ctx, own_ctx, sampler or Sampler.greedy(), sampler is None, seq_id, stops)
+        self._st = _StreamState(model, ctx, own_ctx, sampler or Sampler.greedy(), sampler is None, seq_id, stops, rec)
         self.n_prompt = int(tokens.size)
         self._it = _stream(self._st, tokens, n_predict)
 
@@ -243,6 +256,11 @@ class TextStream:
         """The text yielded so far."""
         return "".join(self._st.pieces)
 
+    @property
+    def logprobs(self) -> CompletionLogprobs | None:
+        """With ``logprobs=k``: the log-probabilities of the tokens generated so far, else None."""
+        return self._st.logprobs.data if self._st.logprobs is not None else None
+
     def __iter__(self) -> TextStream:
         return self
 
@@ -271,6 +289,8 @@ def _stream(st: _StreamState, tokens: np.ndarray, n_predict: int) -> Generator[s
             ctx.memory.seq_rm(st.seq_id)  # a fresh sequence, whatever it held
         gen = st.generation = generate(ctx, tokens, n_predict, st.sampler, st.seq_id)
         detok = Detokenizer(st.model)
+        if st.logprobs is not None:  # each fed token's log-probability, from the logits it was sampled from
+            detok.feed = st.logprobs.wrap(detok.feed, ctx)  # type: ignore[method-assign,assignment]
         feed, keep, info = detok.feed, st.pieces.append, st.model._tokens[0]
         if st.stop:
             yield from _until_stop(st, gen, detok)
@@ -355,7 +375,9 @@ def _finish(stream: TextStream) -> Completion:
         for _ in stream:
             pass
     assert stream.finish_reason is not None
-    return Completion(stream.text, stream.finish_reason, list(stream.tokens), stream.n_prompt)
+    c = Completion(stream.text, stream.finish_reason, list(stream.tokens), stream.n_prompt)
+    c.logprobs = stream.logprobs
+    return c
 
 
 @overload
@@ -371,6 +393,7 @@ def complete(
     parse_special: bool = ...,
     seq_id: int = ...,
     stop: str | Sequence[str] | None = ...,
+    logprobs: int | None = ...,
 ) -> Completion: ...
 
 
@@ -387,6 +410,7 @@ def complete(
     parse_special: bool = ...,
     seq_id: int = ...,
     stop: str | Sequence[str] | None = ...,
+    logprobs: int | None = ...,
 ) -> TextStream: ...
 
 
@@ -403,6 +427,7 @@ def complete(
     parse_special: bool = ...,
     seq_id: int = ...,
     stop: str | Sequence[str] | None = ...,
+    logprobs: int | None = ...,
 ) -> Completion | TextStream: ...
 
 
@@ -418,6 +443,7 @@ def complete(
     parse_special: bool = False,
     seq_id: int = 0,
     stop: str | Sequence[str] | None = None,
+    logprobs: int | None = None,
 ) -> Completion | TextStream:
     """Generate text after ``prompt``.
 
@@ -437,6 +463,10 @@ def complete(
         seq_id: The sequence to use in ``ctx``.
         stop: A stop string or a list of them: the text ends just before the first one that
             appears (``finish_reason`` ``"stop"``); see the module's docstring.
+        logprobs: ``k``: also give each generated token's log-probability and the ``k`` most
+            likely tokens' (``Completion.logprobs``, ``TextStream.logprobs``), as llama-cpp-python's
+            ``logprobs=k``; from the model's logits, whatever the sampler. With ``stop``, the token
+            that completed the stop string is included.
 
     Returns:
         A :class:`Completion` (a ``str`` with ``finish_reason``, ``tokens``, ``n_prompt``), or with
@@ -446,7 +476,7 @@ def complete(
         TypeError: ``prompt`` is not a str (token ids go to :func:`pyllamacpp.generate`), or
             ``stop`` is not a str or a list of str.
         ValueError: An empty prompt, a prompt longer than the context, a ``ctx`` of another model,
-            a bad ``seq_id``, an empty stop string.
+            a bad ``seq_id``, an empty stop string, ``logprobs`` outside ``[0, n_vocab]``.
         ContextError: The context could not be made.
         DecodeAborted: ``ctx.abort()`` stopped a decode.
         DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
@@ -456,7 +486,7 @@ def complete(
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a str, not {type(prompt).__name__} (use generate() for token ids)")
     tokens = model.tokenize(prompt, add_special, parse_special)
-    s = TextStream(model, tokens, int(n_predict), sampler, ctx, seq_id, stop)
+    s = TextStream(model, tokens, int(n_predict), sampler, ctx, seq_id, stop, logprobs)
     return s if stream else _finish(s)
 
 

@@ -1,0 +1,276 @@
+"""``pyllamacpp kv-types``: what a KV cache type costs, in memory, in predictions and in speed.
+
+For each cache type (``-ctk`` = ``-ctv``, f16 first as the reference): the KV buffer llama.cpp
+allocates for a context of --kv-ctx cells (``... KV buffer size = N MiB``, from ``ctx.buffers``) and
+the bytes one token takes (``Model.kv_bytes_per_token``); the perplexity of the text as
+llama-perplexity computes it (``-c`` tokens per chunk, the second half scored); the KL divergence
+against the f16 cache's logits and the top-1 agreement, on llama-perplexity's definitions (the f16
+run writes the base logits, every type is read against them, f16 itself included: its row shows the
+floor that the base's 16-bit storage leaves); and the speed of a -p token prefill and of -n
+single-token decodes after it (medians of -r runs).
+
+A quantized V cache needs flash attention (llama.cpp refuses the context otherwise), so -fa is on by
+default, for every type alike. The text defaults to the shipped public-domain Shakespeare excerpt
+(pyllamacpp/data/shakespeare.txt, 7,310 tokens with the default model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._cpu import default_n_threads
+from .common import progress
+
+DEFAULT_TYPES = "f16,q8_0,q5_1,q4_0"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``kv-types`` subcommand and its flags.
+
+    Args:
+        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
+
+    Returns:
+        The subcommand's parser (cli.py sets its ``func``).
+    """
+    p = sub.add_parser(
+        "kv-types",
+        help="KV cache types against f16: buffer, bytes/token, perplexity, KL divergence, top-1, speed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-m", "--model", type=Path, default=None, help="GGUF file (default: the default model)")
+    p.add_argument("-f", "--file", type=Path, default=None, help="the text (default: the shipped Shakespeare excerpt)")
+    p.add_argument("--types", default=DEFAULT_TYPES, help="cache types, K and V alike; f16 is the reference")
+    p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per perplexity chunk")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, help="n_batch")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="n_ubatch")
+    p.add_argument("--chunks", type=int, default=-1, help="most perplexity chunks (-1: all)")
+    p.add_argument("-fa", "--flash-attn", choices=["on", "auto", "off"], default="on", help="flash_attn_type")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="n_gpu_layers")
+    p.add_argument("--kv-ctx", type=int, default=4096, help="cells of the context whose KV buffer is reported")
+    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill tokens of the speed test")
+    p.add_argument("-n", "--n-gen", type=int, default=64, help="single-token decodes after the prefill")
+    p.add_argument("-r", "--repeat", type=int, default=3, help="speed runs per type (median)")
+    p.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=default_n_threads(),
+        help="n_threads and n_threads_batch (the physical cores)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("-o", "--output", help="write a figure (PNG)")
+    return p
+
+
+def _kv_mib(buffers: dict[str, dict[str, float]]) -> float:
+    return float(sum(kinds.get("KV", 0.0) for kinds in buffers.values()))
+
+
+def _speed(model, tokens: np.ndarray, kw: dict, n_prompt: int, n_gen: int, repeat: int) -> dict[str, Any]:
+    """KV buffer, prefill and decode speed in one context of ``kv_ctx`` cells."""
+    from ..batch import Batch
+
+    with model.context(**kw) as ctx:
+        prompt, gen = tokens[:n_prompt], tokens[n_prompt : n_prompt + n_gen]
+        one = Batch(1, 1, model=model)
+        pre, dec = [], []
+        for _ in range(repeat):
+            ctx.memory.clear()
+            t0 = time.perf_counter()
+            ctx.prefill(prompt, 0, 0)
+            t1 = time.perf_counter()
+            for i, tok in enumerate(gen):
+                one.clear()
+                one.add(int(tok), n_prompt + i, 0, True)
+                ctx.decode(one)
+            t2 = time.perf_counter()
+            pre.append(t1 - t0)
+            dec.append(t2 - t1)
+        return {
+            "kv_mib": _kv_mib(ctx.buffers),
+            "kv_ctx": ctx.n_ctx,
+            "prefill_tps": prompt.size / float(np.median(pre)),
+            "decode_tps": gen.size / float(np.median(dec)) if gen.size else None,
+        }
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Measure every cache type of ``--types`` against f16 on the text.
+
+    Per type: a context of ``--kv-ctx`` cells (``llama_init_from_model``) for the KV buffer and the
+    speed (``llama_decode`` of ``-p`` tokens, then ``-n`` single tokens); then
+    :func:`pyllamacpp.scoring.perplexity` (f16, writing the base logits) and
+    :func:`pyllamacpp.scoring.kl_divergence` against them (every type).
+
+    Args:
+        args: The parsed flags of :func:`add_parser`.
+
+    Returns:
+        ``model``, ``text``, ``n_tokens``, the settings, and ``rows``: per type ``type``,
+        ``kv_mib``, ``kv_ctx``, ``bytes_per_token``, ``ppl``, ``ppl_err``, ``kld``, ``kld_err``,
+        ``kld_99``, ``kld_max``, ``same_top``, ``same_top_err``, ``rms_p_diff``, ``ln_ratio``,
+        ``prefill_tps``, ``decode_tps``.
+
+    Raises:
+        ValueError: An unknown cache type, a text too short for two chunks.
+        ModelLoadError: The model cannot be loaded.
+        ContextError: llama.cpp refuses a context (a quantized V cache with -fa off).
+        DecodeError: A decode failed.
+    """
+    from ..model import Model
+    from ..params import ggml_type
+    from ..scoring import kl_divergence, perplexity, sample_text_path
+
+    types = [t.strip() for t in str(args.types).split(",") if t.strip()]
+    for t in types:
+        ggml_type(t, "cache type")  # an unknown name fails here, before any work
+    types = ["f16", *[t for t in types if t != "f16"]]  # the reference first
+    path = args.file or sample_text_path()
+    data = path.read_bytes()
+    data = data[:-1] if data.endswith(b"\n") else data  # as llama-perplexity's -f
+    threads = {"n_threads": args.threads, "n_threads_batch": args.threads}
+    model = Model(args.model, n_gpu_layers=args.n_gpu_layers)
+    out: dict[str, Any] = {
+        "model": str(model.path),
+        "text": path.name,
+        "n_ctx": args.ctx_size,
+        "n_batch": args.batch_size,
+        "flash_attn": args.flash_attn,
+        "threads": args.threads,
+        "kv_ctx": args.kv_ctx,
+        "n_prompt": args.n_prompt,
+        "n_gen": args.n_gen,
+        "rows": [],
+    }
+    try:
+        tokens = model.tokenize(data)
+        out["n_tokens"] = int(tokens.size)
+        with tempfile.TemporaryDirectory() as tmp:
+            base = os.path.join(tmp, "f16.kld")
+            for t in progress(types, "kv-types"):
+                kw = dict(type_k=t, type_v=t, flash_attn=args.flash_attn, n_ubatch=args.ubatch_size, **threads)
+                sp = _speed(
+                    model,
+                    tokens,
+                    dict(kw, n_ctx=args.kv_ctx, n_batch=max(args.n_prompt, 1)),
+                    args.n_prompt,
+                    args.n_gen,
+                    args.repeat,
+                )
+                if t == "f16":
+                    ref = perplexity(
+                        model, tokens, args.ctx_size, args.batch_size, n_chunks=args.chunks, save_base=base, **kw
+                    )
+                    out["n_chunk"] = ref.n_chunk
+                k = kl_divergence(model, base, args.batch_size, **kw)
+                out["rows"].append(
+                    {
+                        "type": t,
+                        **sp,
+                        "bytes_per_token": model.kv_bytes_per_token(t, t),
+                        "ppl": k.ppl,
+                        "ppl_err": k.ppl_err,
+                        "kld": k.kld,
+                        "kld_err": k.kld_err,
+                        "kld_99": k.kld_percentiles[99.0],
+                        "kld_max": k.kld_max,
+                        "same_top": k.same_top,
+                        "same_top_err": k.same_top_err,
+                        "rms_p_diff": k.rms_p_diff,
+                        "ln_ratio": k.ln_ratio,
+                    }
+                )
+    finally:
+        model.close()
+    return out
+
+
+def print_report(data: dict) -> None:
+    """Print what :func:`run` returned as a table.
+
+    Args:
+        data: What :func:`run` returned.
+    """
+    from .common import print_table
+
+    print(
+        f"model {Path(data['model']).name}; text {data['text']} ({data['n_tokens']} tokens, {data.get('n_chunk')} "
+        f"chunks of {data['n_ctx']}, -b {data['n_batch']}); -fa {data['flash_attn']}, -t {data['threads']}; "
+        f"KV buffer at {data['kv_ctx']} cells; speed: -p {data['n_prompt']}, then -n {data['n_gen']}"
+    )
+    rows = [
+        dict(
+            r,
+            ppl_pm=f"{r['ppl']:.4f} ± {r['ppl_err']:.4f}",
+            same_top_pct=100 * r["same_top"],
+            rms_pct=100 * r["rms_p_diff"],
+        )
+        for r in data["rows"]
+    ]
+    print_table(
+        rows,
+        [
+            ("type", "-ctk/-ctv", ""),
+            ("kv_mib", "KV MiB", ".2f"),
+            ("bytes_per_token", "bytes/token", "d"),
+            ("ppl_pm", "PPL", ""),
+            ("kld", "mean KLD", ".6f"),
+            ("kld_99", "99% KLD", ".6f"),
+            ("same_top_pct", "same top %", ".3f"),
+            ("rms_pct", "RMS Δp %", ".3f"),
+            ("prefill_tps", "prefill t/s", ".1f"),
+            ("decode_tps", "decode t/s", ".1f"),
+        ],
+    )
+    print("KL divergence and top-1 agreement against the f16 cache's logits (the f16 row: the base's 16-bit floor)")
+
+
+def plot(data: dict, path: str | os.PathLike) -> None:
+    """Draw KV memory, KL divergence with top-1 agreement, and speed per cache type into ``path``.
+
+    Args:
+        data: What :func:`run` returned.
+        path: The image file to write (its suffix picks the format).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    names = [r["type"] for r in rows]
+    x = np.arange(len(rows))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))
+    a.bar(x, [r["kv_mib"] for r in rows], color="tab:blue")
+    a.set_xticks(x, names)
+    a.set_ylabel(f"MiB (KV buffer, {data['kv_ctx']} cells)")
+    a.set_title("KV cache memory")
+    b.bar(x, [max(r["kld"], 1e-7) for r in rows], color="tab:red")
+    b.set_yscale("log")
+    b.set_xticks(x, names)
+    b.set_ylabel("mean KL divergence vs f16 (nats)")
+    b.set_title("predictions")
+    b2 = b.twinx()
+    b2.plot(x, [100 * r["same_top"] for r in rows], "ko-")
+    b2.set_ylabel("same top token as f16 (%)")
+    w = 0.4
+    c.bar(x - w / 2, [r["prefill_tps"] for r in rows], w, label=f"prefill ({data['n_prompt']} tokens)")
+    c.bar(x + w / 2, [r["decode_tps"] or 0 for r in rows], w, label=f"decode (after {data['n_prompt']})")
+    c.set_xticks(x, names)
+    c.set_ylabel("tokens/s")
+    c.set_title("speed")
+    c.legend()
+    name = Path(data["model"]).name
+    fig.suptitle(f"{name}, {data['text']}: -c {data['n_ctx']}, -fa {data['flash_attn']}, -t {data['threads']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
