@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .context import Context
     from .params import ContextParams
     from .sampling import Sampler
+    from .scoring import Scores
     from .text import Completion, TextStream
 
 
@@ -625,6 +626,7 @@ class Model(Owner):
         parse_special: bool = False,
         seq_id: int = 0,
         stop: str | Sequence[str] | None = None,
+        logprobs: int | None = None,
     ) -> Completion | TextStream:
         """Text after ``prompt``, or with ``stream=True`` an iterator of UTF-8-safe pieces.
 
@@ -644,6 +646,8 @@ class Model(Owner):
             parse_special: ``llama_tokenize``'s ``parse_special``.
             seq_id: The sequence to use in ``ctx``.
             stop: A stop string or a list of them (``finish_reason`` ``"stop"``).
+            logprobs: ``k``: each generated token's log-probability and the ``k`` most likely
+                tokens' (``.logprobs``, as llama-cpp-python's ``logprobs=k``).
 
         Returns:
             A :class:`~pyllamacpp.text.Completion`, or with ``stream=True`` a
@@ -652,7 +656,7 @@ class Model(Owner):
         Raises:
             TypeError: ``prompt`` is not a str, or ``stop`` not a str or a list of str.
             ValueError: An empty prompt, a prompt longer than the context, a ``ctx`` of another
-                model, a bad ``seq_id``, an empty stop string.
+                model, a bad ``seq_id``, an empty stop string, a bad ``logprobs``.
             DecodeAborted: ``ctx.abort()`` stopped a decode.
             DecodeInterrupted: Ctrl-C stopped a decode (a KeyboardInterrupt).
             DecodeError: Another ``llama_decode`` failure.
@@ -671,6 +675,7 @@ class Model(Owner):
             parse_special=parse_special,
             seq_id=seq_id,
             stop=stop,
+            logprobs=logprobs,
         )
 
     def chat(
@@ -839,6 +844,32 @@ class Model(Owner):
         if pooling == "none":
             return out[0] if single else out
         return out[0] if single else np.stack(out)
+
+    # -- scoring (pyllamacpp.scoring) -----------------------------------------------------------
+    def score(self, text: str | bytes | Any, *, top_k: int = 0, **kwargs: Any) -> Scores:
+        """The log-probability of every token of ``text`` given the ones before it.
+
+        One pass with logits at the rows that predict a token, in windows when the text is longer
+        than the context. See :func:`pyllamacpp.scoring.score`, which this calls (``llama_decode``,
+        then a C log-softmax over the logits in place).
+
+        Args:
+            text: A str or bytes (``llama_tokenize``), or token ids.
+            top_k: Also keep the ``top_k`` most likely tokens at each position.
+            **kwargs: ``n_ctx``, ``n_batch``, ``keep``, ``add_special``, ``parse_special`` and
+                fields of :class:`ContextParams` (see :func:`pyllamacpp.scoring.score`).
+
+        Returns:
+            A :class:`~pyllamacpp.scoring.Scores`.
+
+        Raises:
+            ValueError: Fewer than 2 tokens, tokens outside the vocabulary, a bad window.
+            DecodeError: A decode failed.
+            ClosedError: The model is closed.
+        """
+        from .scoring import score
+
+        return score(self, text, top_k=top_k, **kwargs)
 
     # -- contexts ------------------------------------------------------------------------------
     def context(self, params: ContextParams | None = None, **kwargs: Any) -> Context:
