@@ -763,7 +763,8 @@ class Model(Owner):
             add_special: ``llama_tokenize``'s ``add_special``.
             parse_special: ``llama_tokenize``'s ``parse_special``.
             **context_params: Fields of :class:`ContextParams` for the context (``n_threads``,
-                ``n_batch``...); ``embeddings``, ``pooling_type`` and ``kv_unified`` are set here.
+                ``n_batch``...); ``embeddings``, ``pooling_type``, ``kv_unified`` and ``n_ubatch``
+                (= ``n_batch``, rounded up to a multiple of ``n_seq_max``) are set here.
 
         Returns:
             Pooled: a float32 array ``(len(texts), n_embd_out)`` (``(len(texts), n_cls_out)`` for
@@ -810,8 +811,11 @@ class Model(Owner):
         n_batch = int(context_params.pop("n_batch", 0)) or min(max(longest, 512), max(limit, longest))
         n_batch = max(n_batch, longest)
         n_seq = min(len(toks), int(lib.llama_max_parallel_sequences()))
-        kw: dict[str, Any] = {"n_ctx": n_batch, "n_ubatch": n_batch, "n_seq_max": n_seq, **context_params}
-        kw.update(n_batch=n_batch, embeddings=True, pooling_type=pooling, kv_unified=True)
+        # llama.cpp's graph_reserve rounds n_ubatch up to a multiple of n_seq_max but not the outputs:
+        # with mean pooling the two no longer fit and ggml aborts in llama_init_from_model
+        n_batch = -(-n_batch // n_seq) * n_seq
+        kw: dict[str, Any] = {"n_ctx": n_batch, "n_seq_max": n_seq, **context_params}
+        kw.update(n_batch=n_batch, n_ubatch=n_batch, embeddings=True, pooling_type=pooling, kv_unified=True)
         out: list[np.ndarray] = []
         with self.context(**kw) as ctx:
             batch = Batch(n_batch, 1, model=self)

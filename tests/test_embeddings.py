@@ -3,6 +3,9 @@ per-token embeddings (``pooling="none"``) of the same texts."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -69,3 +72,20 @@ def test_embed_refuses_what_llama_cpp_would_get_wrong(model):
         model.embed(["fine", b"bytes"])
     with pytest.raises(ValueError, match="normalize"):
         model.embed(TEXTS, normalize=-2)
+
+
+def test_mean_pooling_with_any_number_of_texts(tmp_path):
+    """llama.cpp aborts at context creation (GGML_ASSERT in build_pooling) for mean pooling when
+    n_ubatch is not a multiple of n_seq_max (3 texts, n_ubatch 512): embed rounds n_batch up.
+    In a child process: a regression aborts it, not the test run."""
+    script = (
+        "import numpy as np, pyllamacpp as pl\n"
+        "m = pl.Model()\n"
+        f"texts = {TEXTS!r} + ['One more.']\n"
+        "for n in (3, 5, 2):\n"
+        "    e = m.embed(texts[:n], pooling='mean', n_threads=2, n_batch=255)\n"
+        "    assert e.shape == (n, 576) and np.allclose(np.linalg.norm(e, axis=1), 1.0)\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
