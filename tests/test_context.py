@@ -262,6 +262,48 @@ def test_abort_from_another_thread(model):
         assert np.isfinite(ctx.logits()).all()
 
 
+class UbatchAborter:
+    """A ``cb_eval`` that counts the ubatches a context computes (one ``l_out-0`` node each) and
+    calls ``ctx.abort()`` as ubatch ``at`` starts: with no node wanted, ggml_backend_sched asks
+    about every node of the graph before computing it, so the abort lands in that ubatch."""
+
+    def __init__(self):
+        self.ctx, self.n, self.at = None, 0, None
+        self.cb = ffi.callback("bool(struct ggml_tensor *, bool, void *)", self._cb)
+
+    def _cb(self, t, ask, _):
+        if ask and ffi.string(t.name) == b"l_out-0":
+            self.n += 1
+            if self.n == self.at:
+                self.ctx.abort()
+        return False
+
+    def context(self, model, **kw):
+        self.ctx = model.context(cb_eval=self.cb, cb_eval_user_data=ffi.NULL, **kw)
+        return self.ctx
+
+
+def test_an_abort_in_the_middle_of_a_batch_keeps_the_ubatches_before_it(model):
+    # 96 tokens in one decode, n_ubatch 32: aborted in the second ubatch, llama.cpp removes that
+    # ubatch's positions and keeps the first's; DecodeAborted and prefill's resume_from say so
+    toks = np.resize(model.tokenize(PROMPT), 96)
+    kw = dict(n_ctx=256, n_batch=128, n_ubatch=32, n_threads=1, n_threads_batch=1)
+    with model.context(**kw) as ref:
+        ref.prefill(toks)
+        want = ref.logits().copy()
+    ab = UbatchAborter()
+    with ab.context(model, **kw) as ctx:
+        ab.at = ab.n + 2
+        with pytest.raises(pl.DecodeAborted) as e:
+            ctx.prefill(toks)
+        assert ab.n == 2  # the third ubatch never started
+        assert e.value.seq_pos_max == {0: 31} and e.value.resume_from == 32
+        assert ctx.memory.seq_pos_min(0) == 0 and ctx.memory.seq_pos_max(0) == 31
+        ctx.prefill(toks[32:], 0)  # resume: the same ubatches into the same cells
+        assert ab.n == 4 and ctx.memory.seq_pos_max(0) == 95
+        np.testing.assert_array_equal(ctx.logits(), want)
+
+
 def test_ctrl_c_aborts_a_decode(model):
     toks = np.resize(model.tokenize(PROMPT), 1024)
     # A background job starts with SIGINT ignored (and then a decode keeps ignoring it): give the

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import pyllamacpp as pl
+from pyllamacpp import ffi
 from pyllamacpp.experiments.prefix import LISTS, SYSTEM_PROMPT
 from pyllamacpp.scheduler import Event, Request, Scheduler
 
@@ -198,6 +199,94 @@ def test_kv_cache_full_ends_requests_and_the_scheduler_goes_on(model, solo):
         c = sched.submit(SYSTEM + LISTS[0], N)
         list(sched.run())
         assert c.finish_reason == "n_predict" and c.tokens == solo[LISTS[0]]
+
+
+def test_a_full_cache_ends_the_request_with_the_most_cells_first(model):
+    # two endless requests of clearly different lengths (180 and 40 prompt tokens): when the 256
+    # cells run out, the longer one ends with ctx_full and the shorter one goes on
+    endless = 'root ::= "1, " root'
+    long = np.resize(model.tokenize(SYSTEM + LISTS[0]), 180)
+    with _ctx(model, n_seq_max=2, n_ctx=256, n_batch=256) as ctx:
+        sched = Scheduler(ctx)
+        a = sched.submit(long, -1, sampler=pl.Sampler(model).grammar(model, endless).pick_greedy())
+        b = sched.submit(long[::-1][:40], -1, sampler=pl.Sampler(model).grammar(model, endless).pick_greedy())
+        ended = []
+        while not ended:
+            ended = [ev.request for ev in sched.step() if ev.finish_reason == "ctx_full"]
+        assert ended == [a] and not b.done
+        held_a, held_b = a.n_prompt + len(a.tokens) - 1, b.n_prompt + len(b.tokens) - 1
+        assert held_a > held_b + 100 and held_a + held_b >= ctx.n_ctx - 2  # the cache was full
+        assert sched.cached() == {b.seq_id: held_b}  # a's cells freed, b's kept
+        b.cancel()
+        list(sched.run())
+        assert b.finish_reason == "cancelled"
+
+
+def test_a_full_cache_evicts_an_idle_cached_prefix_before_ending_a_request(model):
+    # a finished request leaves 19 cells cached in its sequence; two live endless requests
+    # (prompts sharing nothing with it) fill the cache: those idle cells go first, and only when
+    # the cache fills again does a live request end
+    endless = 'root ::= "1, " root'
+    toks = model.tokenize(SYSTEM + LISTS[0])
+    with _ctx(model, n_seq_max=3, n_ctx=256, n_batch=256) as ctx:
+        sched = Scheduler(ctx)
+        c = sched.submit(toks[:16], 4)
+        list(sched.run())
+        assert sched.cached() == {c.seq_id: 19}
+        a = sched.submit(
+            np.resize(toks[::-1], 150), -1, sampler=pl.Sampler(model).grammar(model, endless).pick_greedy()
+        )
+        b = sched.submit(np.resize(toks[1:], 70), -1, sampler=pl.Sampler(model).grammar(model, endless).pick_greedy())
+        evicted_at = None
+        while True:
+            evs = sched.step()
+            if evicted_at is None and c.seq_id not in sched.cached():
+                evicted_at = sched.n_steps
+            if any(ev.finish_reason == "ctx_full" for ev in evs):
+                break
+        assert c.seq_id not in (a.seq_id, b.seq_id)  # the live requests ran beside the cache
+        assert a.n_prompt_reused == b.n_prompt_reused == 0
+        assert evicted_at is not None and evicted_at < sched.n_steps  # evicted at an earlier step
+        ended = a if a.done else b
+        assert ended is a and not b.done  # then the one with the most cells
+        assert a.n_prompt + len(a.tokens) - 1 + b.n_prompt + len(b.tokens) - 1 >= ctx.n_ctx - 2
+        b.cancel()
+        list(sched.run())
+
+
+class _UbatchAborter:
+    """A ``cb_eval`` that counts ubatches (one ``l_out-0`` node each) and calls ``ctx.abort()``
+    as ubatch ``at`` starts (ggml_backend_sched asks about every node before computing a graph
+    in which none is wanted, so the abort lands in that ubatch). As in test_context.py."""
+
+    def __init__(self):
+        self.ctx, self.n, self.at = None, 0, None
+        self.cb = ffi.callback("bool(struct ggml_tensor *, bool, void *)", self._cb)
+
+    def _cb(self, t, ask, _):
+        if ask and ffi.string(t.name) == b"l_out-0":
+            self.n += 1
+            if self.n == self.at:
+                self.ctx.abort()
+        return False
+
+
+def test_an_abort_in_the_middle_of_a_prefill_is_rolled_back(model, solo):
+    # a 48-token prompt in ubatches of 16, aborted in the second: llama.cpp removes that ubatch's
+    # positions and keeps the first's, which the scheduler removes; the retry gives the solo tokens
+    ab = _UbatchAborter()
+    with _ctx(model, n_seq_max=2, n_ubatch=16, cb_eval=ab.cb, cb_eval_user_data=ffi.NULL) as ctx:
+        ab.ctx = ctx
+        sched = Scheduler(ctx)
+        r = sched.submit(SYSTEM + LISTS[0], N)
+        assert r.n_prompt == 48
+        ab.at = ab.n + 2
+        with pytest.raises(pl.DecodeAborted) as e:
+            sched.step()
+        assert e.value.seq_pos_max == {r.seq_id: 15}  # what llama.cpp kept: the first ubatch
+        assert ctx.memory.seq_pos_max(r.seq_id) == -1 and sched.cached() == {}  # rolled back
+        list(sched.run())
+        assert r.tokens == solo[LISTS[0]] and r.n_prompt_decoded == 48
 
 
 def test_abort_rolls_back_and_the_next_step_retries(model, solo):
