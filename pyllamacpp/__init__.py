@@ -55,6 +55,15 @@ if TYPE_CHECKING:  # the lazy names below, as mypy should see them
     from .scoring import kl_divergence as kl_divergence
     from .scoring import perplexity as perplexity
     from .scoring import score as score
+    from .speculative import Draft as Draft
+    from .speculative import ModelDraft as ModelDraft
+    from .speculative import NgramDraft as NgramDraft
+    from .speculative import PassCounter as PassCounter
+    from .speculative import Speculation as Speculation
+    from .speculative import SpeculativeStats as SpeculativeStats
+    from .speculative import compare_speculative as compare_speculative
+    from .speculative import generate_speculative as generate_speculative
+    from .speculative import layer_skip_gguf as layer_skip_gguf
     from .text import Completion as Completion
     from .text import Detokenizer as Detokenizer
     from .text import TextStream as TextStream
@@ -93,9 +102,18 @@ _LAZY = {
     "PerplexityResult": ".scoring",
     "KLDivergence": ".scoring",
     "BaseLogits": ".scoring",
+    "generate_speculative": ".speculative",
+    "compare_speculative": ".speculative",
+    "Speculation": ".speculative",
+    "SpeculativeStats": ".speculative",
+    "Draft": ".speculative",
+    "NgramDraft": ".speculative",
+    "ModelDraft": ".speculative",
+    "PassCounter": ".speculative",
+    "layer_skip_gguf": ".speculative",
 }
 # public subpackages and modules, also imported on first access (``pyllamacpp.state.parse``)
-_SUBMODULES = ("state", "testing", "models", "experiments", "rpc", "cli", "scoring")
+_SUBMODULES = ("state", "testing", "models", "experiments", "rpc", "cli", "scoring", "speculative")
 
 
 def __getattr__(name: str) -> Any:

@@ -530,6 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _scoring_cli.add_parser(sub)
     kvtypes.add_parser(sub).set_defaults(func=_experiment("kvtypes"))
+
+    from .experiments import speculative
+
+    speculative.add_parser(sub).set_defaults(func=_experiment("speculative"))
     return ap
 
 

@@ -1,0 +1,463 @@
+"""Speculative decoding against plain generate, on the real model and on synthetic ones.
+
+Greedy output is compared with ``pl.generate`` token for token; stochastic output is tested for
+its distribution (chi-square on a tiny model) and for drawing what plain ``generate`` draws with
+the same seed. Forward passes are counted by the C ``cb_eval`` of ``PassCounter``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+import pyllamacpp as pl
+from pyllamacpp.speculative import Draft, ModelDraft, NgramDraft, PassCounter, generate_speculative, layer_skip_gguf
+from pyllamacpp.testing import make_model
+
+T1 = {"n_threads": 1, "n_threads_batch": 1}  # one thread: these are small decodes, and the machine is shared
+
+
+class FixedDraft(Draft):
+    """Proposes the same tokens every round."""
+
+    def __init__(self, tokens):
+        self.tokens = list(tokens)
+
+    def draft(self, history, n_max):
+        return self.tokens[:n_max]
+
+
+class OracleDraft(Draft):
+    """Proposes the continuation plain generate produced: every draft token is accepted (greedy)."""
+
+    def __init__(self, continuation, n_prompt):
+        self.cont, self.n_prompt = list(continuation), n_prompt
+
+    def draft(self, history, n_max):
+        i = len(history) - self.n_prompt
+        return self.cont[i : i + n_max]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Synthetic models of 64 tokens (llama.cpp's "test" vocabulary), one per memory kind."""
+    d = tmp_path_factory.mktemp("spec")
+    return {
+        "llama": make_model(d / "llama.gguf", "llama", n_layer=4, n_embd=32, n_head=2, n_vocab=64, seed=3),
+        "mamba": make_model(d / "mamba.gguf", "mamba", n_layer=2, n_embd=32, n_vocab=64, seed=3),
+        "lfm2": make_model(d / "lfm2.gguf", "lfm2", n_layer=4, n_embd=32, n_head=2, n_vocab=64, seed=3),
+        "gemma3": make_model(
+            d / "gemma3.gguf", "gemma3", n_layer=2, n_embd=32, n_head=2, n_vocab=64, seed=3, n_swa=8, swa_pattern=[1, 0]
+        ),
+    }
+
+
+def _repetitive(n_vocab=64, seed=0):
+    unit = np.random.default_rng(seed).integers(0, n_vocab, 12)
+    return np.concatenate([unit, unit, unit, unit[:5]]).astype(np.int32)
+
+
+def _held(ctx, seq=0):
+    return ctx.memory.seq_pos_max(seq) + 1
+
+
+# -- greedy: the same tokens as plain generate -------------------------------------------------
+CODE = '''import json
+
+
+def load_records(path):
+    """Read one JSON record per line and keep the valid ones."""
+    records = []
+    with open(path) as handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                continue
+            records.append(json.loads(line))
+    return records
+
+
+def count_by_key(records, key):
+    """How many records have each value of key."""
+    counts = {}
+    for record in records:
+        value = record.get(key)
+        counts[value] = counts.get(value, 0) + 1
+    return counts
+'''
+QUOTE = (
+    "<|im_start|>user\nRepeat this Python module exactly, renaming the function load_records to read_records. "
+    f"Reply with the code only.\n\n```python\n{CODE}```<|im_end|>\n<|im_start|>assistant\n```python\n"
+)
+FREE = [
+    "Count from one to twenty in words: one, two, three, four,",
+    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
+    "<|im_start|>user\nWrite one sentence about the sea.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def _margins(ctx, prompt, tokens):
+    """Top-1 minus top-2 logit of the target at each greedy step (one batched decode)."""
+    ctx.memory.seq_rm(0)
+    allt = np.concatenate([prompt, tokens[:-1]]).astype(np.int32)
+    mask = np.zeros(allt.size, bool)
+    mask[prompt.size - 1 :] = True
+    b = pl.Batch(allt.size, 1, model=ctx.model)
+    b.add_sequence(allt, 0, 0, logits=mask)
+    ctx.decode(b)
+    s = np.sort(ctx.logits_all(), axis=1)
+    ctx.memory.seq_rm(0)
+    return s[:, -1] - s[:, -2]
+
+
+@pytest.mark.parametrize("which", ["quote", *range(len(FREE))])
+def test_greedy_equals_generate_where_winners_are_clear(model, which):
+    """Token for token up to the first step whose winner is within 0.1 of the runner-up (the
+    logits of a row of a wider batch may differ in the last bits: a near-tie may turn)."""
+    text, n = (QUOTE, 96) if which == "quote" else (FREE[which], 40)
+    prompt = model.tokenize(text, parse_special=True)
+    with model.context(n_ctx=1024, **T1) as ctx:
+        plain = list(pl.generate(ctx, prompt, n))
+        clear = _margins(ctx, prompt, plain) >= 0.1
+        n_clear = int(np.argmin(clear)) if not clear.all() else n
+        ctx.memory.seq_rm(0)
+        s = generate_speculative(ctx, prompt, n, NgramDraft())
+        got = list(s)
+        assert got[: n_clear + 1] == plain[: n_clear + 1], f"differs before the first near-tie (step {n_clear})"
+        assert _held(ctx) == prompt.size + len(got) - 1  # the last token is not decoded
+    if which == "quote":
+        assert n_clear >= 48, "the quoting prompt should have clear winners for a while"
+        assert got == plain
+        assert s.stats.n_accepted > 20 and s.stats.tokens_per_round > 1.5, s.stats.report()
+
+
+def test_ngram_draft_lookup():
+    d = NgramDraft()
+    h = [5, 6, 7, 8, 9, 5, 6, 7]
+    # the 3-gram (5, 6, 7) was followed by 8 once: enough for n >= 3; then (6, 7, 8) by 9, ...
+    assert d.draft(h, 4) == [8, 9, 5, 6]
+    assert d.draft(h, 1) == [8]
+    # one sighting of a 1-gram is not enough (min_samples[0] = 2), nor of a 2-gram (2)
+    assert NgramDraft(1, 2).draft([1, 2, 3, 1, 2], 3) == []
+    assert NgramDraft(1, 2).draft([1, 2, 3, 1, 2, 3, 1, 2], 2) == [3, 1]
+    assert NgramDraft().draft([1], 4) == []
+    # the majority follower, with at least 66% for a 1-gram
+    assert NgramDraft(1, 1).draft([4, 1, 4, 1, 4, 2, 4, 3, 4], 1) == []  # 1 follows 4 in 2 of 4: 50%
+    assert NgramDraft(1, 1).draft([4, 1, 4, 1, 4, 1, 4, 2, 4], 1) == [1]  # 3 of 4: 75%
+    with pytest.raises(ValueError):
+        NgramDraft(0, 4)
+    with pytest.raises(ValueError):
+        NgramDraft(1, 5)
+
+
+# -- forward passes per verify: the seed's claim --------------------------------------------------
+def test_five_token_draft_under_ub4_is_two_passes(model):
+    """The seed: verifying a five-token draft (six rows with the last token) under -ub 4 costs two passes."""
+    prompt = model.tokenize("The cat sat on the mat.")
+    for ub, want in ((4, 2), (512, 1), (2, 3)):
+        pc = PassCounter()
+        with model.context(n_ctx=256, n_ubatch=ub, **T1, **pc.context_params()) as ctx:
+            s = generate_speculative(ctx, prompt, 6, FixedDraft([11, 12, 13, 14, 15]), n_draft=5, passes=pc)
+            next(s)
+            assert s.stats.verify_rows[0] == 6
+            assert s.stats.verify_passes[0] == want, (ub, s.stats.verify_passes)
+            s.close()
+        assert pc.n_passes > 0 and pc.n_nodes > pc.n_passes
+
+
+def test_passes_counted_follow_ceil_rows_over_ubatch(tiny):
+    with pl.Model(tiny["llama"]) as m:
+        prompt = _repetitive()
+        for ub in (1, 3, 4, 512):
+            pc = PassCounter()
+            with m.context(n_ctx=256, n_ubatch=ub, **T1, **pc.context_params()) as ctx:
+                s = generate_speculative(ctx, prompt, 40, NgramDraft(), n_draft=6, passes=pc)
+                list(s)
+                for rows, passes in s.stats.passes_by_rows().items():
+                    assert passes == [math.ceil(rows / ub)], (ub, rows, passes)
+                assert s.stats.passes_per_verify >= 1
+                assert s.stats.tokens_per_pass == s.stats.n_tokens / s.stats.n_target_passes
+
+
+# -- memory that cannot drop a suffix ----------------------------------------------------------
+@pytest.mark.parametrize("arch", ["mamba", "lfm2", "gemma3", "llama"])
+def test_checkpoint_memories_equal_generate_and_continue(tiny, arch):
+    """Recurrent (mamba), hybrid (lfm2) and sliding-window (gemma3) memories go through a
+    PARTIAL_ONLY checkpoint, restored on partial acceptance; the sequence is right afterwards."""
+    with pl.Model(tiny[arch]) as m, m.context(n_ctx=256, n_ubatch=4, **T1) as ctx:
+        prompt = _repetitive()
+        plain = list(pl.generate(ctx, prompt, 50))
+        after = list(pl.generate(ctx, [plain[-1]], 10))
+        ctx.memory.seq_rm(0)
+        s = generate_speculative(ctx, prompt, 50, NgramDraft())
+        got = list(s)
+        assert got == plain
+        assert _held(ctx) == prompt.size + len(got) - 1
+        assert list(pl.generate(ctx, [got[-1]], 10)) == after  # the state after it is the same
+        st = s.stats
+        assert st.n_accepted > 0
+        if arch == "llama":
+            assert st.n_checkpoints == st.n_restores == 0  # a plain KV cache: seq_rm only
+        else:
+            assert st.n_checkpoints > 0 and st.n_restores > 0, st.report()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mamba"])
+def test_close_inside_a_round_keeps_the_convention(tiny, arch):
+    with pl.Model(tiny[arch]) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = _repetitive(seed=1)
+        plain = list(pl.generate(ctx, prompt, 30))
+        ctx.memory.seq_rm(0)
+        s = generate_speculative(ctx, prompt, 30, OracleDraft(plain, prompt.size), n_draft=4)
+        assert [next(s), next(s)] == plain[:2]  # the first round yields 5 tokens
+        s.close()
+        assert s.stats.n_rounds == 1 and s.stats.n_accepted == 4
+        assert _held(ctx) == prompt.size + 1
+        assert list(pl.generate(ctx, [plain[1]], 10)) == plain[2:12]
+
+
+def test_abort_leaves_the_round_undone(tiny):
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = _repetitive(seed=2)
+        plain = list(pl.generate(ctx, prompt, 20))
+        ctx.memory.seq_rm(0)
+        s = generate_speculative(ctx, prompt, 20, OracleDraft(plain, prompt.size), n_draft=2)
+        got = [next(s) for _ in range(3)]  # one round: the last token and two drafts
+        ctx.abort()
+        with pytest.raises(pl.DecodeAborted):
+            next(s)
+        assert got == plain[:3] and _held(ctx) == prompt.size + 2
+        assert list(pl.generate(ctx, [got[-1]], 8)) == plain[3:11]
+
+
+def test_ctx_full_ends_as_generate(tiny):
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = np.resize(_repetitive(seed=4), ctx.n_ctx_seq - 20).astype(np.int32)
+        g = pl.generate(ctx, prompt, -1)
+        plain = list(g)
+        assert g.finish_reason == "ctx_full"
+        ctx.memory.seq_rm(0)
+        s = generate_speculative(ctx, prompt, -1, NgramDraft(), n_draft=8)
+        got = list(s)
+        assert s.finish_reason == "ctx_full" and isinstance(s.error, pl.KVCacheFullError)
+        assert got == plain
+        assert s.stats.n_accepted > 0
+
+
+# -- stochastic sampling -----------------------------------------------------------------------
+def _chi2_critical(df: int, alpha_z: float = 3.0902) -> float:
+    """Upper chi-square quantile by Wilson-Hilferty (within 1% of the exact one for df >= 10):
+    z = 3.0902 is the normal quantile of 1 - 0.001."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + alpha_z * math.sqrt(a)) ** 3
+
+
+def _chi2(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic with cells expected below 5 pooled into one; returns (statistic, df)."""
+    small = expected < 5
+    c = np.append(counts[~small], counts[small].sum())
+    e = np.append(expected[~small], expected[small].sum())
+    if e[-1] == 0:
+        c, e = c[:-1], e[:-1]
+    return float(((c - e) ** 2 / e).sum()), int(c.size - 1)
+
+
+def test_stochastic_output_distribution_is_the_targets(tmp_path):
+    """Two tokens sampled at temperature 0.1 on an 8-token model, 3000 times: the joint counts of
+    (t1, t2) against the target's own distribution, from single-token decodes. The draft proposes
+    the two most likely tokens, so t2 comes from a verify row when t1 was accepted and from a new
+    decode otherwise."""
+    path = make_model(tmp_path / "v8.gguf", "llama", n_layer=2, n_embd=16, n_head=2, n_vocab=8, seed=1)
+    temp, n = 0.1, 3000
+    prompt = np.array([1, 2, 3], np.int32)
+    with pl.Model(path) as m, m.context(n_ctx=64, **T1) as ctx:
+
+        def probs(tokens):
+            ctx.memory.seq_rm(0)
+            ctx.prefill(np.asarray(tokens, np.int32))
+            z = ctx.logits().astype(np.float64) / temp
+            p = np.exp(z - z.max())
+            return p / p.sum()
+
+        p1 = probs(prompt)
+        p2 = np.array([probs([*prompt, a]) for a in range(8)])
+        joint = p1[:, None] * p2
+        assert joint.max() > 4 / 64, "the distribution should be far from uniform"
+        a = int(p1.argmax())
+        d = FixedDraft([a, int(p2[a].argmax())])
+        counts = np.zeros((8, 8))
+        accepted = 0
+        for seed in range(n):
+            ctx.memory.seq_rm(0)
+            with pl.Sampler().temp(temp).dist(seed) as smpl:
+                s = generate_speculative(ctx, prompt, 2, d, smpl, n_draft=2)
+                t1, t2 = list(s)
+            counts[t1, t2] += 1
+            accepted += s.stats.n_accepted > 0
+    stat, df = _chi2(counts.ravel(), n * joint.ravel())
+    assert stat < _chi2_critical(df), f"chi2 {stat:.1f} >= {_chi2_critical(df):.1f} (df {df})"
+    # the test has teeth: the same counts against a uniform distribution fail it by far
+    flat, df_flat = _chi2(counts.ravel(), np.full(64, n / 64))
+    assert flat > 10 * _chi2_critical(df_flat)
+    assert 300 < accepted < n - 300  # both paths, a verify row and a fresh decode, were taken often
+
+
+def test_same_seed_draws_what_generate_draws(tiny):
+    """Every yielded token is one draw of the target's chain, in generate's order: with the same
+    seed the output is plain generate's (this tiny f32 model has no near-tie at these draws)."""
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = _repetitive(seed=5)
+        n_acc = 0
+        for seed in range(8):
+            ctx.memory.seq_rm(0)
+            with pl.Sampler(m).penalties(16, 1.05).top_k(20).temp(0.02).dist(seed) as smpl:
+                plain = list(pl.generate(ctx, prompt, 30, smpl))
+            ctx.memory.seq_rm(0)
+            with pl.Sampler(m).penalties(16, 1.05).top_k(20).temp(0.02).dist(seed) as smpl:
+                s = generate_speculative(ctx, prompt, 30, NgramDraft(), smpl)
+                got = list(s)
+            assert got == plain, seed
+            n_acc += s.stats.n_accepted
+        assert n_acc > 0
+
+
+# -- draft models ------------------------------------------------------------------------------
+def test_model_draft_same_model_accepts_everything(tiny):
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = _repetitive(seed=6)
+        plain = list(pl.generate(ctx, prompt, 40))
+        ctx.memory.seq_rm(0)
+        with ModelDraft(tiny["llama"], n_ctx=256, **T1) as d:
+            s = generate_speculative(ctx, prompt, 40, d, n_draft=4)
+            assert list(s) == plain
+            assert s.stats.acceptance_rate > 0.9, s.stats.report()
+            # what it holds stays: a second generation does not decode the prompt again in the draft
+            assert _held(d.ctx) >= prompt.size
+            ctx.memory.seq_rm(0)
+            assert list(generate_speculative(ctx, prompt, 40, d, n_draft=4)) == plain
+
+
+def test_layer_skip_draft_is_exact_whatever_it_drafts(tiny, tmp_path):
+    path = layer_skip_gguf(tiny["llama"], 2, cache=tmp_path)
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = _repetitive(seed=7)
+        plain = list(pl.generate(ctx, prompt, 40))
+        ctx.memory.seq_rm(0)
+        with ModelDraft(path, n_ctx=256, **T1) as d:
+            assert d.model.n_layer == 2
+            s = generate_speculative(ctx, prompt, 40, d, n_draft=3)
+            assert list(s) == plain
+            assert s.stats.n_drafted > 0 and s.stats.t_draft > 0
+
+
+def test_model_draft_recurrent(tiny):
+    with pl.Model(tiny["mamba"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = _repetitive(seed=8)
+        plain = list(pl.generate(ctx, prompt, 30))
+        ctx.memory.seq_rm(0)
+        with ModelDraft(tiny["mamba"], n_ctx=256, **T1) as d:
+            s = generate_speculative(ctx, prompt, 30, d, n_draft=3)
+            assert list(s) == plain
+            assert s.stats.acceptance_rate > 0.9
+
+
+def test_other_vocabulary_is_an_error_before_any_decode(model, tiny):
+    with model.context(n_ctx=256, **T1) as ctx, ModelDraft(tiny["llama"], n_ctx=256, **T1) as d:
+        with pytest.raises(ValueError, match="for target"):
+            generate_speculative(ctx, model.tokenize("Hello"), 8, d)
+        assert _held(ctx) == 0 and _held(d.ctx) == 0
+
+
+def test_bad_input(tiny):
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = _repetitive()
+        with pytest.raises(ValueError, match="n_draft"):
+            generate_speculative(ctx, prompt, 8, NgramDraft(), n_draft=0)
+        with pytest.raises(TypeError):
+            generate_speculative(ctx, prompt, 8, "ngram")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="no tokens"):
+            generate_speculative(ctx, [], 8)
+        s = generate_speculative(ctx, prompt, 8, FixedDraft([3, 64]))
+        with pytest.raises(ValueError, match="not a token"):
+            next(s)
+        assert _held(ctx) == prompt.size - 1  # nothing of the bad round reached memory
+        ctx.memory.seq_rm(0)
+        assert len(list(generate_speculative(ctx, prompt, 8))) == 8  # the context goes on
+        s = generate_speculative(ctx, prompt, 0)
+        assert list(s) == [] and s.finish_reason == "n_predict" and _held(ctx) == prompt.size + 8 - 1 + prompt.size
+
+
+# -- the layer-skip GGUF -----------------------------------------------------------------------
+def test_layer_skip_gguf_writes_and_caches(tiny, tmp_path):
+    src = tiny["lfm2"]  # per-layer metadata arrays (head_count_kv) are cut too
+    out = layer_skip_gguf(src, 2, cache=tmp_path)
+    r = gguf.GGUFReader(out)
+    assert r.fields["lfm2.block_count"].contents() == 2
+    assert len(r.fields["lfm2.attention.head_count_kv"].contents()) == 2
+    names = {t.name for t in r.tensors}
+    assert not any(n.startswith(("blk.2.", "blk.3.")) for n in names) and "blk.1.ffn_up.weight" in names
+    s = gguf.GGUFReader(src)
+    a = next(t for t in s.tensors if t.name == "token_embd.weight")
+    b = next(t for t in r.tensors if t.name == "token_embd.weight")
+    assert np.array_equal(a.data, b.data)
+    with pl.Model(out) as m:
+        assert m.n_layer == 2
+    mtime = out.stat().st_mtime_ns
+    assert layer_skip_gguf(src, 2, cache=tmp_path) == out and out.stat().st_mtime_ns == mtime  # cached
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="n_layer"):
+            layer_skip_gguf(src, bad, cache=tmp_path)
+
+
+def test_layer_skip_of_the_quantized_default_model(model, tmp_path):
+    out = layer_skip_gguf(model.path, 3, cache=tmp_path)
+    with pl.Model(out) as m, m.context(n_ctx=128, **T1) as ctx:
+        assert m.n_layer == 3 and m.n_vocab == model.n_vocab
+        ctx.prefill(m.tokenize("The cat sat on the mat."))
+        assert np.isfinite(ctx.logits()).all()
+    assert os.path.getsize(out) < os.path.getsize(model.path)
+
+
+# -- the experiment command --------------------------------------------------------------------
+def test_cli_speculative(tiny, tmp_path):
+    cmd = [sys.executable, "-m", "pyllamacpp.cli", "speculative"]
+    r = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--draft-list" in r.stdout and "default" in r.stdout
+    out = tmp_path / "spec.png"
+    r = subprocess.run(
+        [
+            *cmd,
+            "-m",
+            str(tiny["llama"]),
+            "-t",
+            "1",
+            "--draft-list",
+            "2,5",
+            "--ubatch-list",
+            "4,512",
+            "-n",
+            "24",
+            "--repeat",
+            "1",
+            "--json",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["ok"] and len(data["rows"]) == 4
+    row = next(x for x in data["rows"] if x["n_ubatch"] == 4 and x["n_draft"] == 5)
+    assert row["passes_check"] == "ok" and row["speedup"] > 0
+    assert "step" in r.stderr  # progress on stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
