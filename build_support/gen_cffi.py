@@ -63,11 +63,12 @@ const char *pyllamacpp_build_info(void);
 """
 # pyllamacpp's own C helpers (build_support/helpers.h): what Python may call of them.
 _HELPERS_CDEF = """
-typedef struct { int abort_requested; int watch_sigint; ...; } pyl_abort_state;
+typedef struct { int abort_requested; int watch_sigint; void *taps; ...; } pyl_abort_state;
 bool pyl_abort_flag_cb(void *);
 int pyl_sigint_watch(void);
 int pyl_sigint_unwatch(void);
 typedef struct { int32_t rc; int32_t sigint; int32_t next; int32_t eog; } pyl_step_out;
+#define PYL_STEP_TAPS_FAILED ...
 void pyl_log_cb(enum ggml_log_level, const char *, void *);
 int pyl_log_debug;
 void pyl_decode_sample(struct llama_context *, struct llama_batch *, struct llama_sampler *,

@@ -11,7 +11,12 @@
 typedef struct {
     volatile int abort_requested; /* set by Python: ctx.abort() */
     int watch_sigint;             /* this state also aborts on SIGINT while watched */
+    void *taps;                   /* the context's pyl_taps while taps are armed (taps.h), else NULL */
 } pyl_abort_state;
+
+static void pyl_taps_step(void *taps, llama_token token, llama_pos pos, llama_seq_id seq_id); /* taps.h */
+static int pyl_taps_failed(void *taps);                                                        /* taps.h */
+#define PYL_STEP_TAPS_FAILED 1000 /* pyl_step_out.rc: the decode succeeded but a tap failed in it */
 
 static volatile sig_atomic_t pyl_sigint_seen = 0;
 static struct sigaction pyl_old_sigint;
@@ -101,6 +106,7 @@ static void pyl_decode_sample(struct llama_context *ctx, struct llama_batch *bat
     batch->seq_id[0][0] = seq_id;
     batch->logits[0] = 1;
     if (watch) st->watch_sigint = pyl_sigint_watch();
+    if (st->taps) pyl_taps_step(st->taps, token, pos, seq_id);
     out->rc = llama_decode(ctx, *batch);
     if (out->rc == 2) st->abort_requested = 0; /* consumed; an abort() that came too late stays for the next */
     out->sigint = 0;
@@ -109,6 +115,7 @@ static void pyl_decode_sample(struct llama_context *ctx, struct llama_batch *bat
         st->watch_sigint = 0;
     }
     pyl_reason_armed = 0;
+    if (out->rc == 0 && st->taps && pyl_taps_failed(st->taps)) out->rc = PYL_STEP_TAPS_FAILED;
     out->next = (out->rc == 0 && smpl != NULL) ? llama_sampler_sample(smpl, ctx, -1) : -1;
     out->eog = out->next >= 0 && llama_vocab_is_eog(vocab, out->next);
 }

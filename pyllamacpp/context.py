@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import threading
 import weakref
@@ -33,9 +34,10 @@ from .params import ContextParams, context_params, default_n_ctx
 _MAIN_THREAD = threading.main_thread().ident
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping, Sequence
 
     from .lora import LoraAdapter
+    from .taps import Capture, Graph, NamesFilter, Patch, TapInfo
 
     class PerfContextData:  # fields from the C struct at import: to mypy, attributes of any type
         __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
@@ -106,6 +108,15 @@ def _warn_if_cores_busy(params: ContextParams) -> None:
         )
 
 
+def _names_filter(names: tuple) -> Any:
+    """``ctx.capture("l_out", "kq")``'s names as one taps.NamesFilter (a lone predicate stays one)."""
+    if len(names) == 1:
+        return names[0]
+    if any(callable(n) for n in names):
+        raise TypeError("a predicate must be the only name filter")
+    return list(names)
+
+
 class Context(StateMethods, Owner):
     """A ``llama_context``: decode batches, read outputs, its sequences' memory and state.
 
@@ -138,7 +149,13 @@ class Context(StateMethods, Owner):
     """
 
     def __init__(
-        self, model: Model, params: ContextParams | None = None, *, handle_sigint: bool = True, **kwargs: Any
+        self,
+        model: Model,
+        params: ContextParams | None = None,
+        *,
+        handle_sigint: bool = True,
+        taps: bool = True,
+        **kwargs: Any,
     ) -> None:
         self.model = model
         self.params = context_params(params, **kwargs)
@@ -161,6 +178,13 @@ class Context(StateMethods, Owner):
         if self.params.abort_callback is None:
             cparams.abort_callback = ffi.addressof(lib, "pyl_abort_flag_cb")
             cparams.abort_callback_data = self._abort_state
+        # Graph taps (taps.py): a C cb_eval that answers "not wanted" until a capture or patch is armed.
+        self._taps_state: Any = None
+        self._taps: Any = None  # the taps.Taps, made on first capture or patch
+        if taps and self.params.cb_eval is None:
+            self._taps_state = ffi.new("pyl_taps *")
+            cparams.cb_eval = ffi.addressof(lib, "pyl_tap_eval")
+            cparams.cb_eval_user_data = self._taps_state
         with _log.capture() as cap:
             ptr = lib.llama_init_from_model(model.ptr, cparams[0])
         check_ptr(ptr, "llama_init_from_model", error=ContextError, reason=cap.reason())
@@ -168,7 +192,7 @@ class Context(StateMethods, Owner):
         self._h = Handle(
             ptr,
             lib.llama_free,
-            deps=(model._h, self._abort_state),
+            deps=(model._h, self._abort_state, self._taps_state),
             rpc=rpc.child("context") if rpc is not None else None,
         )
         self.buffers: dict[str, dict[str, float]] = {**model.load_buffers}
@@ -351,7 +375,10 @@ class Context(StateMethods, Owner):
             raise RuntimeError("this context is being used by another thread; use one context per thread")
         watch = self.handle_sigint and threading.get_ident() == _MAIN_THREAD
         sigint = 0
+        taps = self._taps if self._taps is not None and self._taps.armed else None
         try:
+            if taps is not None:
+                taps.before_call(batch)
             if watch:
                 self._abort_state.watch_sigint = lib.pyl_sigint_watch()
             with _log.capture() as cap:
@@ -363,6 +390,10 @@ class Context(StateMethods, Owner):
             self._lock.release()
         if rc == 2:  # consumed; an abort() that came after the last check stays for the next decode
             self._abort_state.abort_requested = 0
+        if taps is not None:
+            tap_error = taps.failed()
+            if tap_error is not None:
+                self._taps_failed(rc, tap_error, taps)
         if rc == 0:
             self._decoded(n_outputs, sigint)
             return
@@ -395,6 +426,31 @@ class Context(StateMethods, Owner):
                 for sq in np.unique(batch.seq_id[np.arange(batch.n_seq_max) < batch.n_seq_id[:, None]])
             }
             raise
+
+    def _taps_failed(self, rc: int, error: BaseException, taps) -> None:
+        """A capture or patch failed during a decode (taps.py): leave the context as a failed decode
+        leaves it, and raise the failure. llama.cpp rolled back the ubatch it was computing when the
+        abort flag stopped it; a failure at a graph's last node stops nothing, so that pass's
+        cells are removed here as llama.cpp would (positions from the first of each sequence on)."""
+        self._abort_state.abort_requested = 0  # set by the tap; unused when nothing came after it
+        self._n_outputs = 0
+        s = taps.state
+        if rc == 0 or int(s.cur_pass) > int(s.error_pass):
+            _, call = taps.current_call()
+            ub = int(s.error_pass) - (call.first_pass if call is not None else 0)
+            if call is not None:
+                if call.ubatches is None:
+                    from .taps import _plan_ubatches
+
+                    call.ubatches = _plan_ubatches(self, call)
+                if 0 <= ub < len(call.ubatches):
+                    first: dict[int, int] = {}
+                    for i in call.ubatches[ub]:
+                        sq, p = call.seq_ids[i][0], int(call.pos[i])
+                        first[sq] = min(p, first.get(sq, p))
+                    for sq, p in first.items():
+                        lib.llama_memory_seq_rm(lib.llama_get_memory(self.ptr), sq, p, -1)
+        raise error
 
     def _generation_step(self, sampler, seq_id: int):
         """For :func:`pyllamacpp.generate`: ``(step, out)``. ``step(token, pos, sample_next)``
@@ -435,6 +491,10 @@ class Context(StateMethods, Owner):
             finally:
                 lock.release()
             if out.rc:
+                if self._taps is not None and self._taps.armed:
+                    tap_error = self._taps.failed()
+                    if tap_error is not None:
+                        self._taps_failed(0 if out.rc == lib.PYL_STEP_TAPS_FAILED else out.rc, tap_error, self._taps)
                 reason = _log.c_reason()
                 try:
                     raise_pending()  # a logging handler's exception: the decode's error carries it as context
@@ -664,6 +724,156 @@ class Context(StateMethods, Owner):
         lib.llama_perf_context_reset(self.ptr)
 
     # -- LoRA adapters (pyllamacpp.lora) -------------------------------------------------------
+    # -- graph taps (taps.py) ------------------------------------------------------------------
+    def graph_nodes(self, n_tokens: int = 3) -> Graph:
+        """What one forward pass of this model under this context's parameters computes: every
+        node (name, op, type, shape, layer, token axis) in graph order, and the inputs they read.
+
+        Made by probe decodes of ``n_tokens`` tokens (and 2 and 3, to find each node's token axis)
+        in a throwaway context with the same parameters, so this context is untouched; cached per
+        model and parameters.
+
+        Args:
+            n_tokens: Tokens of the probe whose shapes are shown (one output, the last).
+
+        Returns:
+            A :class:`~pyllamacpp.taps.Graph` (``.table()`` prints it).
+
+        Raises:
+            ContextError: The probe context could not be made.
+            ClosedError: The context is closed.
+        """
+        from .taps import _listing
+
+        self.ptr  # noqa: B018 - raises when closed
+        return _listing(self, int(n_tokens))
+
+    def capture(
+        self,
+        *names: NamesFilter,
+        layers: Sequence[int] | None = None,
+        which: int | str | None = None,
+        max_bytes: int = 1 << 30,
+        max_records: int = 1 << 16,
+        copy: bool = True,
+    ) -> Capture:
+        """Capture tensors of the forward passes run inside a ``with`` block (graph taps).
+
+        ``with ctx.capture("l_out", "kq_soft_max", layers=[0, 5]) as cap: ctx.decode(batch)``, then
+        ``cap["l_out", 5]`` is a ``(n_tokens, n_embd)`` array and ``cap.records`` has one record
+        per tensor per ubatch. The copies are made in C (``ggml_backend_tensor_get``) while the
+        graph runs; see :class:`~pyllamacpp.taps.Capture`.
+
+        Args:
+            *names: Names, sites or globs (``"l_out"``, ``"l_out-5"``, ``"ffn_*"``), or one
+                predicate on the full node name; inputs (``"attn_inp_kq_mask"``, ``"inp_pos"``)
+                too.
+            layers: Only these layers.
+            which: For names several nodes carry: None (the last), an index, an op name, "all".
+            max_bytes: The arena's size: a decode whose copies need more raises
+                :class:`~pyllamacpp.errors.CaptureLimitError` (and is rolled back).
+            max_records: The most tensor copies (and decode calls) it holds.
+            copy: False records each wanted node's shape and pass without copying it (what
+                the graph splits cost alone; counting passes).
+
+        Returns:
+            The :class:`~pyllamacpp.taps.Capture` (a context manager).
+
+        Raises:
+            TapError: A name this pass does not produce (the message lists what it does), a
+                context made with ``taps=False`` or its own ``cb_eval``, or another capture active.
+            TypeError: A filter that is not a name, glob, list or predicate.
+            ClosedError: The context is closed.
+        """
+        from .taps import Capture
+
+        return Capture(
+            self,
+            _names_filter(names),
+            layers=layers,
+            which=which,
+            max_bytes=max_bytes,
+            max_records=max_records,
+            copy=copy,
+        )
+
+    def patch(
+        self,
+        names: NamesFilter,
+        fn: Callable[[np.ndarray, TapInfo], np.ndarray | None],
+        *,
+        layers: Sequence[int] | None = None,
+        which: int | str | None = None,
+    ) -> Patch:
+        """Call ``fn(array, info)`` at named nodes of every forward pass inside a ``with`` block:
+        the array is the node's output (writable, numpy order); change it in place or return new
+        values, and later nodes read them. An exception in ``fn`` stops the decode, which raises
+        it, its ubatch rolled back.
+
+        Args:
+            names: As for :meth:`capture` (inputs too: a patched input is what every node reads).
+            fn: The function; ``info`` is a :class:`~pyllamacpp.taps.TapInfo` (name, layer, the
+                batch rows of the pass, their sequence ids and positions).
+            layers: Only these layers.
+            which: As for :meth:`capture`.
+
+        Returns:
+            The :class:`~pyllamacpp.taps.Patch` (a context manager).
+
+        Raises:
+            TapError: A name this pass does not produce, or a context that cannot be tapped.
+            TypeError: ``fn`` is not callable.
+            ClosedError: The context is closed.
+        """
+        from .taps import Patch
+
+        return Patch(self, names, fn, layers=layers, which=which)
+
+    def control_vector(
+        self,
+        vector: npt.ArrayLike | str | os.PathLike | None,
+        *,
+        layers: tuple[int, int] | None = None,
+        strength: float = 1.0,
+    ) -> None:
+        """Add a control vector to each layer's output: ``llama_set_adapter_cvec``.
+
+        llama.cpp adds layer ``il``'s vector to the layer's output just before the graph names it
+        ``l_out-<il>`` (for layers 1 to ``n_layer - 1``; layer 0 has none).
+
+        Args:
+            vector: A ``(n_layer - 1, n_embd)`` array (row 0 is layer 1), a ``{layer: (n_embd,)}``
+                dict, the path of a control-vector GGUF (``direction.<il>`` tensors, as
+                llama.cpp's ``cvector-generator`` writes), or None to clear it.
+            layers: ``(il_start, il_end)``, both inclusive (default: every layer it has).
+            strength: Multiplies the vector (as llama.cpp's ``--control-vector-scaled``).
+
+        Raises:
+            ValueError: A vector of another width than the model's ``n_embd``, a bad layer, or a
+                file that is not a control vector.
+            LlamaError: llama.cpp refused it.
+            ClosedError: The context is closed.
+        """
+        from .cvec import control_vector_data
+
+        ptr = self.ptr
+        n_embd = self.model.n_embd
+        if vector is None:
+            with _log.capture() as cap:
+                rc = lib.llama_set_adapter_cvec(ptr, ffi.NULL, 0, n_embd, -1, -1)
+        else:
+            data = control_vector_data(vector, n_layer=self.model.n_layer, n_embd=n_embd, strength=strength)
+            lo, hi = layers if layers is not None else (1, self.model.n_layer - 1)
+            if not 1 <= lo <= hi < self.model.n_layer:
+                raise ValueError(f"layers: {lo}..{hi} is not within 1..{self.model.n_layer - 1}")
+            self._cvec = data  # llama.cpp copies it, but keep what was applied readable
+            with _log.capture() as cap:
+                rc = lib.llama_set_adapter_cvec(ptr, ffi.from_buffer("float[]", data), data.size, n_embd, lo, hi)
+        if rc != 0:
+            raise LlamaError(
+                "llama_set_adapter_cvec() failed", func="llama_set_adapter_cvec", code=rc, reason=cap.reason()
+            )
+
     def set_lora(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
         """Apply ``adapter`` at ``scale``, keeping the other adapters; 0 takes it off.
 

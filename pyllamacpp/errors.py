@@ -133,6 +133,15 @@ class RPCError(LlamaError):
     """An RPC server (ggml-rpc) could not be used: unreachable, or gone while objects lived on it."""
 
 
+class TapError(LlamaError):
+    """A graph tap (capture or patch, :mod:`pyllamacpp.taps`) cannot be made or failed in a decode."""
+
+
+class CaptureLimitError(TapError, MemoryError):
+    """A capture would need more memory (or more records) than its limit; the decode that hit it
+    was stopped and rolled back before anything was overwritten."""
+
+
 class BusyCoresWarning(RuntimeWarning):
     """A context computes with several threads while the load average says every core is taken:
     ggml's threads wait for each other at every step, so decoding can be slower than with one."""
