@@ -67,6 +67,11 @@ typedef struct {
     uint64_t nb[4];
     uint64_t offset, nbytes; /* where the copy lies in the arena */
     char name[PYL_TAP_NAME];
+    char buffer[PYL_TAP_NAME]; /* ggml_backend_buffer_name of the tensor's buffer ("" none) */
+    uint64_t buffer_offset;    /* the tensor's data - ggml_backend_buffer_get_base */
+    uint64_t buffer_size;      /* ggml_backend_buffer_get_size */
+    int32_t buffer_usage;      /* enum ggml_backend_buffer_usage */
+    int32_t is_host;           /* ggml_backend_buffer_is_host */
 } pyl_tap_record;
 
 typedef struct {
@@ -170,6 +175,18 @@ static void pyl_tap_copy(pyl_taps *s, const struct ggml_tensor *t, int32_t want,
     memcpy(r->name, t->name, PYL_TAP_NAME);
     r->offset = off;
     r->nbytes = has_data ? nbytes : 0;
+    r->buffer[0] = 0;
+    r->buffer_offset = r->buffer_size = 0;
+    r->buffer_usage = -1;
+    r->is_host = 0;
+    if (buf != NULL) {
+        snprintf(r->buffer, PYL_TAP_NAME, "%s", ggml_backend_buffer_name(buf));
+        const uint8_t *base = (const uint8_t *)ggml_backend_buffer_get_base(buf);
+        r->buffer_offset = t->data ? (uint64_t)((const uint8_t *)t->data - base) : 0;
+        r->buffer_size = ggml_backend_buffer_get_size(buf);
+        r->buffer_usage = (int32_t)ggml_backend_buffer_get_usage(buf);
+        r->is_host = ggml_backend_buffer_is_host(buf);
+    }
     if (has_data) {
         if (ggml_backend_buffer_is_host(buf)) {
             memcpy(s->arena + off, t->data, nbytes);

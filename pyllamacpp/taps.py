@@ -582,6 +582,13 @@ class TapRecord:
             a quantized type).
         offset: Where the copy starts in the arena; ``nbytes``: its size.
         nbytes: Bytes copied.
+        buffer: The backend buffer the tensor lives in (``ggml_backend_buffer_name``: ``CPU``,
+            ``CUDA0``...), ``buffer_offset`` its data's byte offset from the buffer's base,
+            ``buffer_size`` the buffer's size: where a KV cache tensor sits in its allocation.
+        buffer_offset: See ``buffer``.
+        buffer_size: See ``buffer``.
+        buffer_usage: ``GGML_BACKEND_BUFFER_USAGE_*`` (weights, compute, any), -1 without a buffer.
+        on_host: The buffer is host memory.
     """
 
     name: str
@@ -606,6 +613,11 @@ class TapRecord:
     data: np.ndarray = dataclasses.field(repr=False)
     offset: int = 0
     nbytes: int = 0
+    buffer: str = ""
+    buffer_offset: int = 0
+    buffer_size: int = 0
+    buffer_usage: int = -1
+    on_host: bool = False
 
     def array(self) -> np.ndarray:
         """The data as numbers: :attr:`data` for f32/f16/integer types, float32 for bf16 and the
@@ -1249,6 +1261,11 @@ class Capture:
                     data=data,
                     offset=int(r.offset),
                     nbytes=int(r.nbytes),
+                    buffer=ffi.string(r.buffer).decode("utf-8", "replace"),
+                    buffer_offset=int(r.buffer_offset),
+                    buffer_size=int(r.buffer_size),
+                    buffer_usage=int(r.buffer_usage),
+                    on_host=bool(r.is_host),
                 )
             )
         self._built = self._n_records
