@@ -890,11 +890,12 @@ def _run(
     n_draft: int,
     passes: PassCounter | None,
     res: _Outcome,
+    prefix: list[int],
 ) -> Generator[int, None, None]:
     st = res.stats
     t_start = time.perf_counter()
     try:
-        yield from _rounds(ctx, toks, n_predict, sampler, seq_id, draft, n_draft, passes, res, st)
+        yield from _rounds(ctx, toks, n_predict, sampler, seq_id, draft, n_draft, passes, res, st, prefix)
     finally:
         st.t_total = time.perf_counter() - t_start
 
@@ -910,6 +911,7 @@ def _rounds(
     passes: PassCounter | None,
     res: _Outcome,
     st: SpeculativeStats,
+    prefix: list[int],
 ) -> Generator[int, None, None]:
     info = ctx.model._tokens[0]  # token -> (bytes, is_eog, text)
     n_vocab = ctx.model.n_vocab
@@ -923,7 +925,7 @@ def _rounds(
     if toks.size > 1:
         ctx.prefill(toks[:-1], seq_id, pos0)
     st.t_prefill = time.perf_counter() - t
-    history: list[int] = toks.tolist()
+    history: list[int] = prefix + toks.tolist()
     draft.begin(history)
     target = _Target(ctx, seq_id, pos0 + int(toks.size) - 1, passes, st)
     limit = n_predict if n_predict > 0 else -1  # -1: no limit
@@ -1042,6 +1044,7 @@ class Speculation:
         seq_id: The sequence to extend.
         n_draft: Most tokens drafted per round.
         passes: A :class:`PassCounter` installed in ``ctx``, or None.
+        history: Tokens the sequence holds before ``tokens``, for the draft.
     """
 
     def __init__(
@@ -1054,6 +1057,7 @@ class Speculation:
         seq_id: int,
         n_draft: int,
         passes: PassCounter | None,
+        history: Sequence[int] = (),
     ) -> None:
         self.ctx, self.seq_id, self.draft = ctx, seq_id, draft
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
@@ -1061,7 +1065,10 @@ class Speculation:
         self.stats = SpeculativeStats(n_draft=int(n_draft), n_ubatch=ctx.n_ubatch)
         self._out = _Outcome(self.stats)
         self._sampler = sampler or Sampler.greedy()
-        self._it = _run(ctx, toks, int(n_predict), self._sampler, seq_id, draft, int(n_draft), passes, self._out)
+        prefix = [int(t) for t in history]
+        self._it = _run(
+            ctx, toks, int(n_predict), self._sampler, seq_id, draft, int(n_draft), passes, self._out, prefix
+        )
 
     @property
     def tokens(self) -> list[int]:
@@ -1111,6 +1118,7 @@ def generate_speculative(
     seq_id: int = 0,
     n_draft: int = 8,
     passes: PassCounter | None = None,
+    history: npt.ArrayLike | None = None,
 ) -> Speculation:
     """:func:`pyllamacpp.generate` with a draft: several tokens per target decode where the draft is right.
 
@@ -1137,6 +1145,8 @@ def generate_speculative(
         n_draft: Most tokens drafted per round (at least 1).
         passes: The :class:`PassCounter` installed in ``ctx`` (``ctx`` made with its
             :meth:`~PassCounter.context_params`): forward passes are then counted per verify.
+        history: Tokens the sequence already holds before ``tokens`` (a conversation so far):
+            the draft sees them as the text before the prompt; they are not decoded again.
 
     Returns:
         A :class:`Speculation`, an iterator of token ids with :attr:`~Speculation.stats`.
@@ -1163,7 +1173,8 @@ def generate_speculative(
     if toks.size == 0:
         raise ValueError("generate_speculative: no tokens")
     draft.bind(ctx.model)  # a draft model of another vocabulary fails here, before any decode
-    return Speculation(ctx, toks, n_predict, draft, sampler, seq_id, n_draft, passes)
+    hist = () if history is None else np.asarray(history, dtype=np.int64).reshape(-1).tolist()
+    return Speculation(ctx, toks, n_predict, draft, sampler, seq_id, n_draft, passes, hist)
 
 
 def compare_speculative(
@@ -1182,8 +1193,11 @@ def compare_speculative(
 
     Each run clears ``seq_id`` first and the draft too (:meth:`Draft.reset`: a draft model
     decodes the prompt again), so every run starts cold; the sides alternate (plain, speculative,
-    speculative, plain, ...) so that a machine getting slower or faster weighs on both. A run is
-    timed from the call to its last token, the prompt's prefill included, the same for both.
+    speculative, plain, ...) so that a machine getting slower or faster weighs on both. The
+    prompt but its last token is prefilled first, untimed, the same for both; a run is timed from
+    there to its last token: the prompt's last token is the first decode of both sides (``generate``
+    of it; the first verify of the other, the prompt passed as ``history``), and a draft model's
+    decode of the prompt is in the speculative side's time.
 
     Args:
         ctx: The target context.
@@ -1198,11 +1212,14 @@ def compare_speculative(
         passes: A :class:`PassCounter` installed in ``ctx``.
 
     Returns:
-        ``plain`` and ``speculative`` (``tokens_per_s``: the median over runs, ``runs_s``, and
-        for the speculative side ``stats``, the last run's :meth:`SpeculativeStats.report`),
-        ``speedup`` (the median over pairs of the speculative side's tokens/s over the plain
-        side's), ``same_tokens``, ``first_difference`` (the index of the first token where the
-        sides differ, None when they agree), ``n_tokens`` and the ``tokens`` of each side.
+        ``plain`` and ``speculative`` (``tokens_per_s``: the median over runs, ``runs_s`` and
+        ``runs_cpu_s`` per run, and for the speculative side ``stats``, the last run's
+        :meth:`SpeculativeStats.report`), ``speedup`` (the median over pairs of the speculative
+        side's tokens/s over the plain side's; ``speedups`` per pair), ``speedup_cpu`` (the same
+        in this thread's CPU time, ``time.thread_time``: with ``n_threads=1`` the decodes run in
+        this thread, and time given to other processes does not count), ``same_tokens``,
+        ``first_difference`` (the index of the first token where the sides differ, None when they
+        agree), ``n_tokens`` and the ``tokens`` of each side.
 
     Raises:
         ValueError: As :func:`generate_speculative`, or ``repeat < 1``.
@@ -1215,28 +1232,39 @@ def compare_speculative(
         draft = NgramDraft()
     toks = np.asarray(tokens, dtype=np.int32)
     make = sampler or Sampler.greedy
-    runs: dict[str, list[float]] = {"plain": [], "speculative": []}
+    wall: dict[str, list[float]] = {"plain": [], "speculative": []}
+    cpu: dict[str, list[float]] = {"plain": [], "speculative": []}
     out: dict[str, list[int]] = {}
     stats: SpeculativeStats | None = None
     order = ["plain", "speculative"]
+    clock, cpu_clock = time.perf_counter, time.thread_time
     for r in range(repeat):
         for side in order if r % 2 == 0 else order[::-1]:
             ctx.memory.seq_rm(seq_id)
+            if toks.size > 1:
+                ctx.prefill(toks[:-1], seq_id, 0)  # untimed, the same for both sides
             with make() as smpl:
-                if side == "plain":
-                    t = time.perf_counter()
-                    got = list(generate(ctx, toks, n_predict, smpl, seq_id))
-                    dt = time.perf_counter() - t
-                else:
+                if side == "speculative":
                     draft.reset()
-                    t = time.perf_counter()
+                t, c = clock(), cpu_clock()
+                if side == "plain":
+                    got = list(generate(ctx, toks[-1:], n_predict, smpl, seq_id))
+                else:
                     s = generate_speculative(
-                        ctx, toks, n_predict, draft, smpl, seq_id=seq_id, n_draft=n_draft, passes=passes
+                        ctx,
+                        toks[-1:],
+                        n_predict,
+                        draft,
+                        smpl,
+                        seq_id=seq_id,
+                        n_draft=n_draft,
+                        passes=passes,
+                        history=toks[:-1],
                     )
                     got = list(s)
-                    dt = time.perf_counter() - t
                     stats = s.stats
-            runs[side].append(dt)
+                wall[side].append(clock() - t)
+                cpu[side].append(cpu_clock() - c)
             out.setdefault(side, got)
     ctx.memory.seq_rm(seq_id)
     a, b = out["plain"], out["speculative"]
@@ -1244,14 +1272,26 @@ def compare_speculative(
     if diff is None and len(a) != len(b):
         diff = min(len(a), len(b))
     assert stats is not None
+
+    def ratios(d: dict[str, list[float]]) -> list[float]:
+        return [(len(b) / s) / (len(a) / p) for p, s in zip(d["plain"], d["speculative"])]
+
     return {
-        "plain": {"tokens_per_s": len(a) / statistics.median(runs["plain"]), "runs_s": runs["plain"]},
+        "plain": {
+            "tokens_per_s": len(a) / statistics.median(wall["plain"]),
+            "runs_s": wall["plain"],
+            "runs_cpu_s": cpu["plain"],
+        },
         "speculative": {
-            "tokens_per_s": len(b) / statistics.median(runs["speculative"]),
-            "runs_s": runs["speculative"],
+            "tokens_per_s": len(b) / statistics.median(wall["speculative"]),
+            "runs_s": wall["speculative"],
+            "runs_cpu_s": cpu["speculative"],
             "stats": stats.report(),
         },
-        "speedup": statistics.median((len(b) / s) / (len(a) / p) for p, s in zip(runs["plain"], runs["speculative"])),
+        "speedup": statistics.median(ratios(wall)),
+        "speedups": ratios(wall),
+        "speedup_cpu": statistics.median(ratios(cpu)),
+        "speedups_cpu": ratios(cpu),
         "same_tokens": diff is None,
         "first_difference": diff,
         "n_tokens": len(b),

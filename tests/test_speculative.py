@@ -251,6 +251,32 @@ def test_ctx_full_ends_as_generate(tiny):
         assert s.stats.n_accepted > 0
 
 
+def test_history_is_text_for_the_draft_only(tiny):
+    """A sequence that holds the prompt already: ``history=`` gives the draft the text, nothing is decoded twice."""
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = _repetitive(seed=9)
+        plain = list(pl.generate(ctx, prompt, 30))
+        ctx.memory.seq_rm(0)
+        ctx.prefill(prompt[:-1])
+        s = generate_speculative(ctx, prompt[-1:], 30, NgramDraft(), history=prompt[:-1])
+        assert list(s) == plain and s.stats.n_accepted > 0
+        assert _held(ctx) == prompt.size + 30 - 1
+        ctx.memory.seq_rm(0)
+        ctx.prefill(prompt[:-1])
+        s = generate_speculative(ctx, prompt[-1:], 30, NgramDraft())  # no history: little to look up
+        assert list(s) == plain
+
+
+def test_compare_speculative(tiny):
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        c = pl.compare_speculative(ctx, _repetitive(seed=10), 24, NgramDraft(), n_draft=4, repeat=2)
+        assert c["same_tokens"] and c["first_difference"] is None and c["n_tokens"] == 24
+        assert len(c["speedups"]) == len(c["speedups_cpu"]) == 2 and c["speedup"] > 0 and c["speedup_cpu"] > 0
+        assert c["speculative"]["stats"]["n_accepted"] > 0
+        json.dumps(c)  # JSON-ready
+        assert _held(ctx) == 0  # the sequence is left cleared
+
+
 # -- stochastic sampling -----------------------------------------------------------------------
 def _chi2_critical(df: int, alpha_z: float = 3.0902) -> float:
     """Upper chi-square quantile by Wilson-Hilferty (within 1% of the exact one for df >= 10):
