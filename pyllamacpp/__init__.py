@@ -113,7 +113,7 @@ _LAZY = {
     "layer_skip_gguf": ".speculative",
 }
 # public subpackages and modules, also imported on first access (``pyllamacpp.state.parse``)
-_SUBMODULES = ("state", "testing", "models", "experiments", "rpc", "cli", "scoring", "speculative")
+_SUBMODULES = ("state", "testing", "models", "experiments", "rpc", "cli", "scoring", "speculative", "taps", "cvec")
 
 
 def __getattr__(name: str) -> Any:

@@ -519,11 +519,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=1e-3, help="max |Δ logit| accepted (default %(default)g)")
     p.set_defaults(func=_experiment("isolation"))
 
-    from .experiments import placement, splits, trace
+    from .experiments import graph, placement, splits, trace
 
     splits.add_parser(sub)
     trace.add_parser(sub)
     placement.add_parser(sub)
+    graph.add_parser(sub)
 
     from . import _scoring_cli
     from .experiments import kvtypes

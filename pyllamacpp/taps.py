@@ -156,6 +156,12 @@ class Graph:
         n_tokens: The probe's token count.
         flash_attn: Whether the context computes attention with ``FLASH_ATTN_EXT``.
         first: The name of the graph's first node (a pass starts there).
+
+    Args:
+        nodes: The nodes, in graph order.
+        inputs: The input leaves.
+        n_tokens: The probe's token count.
+        flash_attn: Whether flash attention is on.
     """
 
     def __init__(self, nodes: list[GraphNode], inputs: list[GraphNode], n_tokens: int, flash_attn: bool) -> None:
@@ -183,10 +189,12 @@ class Graph:
         return list(self._by_name.get(name, ()))
 
     def sites(self) -> list[str]:
-        """The sites of this pass, in order of first appearance (``embd``, ``norm``, ``attn_norm``...)."""
+        """The sites of this pass, in order of first appearance (``embd``, ``norm``, ``attn_norm``...):
+        the names the graph callback gave, without views (``Qcur-0 (view)``) and unnamed nodes
+        (``node_21``)."""
         seen: dict[str, None] = {}
         for n in self.nodes:
-            if not n.name.startswith("node_"):
+            if not n.name.startswith("node_") and " (" not in n.name:  # unnamed nodes and views
                 seen.setdefault(n.site, None)
         return list(seen)
 
@@ -1061,6 +1069,20 @@ class Capture:
             batch rows each pass holds (left out of :attr:`records` unless asked for).
         max_bytes: The arena's size: a capture that needs more raises :class:`CaptureLimitError`
             from the decode (rolled back), before anything is overwritten.
+
+    Args:
+        ctx: The context (:meth:`Context.capture` makes captures).
+        names: A :data:`NamesFilter`.
+        layers: Only these layers of layered names.
+        which: For names several nodes carry (see :func:`resolve`).
+        max_bytes: The arena's size in bytes.
+        max_records: The most tensor copies and decode calls it holds.
+        copy: False: records without data.
+        n_tokens: The listing's probe size.
+
+    Raises:
+        TapError: A name the pass does not produce, or a context that cannot be tapped.
+        ValueError: A limit that is not positive.
     """
 
     def __init__(
@@ -1343,10 +1365,10 @@ class Capture:
             raise KeyError(f"{key!r}: nothing captured under that name (captured: {', '.join(have[:40])})")
         return recs
 
-    def __getitem__(self, key) -> np.ndarray:
+    def __getitem__(self, key: str | tuple[str, int]) -> np.ndarray:
         return self.get(key)
 
-    def get(self, key, *, seq_id: int | None = None, call: int | None = None) -> np.ndarray:
+    def get(self, key: str | tuple[str, int], *, seq_id: int | None = None, call: int | None = None) -> np.ndarray:
         """The rows of a captured tensor, over every pass (or one decode call), in batch order.
 
         Args:
@@ -1443,6 +1465,18 @@ class Patch:
         nodes: The nodes it is called at.
         fn: The function.
         n_calls: How many times it was called.
+
+    Args:
+        ctx: The context (:meth:`Context.patch` makes patches).
+        names: A :data:`NamesFilter`.
+        fn: ``fn(array, info)``.
+        layers: Only these layers of layered names.
+        which: For names several nodes carry (see :func:`resolve`).
+        n_tokens: The listing's probe size.
+
+    Raises:
+        TapError: A name the pass does not produce, or a context that cannot be tapped.
+        TypeError: ``fn`` is not callable.
     """
 
     def __init__(

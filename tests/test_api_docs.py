@@ -27,9 +27,11 @@ from typing import Any
 import pytest
 
 import pyllamacpp
+import pyllamacpp.cvec
 import pyllamacpp.experiments
 import pyllamacpp.rpc
 import pyllamacpp.state
+import pyllamacpp.taps
 import pyllamacpp.testing
 
 # Objects exempt from the checks, each with its reason.
@@ -62,7 +64,7 @@ def _public(mod: Any) -> Iterator[tuple[str, Any]]:
 
 
 def _modules() -> list[Any]:
-    mods = [pyllamacpp, pyllamacpp.state, pyllamacpp.testing, pyllamacpp.rpc]
+    mods = [pyllamacpp, pyllamacpp.state, pyllamacpp.testing, pyllamacpp.rpc, pyllamacpp.taps, pyllamacpp.cvec]
     for m in pkgutil.iter_modules(pyllamacpp.experiments.__path__):
         if not m.name.startswith("_"):
             mods.append(importlib.import_module(f"pyllamacpp.experiments.{m.name}"))

@@ -118,6 +118,17 @@ def api_pages() -> dict[str, str]:
         "heading_level: 1", "heading_level: 2\n      show_root_heading: false"
     )
 
+    pages["reference/api/taps.md"] = (
+        "# `pyllamacpp.taps`\n\n"
+        + _api_block("pyllamacpp.taps", 1).replace(
+            "heading_level: 1", "heading_level: 2\n      show_root_heading: false"
+        )
+        + "\n# `pyllamacpp.cvec`\n\n"
+        + _api_block("pyllamacpp.cvec", 1).replace(
+            "heading_level: 1", "heading_level: 2\n      show_root_heading: false"
+        )
+    )
+
     import importlib.util
 
     if importlib.util.find_spec("pyllamacpp.text"):  # the text API's module, when present

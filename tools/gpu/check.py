@@ -16,7 +16,10 @@ context with every layer offloaded (``n_gpu_layers=99``) against a CPU one of th
 - ``generate`` tokens/s against the same loop in raw ``lib`` calls on the GPU (where a decode takes
   about a millisecond, Python's share per token matters more than on the CPU);
 - 8 sequences: ``generate_parallel`` (a chain per sequence) and ``Scheduler`` tokens/s against the
-  same step loop in raw ``lib`` calls (issue #15's GPU goal: at least 0.95x).
+  same step loop in raw ``lib`` calls (issue #15's GPU goal: at least 0.95x);
+- graph taps (issue #22): a capture (l_out, kq_soft_max, the KQ mask, positions, the K cache) and
+  a patch (a vector added at l_out-3, against the same control vector) on the GPU against the CPU,
+  the copies' buffers, and decode tokens/s without a callback, with taps idle and capturing.
 
 Prints a summary and writes ``gpu_check.json`` to ``--out`` (default ``$OUT`` or the current
 folder). Exits 1 when a check fails. ``--cpu-only`` runs the same code with both contexts on the
@@ -209,7 +212,91 @@ def main(argv=None) -> int:
                 f"({pr['scheduler'] / pr['raw']:.3f})",
                 flush=True,
             )
+        taps_checks(pl, check, results, m_cpu, m_gpu, toks, kw, gpu, args.n_predict)
     return finish(args, results, failed)
+
+
+def taps_checks(pl, check, results, m_cpu, m_gpu, toks, kw, gpu, n_predict) -> None:
+    """Graph taps on the GPU (issue #22): a capture and a patch compared with the same run on the
+    CPU, where the copies come from (CUDA buffers, ggml_backend_tensor_get/set), and what taps
+    cost in decode speed there (idle, and one site at every layer)."""
+    kw = {**kw, "flash_attn": "off"}  # kq_soft_max exists only without flash attention
+    names = ("l_out", "kq_soft_max", "attn_inp_kq_mask", "inp_pos", "cache_k")
+    caps = {}
+    with m_cpu.context(**kw) as c_cpu, m_gpu.context(**kw) as c_gpu:
+        for side, c in (("cpu", c_cpu), ("gpu", c_gpu)):
+            with c.capture(*names) as cap:
+                c.prefill(toks)
+            caps[side] = cap
+        rc, rg = caps["cpu"], caps["gpu"]
+        check(
+            "taps: the same records on GPU and CPU",
+            [(r.name, r.shape) for r in rc.records] == [(r.name, r.shape) for r in rg.records],
+            f"{len(rg.records)} records, {rg.nbytes:,} bytes",
+        )
+        bufs = sorted({r.buffer for r in rg.records if r.site in ("l_out", "cache_k")})
+        results["figures"]["taps_buffers_gpu"] = bufs
+        if gpu:
+            check("taps: copies come from GPU buffers", any(b.upper().startswith("CUDA") for b in bufs), bufs)
+        d_l = max(float(np.abs(rc["l_out", il] - rg["l_out", il]).max()) for il in range(8))
+        d_p = max(float(np.abs(rc["kq_soft_max", il] - rg["kq_soft_max", il]).max()) for il in range(8))
+        same_in = np.array_equal(rc["inp_pos"], rg["inp_pos"]) and np.array_equal(
+            rc["attn_inp_kq_mask"], rg["attn_inp_kq_mask"]
+        )
+        results["figures"]["taps_l_out_max_abs_diff"] = d_l
+        results["figures"]["taps_kq_soft_max_max_abs_diff"] = d_p
+        check("taps: inputs (positions, KQ mask) equal on GPU and CPU", same_in, "inp_pos, attn_inp_kq_mask")
+        tol = 5e-2 * max(1.0, float(np.abs(rc["l_out", 7]).max()))
+        check("taps: l_out GPU vs CPU", d_l <= tol, f"max |diff| {d_l:.3g}")
+        check("taps: kq_soft_max GPU vs CPU", d_p <= 1e-2, f"max |diff| {d_p:.3g}")
+
+        # a patch: a vector added to l_out-3 (written back with ggml_backend_tensor_set on the GPU),
+        # and the same vector as a control vector, on each device
+        rng = np.random.default_rng(0)
+        vec = rng.normal(0, 1, m_cpu.n_embd).astype(np.float32)
+        shift, exact = {}, {}
+        for side, c in (("cpu", c_cpu), ("gpu", c_gpu)):
+            c.memory.clear()
+            c.prefill(toks)
+            base = c.logits().copy()
+            c.memory.clear()
+            with c.patch("l_out", lambda x, info: x + vec, layers=[3]) as p:
+                c.prefill(toks)
+            patched = c.logits().copy()
+            c.memory.clear()
+            c.control_vector({3: vec}, layers=(3, 3))
+            c.prefill(toks)
+            exact[side] = float(np.abs(c.logits() - patched).max())
+            c.control_vector(None)
+            shift[side] = patched - base
+            check(f"taps: patch called on {side}", p.n_calls >= 1, f"{p.n_calls} calls")
+        d = float(np.abs(shift["cpu"] - shift["gpu"]).max())
+        results["figures"]["taps_patch_shift_diff"] = d
+        results["figures"]["taps_patch_vs_cvec_max_abs_diff"] = exact
+        scale = float(np.abs(shift["cpu"]).max())
+        check("taps: the patch moves GPU logits as CPU ones", d <= 0.1 * max(scale, 1.0), f"max |diff| {d:.3g}")
+        check("taps: patch at l_out == control vector (GPU)", exact["gpu"] <= 1e-3, f"max |diff| {exact['gpu']:.3g}")
+
+        # cost on this device: taps idle against taps=False, and l_out at every layer
+        with m_gpu.context(**kw, taps=False) as c_off:
+            rates: dict[str, list[float]] = {}
+            for side in ("off", "idle", "capture", "capture", "idle", "off") * 2:
+                c = c_off if side == "off" else c_gpu
+                c.memory.clear()
+                if side == "capture":
+                    with c.capture("l_out"):
+                        t, n = timed_generate(pl, c, toks, n_predict)
+                else:
+                    t, n = timed_generate(pl, c, toks, n_predict)
+                rates.setdefault(side, []).append(n / t)
+        r = {k: float(np.median(v)) for k, v in rates.items()}
+        results["figures"]["taps_decode_tok_s"] = r
+        print(
+            f"[figure] taps on {'GPU' if gpu else 'CPU'}: decode {r['off']:.1f} tok/s without a callback, "
+            f"{r['idle']:.1f} idle ({r['idle'] / r['off']:.3f}), {r['capture']:.1f} capturing l_out at 8 layers "
+            f"({r['capture'] / r['idle']:.3f} of idle)",
+            flush=True,
+        )
 
 
 def raw_parallel_loop(pl, lib, ctx, toks, n_seq, n):
