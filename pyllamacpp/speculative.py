@@ -1154,7 +1154,8 @@ def generate_speculative(
     Raises:
         ValueError: No tokens, a token outside the vocabulary, a bad ``seq_id`` (at the first
             ``next``), ``n_draft < 1``, a draft model with another vocabulary (here, before any
-            decode), or a draft that proposes something that is not a token.
+            decode), a draft that proposes something that is not a token, or a ``passes``
+            counter ``ctx`` was not made with.
         TypeError: ``draft`` is not a :class:`Draft`.
         KVCacheFullError: The prompt itself does not fit.
         DecodeAborted: ``ctx.abort()`` stopped a decode (the sequence holds what it held before
@@ -1172,6 +1173,11 @@ def generate_speculative(
     toks = np.asarray(tokens)
     if toks.size == 0:
         raise ValueError("generate_speculative: no tokens")
+    if passes is not None and ctx.params.cb_eval_user_data is not passes._c:
+        raise ValueError(
+            "passes: this PassCounter is not the one ctx was made with "
+            "(ctx = model.context(**counter.context_params()))"
+        )
     draft.bind(ctx.model)  # a draft model of another vocabulary fails here, before any decode
     hist = () if history is None else np.asarray(history, dtype=np.int64).reshape(-1).tolist()
     return Speculation(ctx, toks, n_predict, draft, sampler, seq_id, n_draft, passes, hist)

@@ -410,6 +410,8 @@ def test_bad_input(tiny):
             generate_speculative(ctx, prompt, 8, "ngram")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="no tokens"):
             generate_speculative(ctx, [], 8)
+        with pytest.raises(ValueError, match="PassCounter"):
+            generate_speculative(ctx, prompt, 8, passes=PassCounter())  # not installed in ctx
         s = generate_speculative(ctx, prompt, 8, FixedDraft([3, 64]))
         with pytest.raises(ValueError, match="not a token"):
             next(s)
