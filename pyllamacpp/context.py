@@ -108,6 +108,26 @@ def _warn_if_cores_busy(params: ContextParams) -> None:
         )
 
 
+def _check_mean_pooling(model: Model, params: ContextParams) -> None:
+    """Mean pooling with an ``n_ubatch`` that is not a multiple of ``n_seq_max`` aborts in
+    ``llama_init_from_model`` (its reserve graph rounds the worst-case ubatch up to a multiple of
+    n_seq_max, past n_ubatch; seen at n_seq_max 2..7): refused here instead."""
+    if not params.embeddings or params.n_seq_max <= 1:
+        return
+    pooling = params.pooling_type
+    if pooling == lib.LLAMA_POOLING_TYPE_UNSPECIFIED:
+        pooling = int(model.meta(f"{model.arch}.pooling_type") or lib.LLAMA_POOLING_TYPE_NONE)
+    if pooling != lib.LLAMA_POOLING_TYPE_MEAN:
+        return
+    n_ctx = params.n_ctx or model.n_ctx_train
+    n_ubatch = min(params.n_ubatch, params.n_batch, n_ctx)
+    if n_ubatch % params.n_seq_max:
+        raise ValueError(
+            f"mean pooling needs n_ubatch ({n_ubatch}) to be a multiple of n_seq_max ({params.n_seq_max}): "
+            "llama.cpp would abort while making the context"
+        )
+
+
 def _names_filter(names: tuple) -> Any:
     """``ctx.capture("l_out", "kq")``'s names as one taps.NamesFilter (a lone predicate stays one)."""
     if len(names) == 1:
@@ -172,6 +192,7 @@ class Context(StateMethods, Owner):
                 "context may hold (n_outputs_max, or n_batch when it is 0): llama.cpp would abort; "
                 "raise n_batch (or n_outputs_max) to at least n_seq_max"
             )
+        _check_mean_pooling(model, self.params)
         cparams = self.params.to_c()
         # Abort through a C flag (no GIL in ggml's threads) unless the caller brings a callback.
         self._abort_state = ffi.new("pyl_abort_state *")

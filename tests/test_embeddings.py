@@ -89,3 +89,33 @@ def test_mean_pooling_with_any_number_of_texts(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_a_mean_pooling_context_llama_cpp_would_abort_on_is_refused():
+    """Mean pooling with n_ubatch not a multiple of n_seq_max aborts in llama_init_from_model
+    (seen at n_seq_max 2, 3, 4 with n_ubatch 255, 256, 510): Context refuses it first. In a
+    child: without the check the abort ends that process, not the test run."""
+    from conftest import run_child
+
+    child = run_child(
+        "import pyllamacpp as pl\n"
+        "m = pl.Model()\n"
+        "for n_seq, ub in ((3, 256), (2, 255), (4, 510)):\n"
+        "    try:\n"
+        "        m.context(n_ctx=1024, n_seq_max=n_seq, n_batch=ub, n_ubatch=ub, embeddings=True,\n"
+        "                  pooling_type='mean', n_threads=1)\n"
+        "    except ValueError as e:\n"
+        "        assert 'multiple of n_seq_max' in str(e), e\n"
+        "        print('refused', n_seq, ub)\n"
+        "for n_seq, ub in ((3, 255), (4, 512)):\n"
+        "    with m.context(n_ctx=1024, n_seq_max=n_seq, n_batch=ub, n_ubatch=ub, embeddings=True,\n"
+        "                   pooling_type='mean', n_threads=1):\n"
+        "        print('made', n_seq, ub)\n"
+    )
+    assert child.stdout.split("\n")[:5] == [
+        "refused 3 256",
+        "refused 2 255",
+        "refused 4 510",
+        "made 3 255",
+        "made 4 512",
+    ]
