@@ -535,6 +535,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .experiments import speculative
 
     speculative.add_parser(sub).set_defaults(func=_experiment("speculative"))
+
+    from .experiments import mask
+
+    mask.add_parser(sub).set_defaults(func=_experiment("mask"))
+
+    from .experiments import kvlive
+
+    kvlive.add_parser(sub)
     return ap
 
 
