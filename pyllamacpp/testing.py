@@ -35,7 +35,7 @@ _SWA_DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6}  # load_swa_pattern(ml, n) in 
 
 # arch_specific keywords per arch, with defaults (None: computed from the other sizes)
 _OPTIONS: dict[str, dict[str, Any]] = {
-    "llama": {"rope_freq_base": 10000.0, "norm_rms_eps": 1e-5},
+    "llama": {"rope_freq_base": 10000.0, "norm_rms_eps": 1e-5, "n_expert": 0, "n_expert_used": 2},
     "qwen3": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-6},
     "gemma2": {"rope_freq_base": 10000.0, "norm_rms_eps": 1e-6, "n_swa": 4096, "swa_pattern": None},
     "gemma3": {"rope_freq_base": 1000000.0, "norm_rms_eps": 1e-6, "n_swa": 4096, "swa_pattern": None},
@@ -88,6 +88,9 @@ def make_model(
         **arch_specific: by arch, in llama.cpp's hparams names:
 
             - attention archs: ``rope_freq_base``, ``norm_rms_eps``;
+            - ``llama``: ``n_expert`` (0: a dense FFN; more: a mixture of experts, as Mixtral,
+              with ``ffn_gate_inp`` and ``ffn_{gate,up,down}_exps`` tensors of ``n_ff`` each) and
+              ``n_expert_used`` (2);
             - ``gemma2``/``gemma3`` (iSWA cache): ``n_swa`` (``attention.sliding_window``, default
               4096), ``swa_pattern``: an int period (layer ``il`` is SWA when ``il % p < p - 1``;
               default 2 for gemma2, 6 for gemma3) or one bool per layer (True = SWA);
@@ -179,6 +182,9 @@ def make_model(
             kv[f"{arch}.attention.key_length"] = u32(hd)
             kv[f"{arch}.attention.value_length"] = u32(hd)
         kv[f"{arch}.rope.freq_base"] = f32(opt["rope_freq_base"])
+        if opt.get("n_expert"):
+            kv[f"{arch}.expert_count"] = u32(int(opt["n_expert"]))
+            kv[f"{arch}.expert_used_count"] = u32(int(opt["n_expert_used"]))
         if arch in _SWA_DEFAULT_PATTERN:
             kv[f"{arch}.attention.sliding_window"] = u32(opt["n_swa"])
             pattern = opt["swa_pattern"]
@@ -207,12 +213,22 @@ def make_model(
                     (b + "post_attention_norm.weight", (n_embd,), "norm"),
                     (b + "post_ffw_norm.weight", (n_embd,), "norm"),
                 ]
-            tensors += [
-                (b + "ffn_norm.weight", (n_embd,), "norm"),
-                (b + "ffn_gate.weight", (n_embd, n_ff), "w"),
-                (b + "ffn_up.weight", (n_embd, n_ff), "w"),
-                (b + "ffn_down.weight", (n_ff, n_embd), "w"),
-            ]
+            n_expert = int(opt.get("n_expert") or 0)
+            if n_expert:  # models/llama.cpp: a mixture of experts when expert_count > 0
+                tensors += [
+                    (b + "ffn_norm.weight", (n_embd,), "norm"),
+                    (b + "ffn_gate_inp.weight", (n_embd, n_expert), "w32"),
+                    (b + "ffn_gate_exps.weight", (n_embd, n_ff, n_expert), "w"),
+                    (b + "ffn_up_exps.weight", (n_embd, n_ff, n_expert), "w"),
+                    (b + "ffn_down_exps.weight", (n_ff, n_embd, n_expert), "w"),
+                ]
+            else:
+                tensors += [
+                    (b + "ffn_norm.weight", (n_embd,), "norm"),
+                    (b + "ffn_gate.weight", (n_embd, n_ff), "w"),
+                    (b + "ffn_up.weight", (n_embd, n_ff), "w"),
+                    (b + "ffn_down.weight", (n_ff, n_embd), "w"),
+                ]
     else:  # mamba: models/mamba.cpp
         if n_head or n_head_kv or head_dim or n_ff:
             raise ValueError(

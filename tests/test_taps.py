@@ -74,6 +74,7 @@ def test_graph_nodes_lists_the_pass_in_graph_order(model):
         ("gemma3", {"n_head": 4, "n_swa": 8, "swa_pattern": 2}, "kq_soft_max"),
         ("mamba", {"ssm_d_conv": 4, "ssm_d_state": 8}, "l_out"),
         ("lfm2", {"n_head": 4}, "l_out"),
+        ("llama", {"n_head": 4, "n_ff": 32, "n_expert": 4, "n_expert_used": 2}, "ffn_moe_probs"),  # MoE
     ],
 )
 def test_graph_nodes_and_a_capture_on_every_memory_kind(tmp_path, arch, kw, site):
@@ -369,3 +370,49 @@ def test_lifetimes_records_outlive_the_context_and_closed_contexts_raise(model):
 
 def test_lib_has_the_tap_helpers():
     assert lib.PYL_TAP_NAME == 64
+
+
+def test_a_synthetic_models_nodes_match_numpy(tmp_path):
+    """On a random-weight F32 llama with a mixture of experts: the projections, the router's
+    softmax and its top-k choice, recomputed with numpy from the GGUF's own tensors."""
+    path = make_model(
+        tmp_path / "moe.gguf",
+        "llama",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_vocab=128,
+        n_ff=32,
+        n_expert=4,
+        n_expert_used=2,
+    )
+    w = {
+        t.name: np.asarray(t.data, np.float64).reshape(tuple(int(x) for x in reversed(t.shape)))
+        for t in GGUFReader(str(path)).tensors
+    }
+    with pl.Model(path) as m, m.context(n_ctx=256, n_threads=1, flash_attn="off") as ctx:
+        b = pl.Batch(8, 1)
+        b.add_sequence([5, 6, 7, 8, 9], 0, 0, logits="last")
+        with ctx.capture(
+            "embd",
+            "attn_norm",
+            "Qcur",
+            "ffn_norm",
+            "ffn_moe_logits",
+            "ffn_moe_probs",
+            "ffn_moe_topk",
+            layers=[1],
+            which="all",
+        ) as cap:
+            ctx.decode(b)
+    assert np.array_equal(cap["embd"], w["token_embd.weight"][[5, 6, 7, 8, 9]].astype(np.float32))
+    x = cap.get("attn_norm-1").astype(np.float64)
+    q = next(r for r in cap.records if r.name == "Qcur-1" and r.op == "MUL_MAT").data
+    assert np.allclose(q, x @ w["blk.1.attn_q.weight"].T, rtol=1e-5, atol=1e-6)
+    logits = cap["ffn_norm", 1].astype(np.float64) @ w["blk.1.ffn_gate_inp.weight"].T
+    assert np.allclose(cap["ffn_moe_logits", 1], logits, rtol=1e-5, atol=1e-6)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    assert np.allclose(cap["ffn_moe_probs", 1], probs, atol=1e-6)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :2]
+    assert np.array_equal(np.sort(cap["ffn_moe_topk", 1], -1), np.sort(top, -1))
