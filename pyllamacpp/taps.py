@@ -1121,6 +1121,8 @@ class Capture:
         self._py_calls: list[_Call] = []
         self._c_calls: list[tuple[int, int, int, int, int]] = []
         self._splitting = _Splitting.of(ctx)
+        self._inputs_by_pass: dict[tuple[int, str], tuple[int, int]] = {}
+        self._indexed = 0
 
     # lifetime
     def __enter__(self) -> Capture:
@@ -1323,14 +1325,18 @@ class Capture:
         return np.asarray(out, np.int64)
 
     def _auto_input(self, pass_index: int, name: str) -> np.ndarray | None:
+        """The pass's own ``inp_pos`` / ``inp_tokens`` (int32), from an index made once per record."""
         rc = self._records_c
-        for i in range(self._n_records):
+        for i in range(self._indexed, self._n_records):  # records not indexed yet
             r = rc[i]
-            if int(r.pass_no) == pass_index and r.flags & lib.PYL_TAPREC_INPUT and ffi.string(r.name) == name.encode():
-                if r.flags & lib.PYL_TAPREC_NO_DATA:
-                    return None
-                return self._arena[int(r.offset) : int(r.offset) + int(r.nbytes)].view(np.int32)
-        return None
+            if r.flags & lib.PYL_TAPREC_INPUT and not r.flags & lib.PYL_TAPREC_NO_DATA:
+                key = (int(r.pass_no), ffi.string(r.name).decode("utf-8", "replace"))
+                self._inputs_by_pass.setdefault(key, (int(r.offset), int(r.nbytes)))
+        self._indexed = self._n_records
+        where = self._inputs_by_pass.get((pass_index, name))
+        if where is None:
+            return None
+        return self._arena[where[0] : where[0] + where[1]].view(np.int32)
 
     def _data_view(self, r, ne, nb, ndim) -> np.ndarray:
         t = int(r.type)
