@@ -1040,7 +1040,7 @@ def plot(data: dict, path: str | os.PathLike) -> None:
     n = len(panels)
     cols = min(n, 4)
     nrows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.6 * nrows + 0.8), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(max(8.0, 4.2 * cols), 3.6 * nrows + 0.8), squeeze=False)
     cmap = ListedColormap(_COLORS + ["#d7191c"])
     code = {ch: i for i, ch in enumerate(GRID_CHARS)} | {"X": 6, "!": 6}
     for ax, (e, s) in zip(axes.flat, panels):
