@@ -1123,6 +1123,7 @@ class Capture:
         self._splitting = _Splitting.of(ctx)
         self._inputs_by_pass: dict[tuple[int, str], tuple[int, int]] = {}
         self._indexed = 0
+        self._py_index: list[int] = []
 
     # lifetime
     def __enter__(self) -> Capture:
@@ -1213,7 +1214,12 @@ class Capture:
             one.ubatches = [np.zeros(1, np.int64)]
             one.first_pass = first
             return one
-        py = sum(1 for c in self._c_calls[:call_index] if c[1] == 0)
+        if len(self._py_index) != len(self._c_calls):  # call -> its Context.decode batch, in order
+            k, self._py_index = 0, []
+            for c in self._c_calls:
+                self._py_index.append(k)
+                k += c[1] == 0
+        py = self._py_index[call_index]
         if py >= len(self._py_calls):
             return None
         c = self._py_calls[py]
