@@ -1216,9 +1216,9 @@ class Capture:
             return one
         if len(self._py_index) != len(self._c_calls):  # call -> its Context.decode batch, in order
             k, self._py_index = 0, []
-            for c in self._c_calls:
+            for cc in self._c_calls:
                 self._py_index.append(k)
-                k += c[1] == 0
+                k += cc[1] == 0
         py = self._py_index[call_index]
         if py >= len(self._py_calls):
             return None
