@@ -204,7 +204,7 @@ static int pyl_score_has_simd(void) { return 0; }
 static int pyl_score_simd(void) { return pyl_score_has_simd(); }
 
 /* Per row: lse = max + log(sum exp(x - max)); logprob = (x[target] - max) - log(sum), as
- * llama-perplexity's log_softmax; argmax = the first index of the max; top-k logits, largest first
+ * llama-perplexity's log_softmax (the difference taken in double, where it takes it in float); argmax = the first index of the max; top-k logits, largest first
  * (equal values in index order). Every output may be NULL but lse; targets with logprob. */
 static void pyl_score_rows(const float *logits, int64_t n_rows, int64_t stride, int32_t n_vocab,
                            const int32_t *targets, double *lse, double *logprob, int32_t *argmax, int32_t top_k,
@@ -217,7 +217,7 @@ static void pyl_score_rows(const float *logits, int64_t n_rows, int64_t stride, 
         const double s = PYL_SCORE_PICK(pyl_score_sumexp)(x, n_vocab, mx);
         const double ls = log(s);
         lse[r] = (double)mx + ls;
-        if (logprob) logprob[r] = (double)(x[targets[r]] - mx) - ls;
+        if (logprob) logprob[r] = ((double)x[targets[r]] - (double)mx) - ls; /* in double: exact */
         if (argmax) argmax[r] = PYL_SCORE_PICK(pyl_score_first)(x, n_vocab, mx);
         if (top_k > 0) {
 #ifdef PYL_SCORE_X86

@@ -354,24 +354,26 @@ def score(
     if ctx is not None:
         if n_ctx is not None or n_batch is not None or ctx_kwargs:
             raise ValueError("score: n_ctx, n_batch and context keywords are for a Model; this Context has its own")
+        w = ctx.n_ctx_seq
     else:
+        # the window asked for, not the context's n_ctx (llama.cpp pads that to a multiple of 256)
         w = min(n, default_n_ctx(model.n_ctx_train)) if n_ctx is None else int(n_ctx)
         kw: dict[str, Any] = {"n_ctx": w, "n_batch": min(w, 512) if n_batch is None else int(n_batch)}
         kw["n_ubatch"] = min(kw["n_batch"], 512)
         kw.update(ctx_kwargs)
         ctx = model.context(**kw)
     try:
-        return _score(ctx, tokens, int(top_k), keep, seq_id)
+        return _score(ctx, tokens, w, int(top_k), keep, seq_id)
     finally:
         if own:
             ctx.close()
 
 
-def _score(ctx: Context, tokens: np.ndarray, top_k: int, keep: int | None, seq_id: int) -> Scores:
+def _score(ctx: Context, tokens: np.ndarray, W: int, top_k: int, keep: int | None, seq_id: int) -> Scores:
     from .batch import Batch
 
     model = ctx.model
-    n, W, n_batch = int(tokens.size), ctx.n_ctx_seq, ctx.n_batch
+    n, n_batch = int(tokens.size), ctx.n_batch
     if W < 2:
         raise ValueError(f"score: a window of {W} token(s) scores nothing")
     bos = model.bos
