@@ -435,7 +435,7 @@ def print_report(data: dict) -> None:
             ("e_out", "out engine", "d"),
             ("mask", "engine mask ne", "s"),
             ("pos", "positions", "s"),
-            ("ok", "", "s"),
+            ("ok", "agree", "s"),
         ],
     )
     if data["ok"]:
