@@ -536,13 +536,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     speculative.add_parser(sub).set_defaults(func=_experiment("speculative"))
 
-    from .experiments import mask
+    from .experiments import mask, rowaudit
 
     mask.add_parser(sub).set_defaults(func=_experiment("mask"))
+    rowaudit.add_parser(sub).set_defaults(func=_experiment("rowaudit"))
 
     from .experiments import kvlive
 
     kvlive.add_parser(sub)
+
+    from .experiments import profile
+
+    profile.add_parser(sub)
     return ap
 
 
