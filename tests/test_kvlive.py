@@ -10,6 +10,7 @@ import pytest
 
 import pyllamacpp as pl
 import pyllamacpp.state as st
+from pyllamacpp.cli import main
 from pyllamacpp.experiments import kvlive
 from pyllamacpp.testing import make_model
 
@@ -134,3 +135,13 @@ def test_what_it_cannot_read_is_refused_with_a_reason(model, tmp_path):
             pass
         with pytest.raises(ValueError, match="no forward pass"):
             w.tensors()
+
+
+def test_kv_live_command(tmp_path, capsys):
+    png = tmp_path / "k.png"
+    assert main(["kv-live", "-t", "1", "--modes", "split:off", "-o", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "memory order (by offset): K0 V0 K1 V1" in out and "live = file, byte for byte" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["kv-live", "--modes", "unified"]) == 2  # layout:fa, said so
+    assert "a mode is layout:fa" in capsys.readouterr().err
