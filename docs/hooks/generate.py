@@ -202,6 +202,18 @@ EXPERIMENT_OUTPUTS = [
         "prefix-workload.png",
         ["prefix-sharing", "--requests", "8", "-np", "4", "-n", "16", "-t", "1", "-fa", "off", "-o", "{out}"],
     ),
+    (
+        "mask.png",
+        ["mask", "-t", "1", "--tokens", "4,3", "-np", "2", "--kv-unified", "--shared", "3", "--past", "2,3"]
+        + ["-fa", "off", "-o", "{out}"],
+    ),
+    ("row-audit.png", ["row-audit", "-t", "1", "-o", "{out}"]),
+    ("kv-live.png", ["kv-live", "-t", "1", "--modes", "unified:off,split:off", "-o", "{out}"]),
+    (
+        "prefill-profile.png",
+        ["prefill-profile", "-t", "1", "-c", "512", "-p", "64", "-ub", "64,16,4", "-r", "1"]
+        + ["--clock", "cpu", "-o", "{out}"],
+    ),
 ]
 
 

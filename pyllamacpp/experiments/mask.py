@@ -982,7 +982,10 @@ def print_report(data: dict) -> None:
     )
     small = [e for e in data["masks"] if e["n_tps"] <= _TEXT_ROWS and e["columns_shown"] <= _TEXT_COLS]
     if small:
-        print("\n# visible; masked: . empty  s other sequence  f future  w window; X/! the engine differs")
+        print(
+            "\n# visible; masked: . empty  s other sequence  f future  w window; X/! the engine differs; "
+            "a row's seq ids in the ubatch's order (its first is the one masked against)"
+        )
         n_occ = len({x["occurrence"] for x in data["masks"]})
         for e in small[:8]:
             where = f"call {e['call']} ubatch {e['ubatch']}, mask of the {e['cache']} cache"
