@@ -107,3 +107,18 @@ def _help(cmd: str) -> str:
     ap = build_parser()
     sub = next(a for a in ap._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
     return sub.choices[cmd].format_help()
+
+
+def test_a_and_b_in_separate_ubatches_are_refused(tiny):
+    # separate streams: split_equal cuts A (4 tokens) and B (3) into several ubatches
+    with pytest.raises(ValueError, match="not one.*split_equal"):
+        audit(
+            tiny,
+            "one two three four",
+            "five six seven",
+            "eight nine ten",
+            fa_modes=("off",),
+            n_gen=0,
+            kv_unified=False,
+            **ONE,
+        )

@@ -175,6 +175,12 @@ def _one_run(
                         ctx.decode(batch)
                 except CaptureLimitError as e:
                     raise ValueError(f"{e}; or give --layers-per-capture a smaller N") from None
+                if cap.n_passes != 1:  # split_equal (separate streams) cuts unequal sequences apart
+                    raise ValueError(
+                        f"A and B were decoded in {cap.n_passes} ubatches, not one (-ub {ctx.n_ubatch}"
+                        f"{', separate KV streams: split_equal' if not ctx.params.kv_unified else ''}): "
+                        "the audit needs them side by side; use --kv-unified"
+                    )
                 _collect(cap.records, graph, out)
             logits = ctx.logits(last[0]).copy()
             gen = _greedy(ctx, batch, logits, tokens, rows, last, n_gen)
@@ -385,6 +391,8 @@ def audit(
         flash = runs["solo"]["flash_attn"]
         rows = compare_runs(runs, runs["solo"]["order"])
         compared = [r for r in rows if r["content"] is not None]
+        if not compared:
+            raise ValueError(f"flash attention {fa}: no node could be compared (A's rows not known)")
         mode = {
             "flash_attn": fa,
             "flash_attn_on": flash,
