@@ -137,13 +137,14 @@ def test_flash_attention_mask_is_f16_and_follows_the_rule(model):
     ]
 
 
-def test_sliding_window_layers_get_their_own_mask(tmp_path):
+@pytest.mark.parametrize("fa", ["off", "on"])
+def test_sliding_window_layers_get_their_own_mask(tmp_path, fa):
     import pyllamacpp as pl
 
     kw = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_vocab": 128, "n_swa": 4, "swa_pattern": 2}
     path = make_model(tmp_path / "g3.gguf", "gemma3", **kw)
     with pl.Model(path) as m:
-        d = run_mask(m, [6], [3], n_ctx=256, flash_attn="off", **ONE)
+        d = run_mask(m, [6], [3], n_ctx=256, flash_attn=fa, **ONE)  # on: unnamed readers, an f16 mask
     assert d["ok"] and d["n_swa"] == 4 and d["swa_type"] == "standard"
     swa, base = (next(e for e in d["masks"] if e["cache"] == c) for c in ("swa", "base"))
     assert (swa["layers"], base["layers"]) == ([0], [1])  # swa_pattern 2: layer 0 slides, layer 1 sees all

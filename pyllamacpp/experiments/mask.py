@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -388,44 +389,40 @@ def _swa_type(model: Model) -> str:
     return _ARCH_SWA_TYPE.get(arch, "standard")
 
 
-def _cache_parts(model: Model, graph, n_masks: int) -> dict[int, str]:
-    """mask occurrence -> the cache part it belongs to (kv, base, swa), from the layers reading it."""
-    masks = [i for i in graph.inputs if i.name == "attn_inp_kq_mask"]
-    if n_masks == 1:
-        return {masks[0].occurrence: "kv"}
+_LAYER_IN = re.compile(r"[^ ]+-(\d+)(?: |$)|cache_[kv]_l(\d+)")
+
+
+def _layer_in(name: str) -> int | None:
+    """The layer a tensor name says (``Kcur-3 (view)``, ``cache_k_l3 (view) (permuted)``), or None."""
+    m = _LAYER_IN.match(name)
+    return int(m.group(1) or m.group(2)) if m else None
+
+
+def _parts_by_first_use(graph, model: Model, leaf: str) -> dict[int, str]:
+    """Occurrence of an input leaf -> the cache part (kv, base, swa) it belongs to.
+
+    Leaves of one name are numbered by first use (taps.py), so occurrence k is the k-th distinct
+    cache among the nodes that read a leaf of that name, in graph order. A reader's layer is in its
+    name (``kq_soft_max-3``) or, for an unnamed one (``FLASH_ATTN_EXT``, the ``SET_ROWS`` into
+    ``cache_k_l3``), in its sources' names; the layer's cache from pyllamacpp.state's layer map.
+    """
     from ..state import model_facts
 
-    layers = model_facts(model).get("layers") or {}
-    out = {}
-    for m in masks:
-        part = next((p for p, ils in layers.items() if m.read_by and set(m.read_by) <= set(ils)), None)
-        if part is None:
-            raise ValueError(
-                f"{n_masks} KQ masks, and pyllamacpp.state does not say which cache the layers {m.read_by} use"
-            )
-        out[m.occurrence] = part
-    return out
-
-
-def _k_idxs_parts(graph, parts: dict[int, str], model: Model) -> dict[int, str]:
-    """k_idxs occurrence -> part: leaves are numbered by first use, and the SET_ROWS node that
-    reads one names its layer's K cache (``cache_k_l<il>``) among its sources."""
-    from ..state import model_facts
-    from ..taps import split_name
-
-    if len(set(parts.values())) == 1:
-        return {0: next(iter(parts.values()))}
+    if sum(1 for i in graph.inputs if i.name == leaf) == 1:
+        return {0: "kv"}
     layers = model_facts(model).get("layers") or {}
     part_of = {il: p for p, ils in layers.items() for il in ils}
     order: list[str] = []
     for n in graph.nodes:
-        if "attn_inp_k_idxs" not in n.srcs:
+        if leaf not in n.srcs:
             continue
-        k = next((s for s in n.srcs if s.startswith("cache_k_l")), None)
-        if k is None:
-            continue
-        p = part_of.get(split_name(k)[1])
-        if p is not None and p not in order:
+        il = n.layer
+        if il is None:
+            il = next((x for x in map(_layer_in, n.srcs) if x is not None), None)
+        p = part_of.get(il) if il is not None else None
+        if p is None:
+            raise ValueError(f"{leaf}: pyllamacpp.state does not say which cache layer {il} of this model uses")
+        if p not in order:
             order.append(p)
     return dict(enumerate(order))
 
@@ -556,8 +553,8 @@ def run_mask(
         masks = sorted((i for i in graph.inputs if i.name == "attn_inp_kq_mask"), key=lambda i: i.occurrence)
         if not masks:
             raise ValueError("this model's forward pass has no attn_inp_kq_mask input (no KV-cache attention)")
-        parts = _cache_parts(model, graph, len(masks))
-        kparts = {p: k for k, p in _k_idxs_parts(graph, parts, model).items()}
+        parts = _parts_by_first_use(graph, model, "attn_inp_kq_mask")
+        kparts = {p: k for k, p in _parts_by_first_use(graph, model, "attn_inp_k_idxs").items()}
         rows = batch_rows(tokens, past, n_shared=n_shared, layout=layout, couple=couple)
         toks = _prompt_tokens(model, n_shared + max(p + t for p, t in zip(past, tokens)))
         _fill(ctx, model, toks, past, n_shared, n_seqs)
@@ -591,6 +588,12 @@ def run_mask(
             "cache_size": sizes,
         }
     out = _check_records(cap.records, masks, parts, kparts, cells, unified, model, problems)
+    if any(not e["layers"] for e in out["masks"]):  # flash attention: the readers are unnamed
+        from ..state import model_facts
+
+        by_part = model_facts(model).get("layers") or {}
+        for e in out["masks"]:
+            e["layers"] = e["layers"] or list(by_part.get(e["cache"], range(model.n_layer)))
     out.update(settings)
     out.update(
         tokens=list(tokens),
