@@ -358,6 +358,17 @@ def _token_dims(a: list[dict], b: list[dict]) -> dict[tuple[str, int], tuple[int
     return out
 
 
+def _layer_of(node: dict) -> int | None:
+    """A node's layer: from its name, else (unnamed ``FLASH_ATTN_EXT``, suffixed views such as
+    ``cache_k_l0 (view)``) from the first of its sources that names one."""
+    for name in (node["name"], *(s["name"] for s in node["srcs"])):
+        base = name.split(" (")[0]
+        _, layer = split_name(base)
+        if layer is not None:
+            return layer
+    return None
+
+
 def _leaves(nodes: list[dict]) -> dict[tuple[str, int], dict]:
     """The non-weight leaves the nodes read, by (name, occurrence): distinct tensors of one name
     (an iSWA model's two KQ masks) numbered in order of first use."""
@@ -365,7 +376,7 @@ def _leaves(nodes: list[dict]) -> dict[tuple[str, int], dict]:
     seen: dict[int, tuple[str, int]] = {}
     count: dict[str, int] = {}
     for n in nodes:
-        _, layer = split_name(n["name"])
+        layer = _layer_of(n)
         for src in n["srcs"]:
             if not src["leaf"] or src["weight"]:
                 continue
@@ -510,7 +521,8 @@ def resolve(
         names: A :data:`NamesFilter`.
         layers: Keep only these layers of layered nodes (unlayered names that match stay).
         which: For a name that several nodes carry: None (the last in graph order), an index
-            among them (negative counts from the end), an op name (``"MUL_MAT"``), or ``"all"``.
+            among them (negative counts from the end), an op name (``"MUL_MAT"``), or ``"all"``
+            (every node of the name but views, which hold their source's data).
 
     Returns:
         The nodes and inputs, in graph order (inputs last).
@@ -533,8 +545,8 @@ def resolve(
             picked[n.name] = [m for m in same if m.kind == "input"]
         elif which is None:
             picked[n.name] = same[-1]
-        elif which == "all":
-            picked[n.name] = same
+        elif which == "all":  # every node of the name that computes (a view holds its source's data)
+            picked[n.name] = [m for m in same if not m.is_view] or same
         elif isinstance(which, int):
             if not -len(same) <= which < len(same):
                 raise TapError(f"which={which}: {n.name} names {len(same)} node(s) ({_ops(same)})")
@@ -586,6 +598,9 @@ class TapRecord:
         pos: The position of each row.
         seq_ids: The sequence ids of each row.
         outputs_only: The rows are the pass's output rows only (after ``inp_out_ids``).
+        n_stream: KV streams the tensor is split into (``ne[3]``, without ``kv_unified`` and with
+            several sequences in the ubatch): its rows then run stream by stream, each stream's
+            along ``token_axis`` (see :meth:`by_rows`).
         data: The copy, a numpy view in numpy order over the capture's arena (raw uint8 rows for
             a quantized type).
         offset: Where the copy starts in the arena; ``nbytes``: its size.
@@ -619,6 +634,7 @@ class TapRecord:
     seq_ids: tuple[tuple[int, ...], ...] | None
     outputs_only: bool
     data: np.ndarray = dataclasses.field(repr=False)
+    n_stream: int = 1
     offset: int = 0
     nbytes: int = 0
     buffer: str = ""
@@ -646,6 +662,26 @@ class TapRecord:
 
         return dequantize(np.ascontiguousarray(self.data), t).reshape(self.shape)
 
+    def by_rows(self) -> tuple[np.ndarray, int]:
+        """The data with every row of the pass on one axis, in :attr:`rows`' order: the array
+        itself, or for a tensor split into KV streams the stream axis merged into the token axis
+        (a copy only when numpy cannot reshape in place).
+
+        Returns:
+            ``(array, axis)``.
+
+        Raises:
+            TapError: The record has no token axis.
+        """
+        if self.token_axis is None:
+            raise TapError(f"{self.name}: this tensor has no axis of batch rows")
+        a = self.array()
+        if self.n_stream <= 1 or a.ndim < 4 or self.token_axis == 0:
+            return a, self.token_axis
+        ax = self.token_axis - 1  # the stream axis (numpy 0, ggml ne[3]) goes right before the token axis
+        a = np.moveaxis(a, 0, ax)
+        return a.reshape(*a.shape[:ax], -1, *a.shape[ax + 2 :]), ax
+
     def select(self, rows: np.ndarray) -> np.ndarray:
         """The entries of these rows (positions along :attr:`token_axis`, in :attr:`rows`' order).
 
@@ -658,9 +694,8 @@ class TapRecord:
         Raises:
             TapError: The record has no token axis.
         """
-        if self.token_axis is None:
-            raise TapError(f"{self.name}: this tensor has no axis of batch rows")
-        return np.take(self.array(), rows, axis=self.token_axis)
+        a, ax = self.by_rows()
+        return np.take(a, rows, axis=ax)
 
 
 _TYPE_IDS: dict[int, str] = {}
@@ -985,11 +1020,14 @@ def _token_axis(node: GraphNode, ne: Sequence[int]) -> int | None:
 
 
 def _rows_along(node: GraphNode, ne, rows, meta: _Call | None):
-    """(rows, seq_ids, pos, outputs_only) for the entries along the node's token axis."""
+    """(rows, seq_ids, pos, outputs_only) for the entries along the node's token axis; with
+    separate KV streams (ne[3] = n_stream) the rows run stream by stream over ne[3] and that axis."""
     if node.token_axis is None or rows is None or meta is None:
         return None, None, None, False
     dim = node.ndim - 1 - node.token_axis
     n = int(ne[dim])
+    if dim < 3 and ne[3] > 1:
+        n *= int(ne[3])
     outputs_only = False
     if n != len(rows) and meta.outputs is not None:
         out_rows = rows[meta.outputs[rows]]
@@ -1289,6 +1327,7 @@ class Capture:
                     seq_ids=seq_ids,
                     outputs_only=outs,
                     data=data,
+                    n_stream=int(ne[3]) if node.token_axis is not None and node.ndim - 1 - node.token_axis < 3 else 1,
                     offset=int(r.offset),
                     nbytes=int(r.nbytes),
                     buffer=ffi.string(r.buffer).decode("utf-8", "replace"),
@@ -1411,7 +1450,7 @@ class Capture:
             return arrays[0][None] if len(arrays) == 1 else np.stack(arrays)
         parts = []
         for r in recs:
-            a = r.array()
+            a, ax = r.by_rows()
             if seq_id is not None:
                 if r.seq_ids is None:
                     raise TapError(f"{r.name}: the rows of pass {r.pass_index} are not known; read cap.records")

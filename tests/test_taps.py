@@ -416,3 +416,21 @@ def test_a_synthetic_models_nodes_match_numpy(tmp_path):
     assert np.allclose(cap["ffn_moe_probs", 1], probs, atol=1e-6)
     top = np.argsort(-probs, axis=-1, kind="stable")[:, :2]
     assert np.array_equal(np.sort(cap["ffn_moe_topk", 1], -1), np.sort(top, -1))
+
+
+def test_rows_of_a_pass_split_into_kv_streams(model):
+    """Without kv_unified, two sequences in one ubatch give attention tensors of ne[3] = 2 streams:
+    their rows run stream by stream, and one sequence's rows equal that sequence decoded alone."""
+    kw = {"n_ctx": 1024, "n_seq_max": 2, "kv_unified": False}
+    with _ctx(model, **kw) as both, _ctx(model, **kw) as alone:
+        with both.capture("l_out", "kq_soft_max", "attn_inp_kq_mask", layers=[3]) as cap:
+            both.decode(_batch(model, (0, A), (1, B)))
+        with alone.capture("kq_soft_max", layers=[3]) as one:
+            alone.decode(_batch(model, (1, B)))
+    sm = next(r for r in cap.records if r.name == "kq_soft_max-3")
+    assert sm.shape == (2, 9, 7, 256) and sm.n_stream == 2 and sm.rows.tolist() == list(range(14))
+    assert cap["kq_soft_max", 3].shape == (9, 14, 256)  # the streams joined on the rows axis
+    assert np.array_equal(cap.rows(seq_id=1)["kq_soft_max", 3], one["kq_soft_max", 3])
+    mask = next(r for r in cap.records if r.name == "attn_inp_kq_mask")
+    assert mask.ne == (256, 7, 1, 2) and mask.n_stream == 2  # [n_kv, n_tokens/n_stream, 1, n_stream]
+    assert cap["l_out", 3].shape == (14, 576)
