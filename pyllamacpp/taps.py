@@ -596,7 +596,9 @@ class TapRecord:
             None when not known.
         tokens: The token id of each row (None where not known).
         pos: The position of each row.
-        seq_ids: The sequence ids of each row.
+        seq_ids: The sequence ids of each row, in the order the batch gave them (llama.cpp keeps a
+            token's ids in an ``unordered_set``: the "first" the KQ mask tests is that set's first,
+            not necessarily this tuple's; see ``pyllamacpp mask``).
         outputs_only: The rows are the pass's output rows only (after ``inp_out_ids``).
         n_stream: KV streams the tensor is split into (``ne[3]``, without ``kv_unified`` and with
             several sequences in the ubatch): its rows then run stream by stream, each stream's
