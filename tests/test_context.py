@@ -475,6 +475,16 @@ GUARDS = textwrap.dedent("""
             raise AssertionError("decoded")
         except pl.InvalidBatchError as e:
             assert "n_batch" in str(e), e
+        for n in (2, 20):  # the small-batch checks, and the vectorized ones
+            b.clear()
+            b.add_sequence(np.arange(n) + 100)
+            b.n_seq_id[n - 1] = 0
+            print(f"case: a token with n_seq_id 0 in a batch of {n}", flush=True)
+            try:
+                ctx.decode(b)  # a division by zero (SIGFPE) in llama.cpp
+                raise AssertionError("decoded")
+            except pl.InvalidBatchError as e:
+                assert f"token {n - 1} has n_seq_id 0" in str(e), e
         ctx.prefill(m.tokenize("The cat sat on the mat."), 0)
         print("case: a partial seq_cp across streams", flush=True)
         try:
