@@ -64,7 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=default_n_threads(),
-        help="n_threads and n_threads_batch (the physical cores)",
+        help="n_threads and n_threads_batch (default %(default)s: the physical cores)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("-o", "--output", help="write a figure (PNG)")
