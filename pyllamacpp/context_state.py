@@ -165,6 +165,9 @@ _new_state_buffer: Callable[[int], np.ndarray] | None = None
 
 
 _ON_DEVICE = lib.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+# a failed load whose backup did not load back: the sequence shared its cells with another one
+# (seq_cp in a unified cache), which a state load cannot do again, so they are not free for it
+_NOT_BACK = "now empty: the copy kept aside did not fit back (cells it shared with another sequence stay taken)"
 _U8 = np.dtype(np.uint8)
 _PARTIAL_ONLY = lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
@@ -530,14 +533,15 @@ class StateMethods:
         if n == 0:
             reason = _log.c_reason()
             self.memory.seq_rm(seq_id)
-            if backup is not None:
-                lib.pyl_state_seq_set(ptr, ffi.from_buffer(backup.data), len(backup), seq_id, 0)
+            back = backup is not None and self._put_back(seq_id, backup)
             _log.raise_pending()  # a logging handler's exception, once the sequence is back
             raise StateError(
                 "llama_state_seq_set_data_ext() read 0 bytes; the sequence is "
                 + (
                     "unchanged"
-                    if backup is not None or occupied is False
+                    if back or occupied is False
+                    else _NOT_BACK
+                    if backup is not None
                     else "now empty"
                     if not keep_on_error
                     else "now empty (no copy was kept: by llama.cpp's rules this load could not fail)"
@@ -547,6 +551,14 @@ class StateMethods:
             )
         _log.raise_pending()
         return int(n)
+
+    def _put_back(self, seq_id: int, backup: SeqState) -> bool:
+        """Load the copy of ``seq_id`` kept aside before a load that failed; False (the sequence
+        left empty) when it does not fit back either."""
+        if lib.pyl_state_seq_set(self.ptr, ffi.from_buffer(backup.data), len(backup), seq_id, 0):
+            return True
+        self.memory.seq_rm(seq_id)
+        return False
 
     def _seq_set_failed(self, seq_id: int) -> NoReturn:
         """After ``llama_state_seq_set_data_ext`` read 0 bytes on the fast path (no backup): the
@@ -962,11 +974,10 @@ class StateMethods:
             )
         if n == 0:
             self.memory.seq_rm(seq_id)  # llama.cpp clears what it had loaded (state_clear)
-            if backup is not None:
-                lib.pyl_state_seq_set(ptr, ffi.from_buffer(backup.data), len(backup), seq_id, 0)
+            back = backup is not None and self._put_back(seq_id, backup)
             raise StateError(
                 f"llama_state_seq_load_file() could not load {path}; the sequence is "
-                + ("unchanged" if backup is not None or not occupied else "now empty"),
+                + ("unchanged" if back or not occupied else _NOT_BACK if backup is not None else "now empty"),
                 func="llama_state_seq_load_file",
                 reason=cap.reason(),
             )

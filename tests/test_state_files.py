@@ -249,23 +249,36 @@ def test_files_of_another_context_are_refused_with_its_settings(model, files, tm
 
 
 def test_a_checked_load_short_of_room_keeps_the_sequence(model, tmp_path):
-    # one stream shared by two sequences: a file of 40 cells into seq 0 while seq 1 holds 220 of
-    # the 256 cells: llama.cpp removes seq 0's cells, finds no room, fails (no abort: the file is
-    # whole), and the copy kept aside is put back
-    toks = np.resize(model.tokenize(PROMPT), 40)
+    # one stream shared by two sequences: seq 1 holds 150 cells of its own (loaded from a dump),
+    # seq 0 holds 7, so a 150-cell file into seq 0 finds only 106 free once seq 0's go; llama.cpp
+    # fails (no abort: the file is whole), and the copy of seq 0 kept aside is put back
+    toks = np.resize(model.tokenize(PROMPT), 150)
     with model.context(n_ctx=256, n_seq_max=2, kv_unified=True, n_threads=1, n_threads_batch=1) as ctx:
         ctx.prefill(toks, 0)
-        f = tmp_path / "forty.bin"
+        f = tmp_path / "s150.bin"
         ctx.save_seq_state(f, 0, toks)
+        st150 = ctx.seq_state(0)
         ctx.memory.clear()
         ctx.prefill(toks[:7], 0)
-        ctx.prefill(np.resize(toks, 220), 1)
+        ctx.set_seq_state(1, st150)
         before = ctx.seq_state(0).data.tobytes()
         with pytest.raises(pl.StateError, match="could not load .*the sequence is unchanged"):
             ctx.load_seq_state(f, 0)
-        assert ctx.seq_state(0).data.tobytes() == before and ctx.memory.seq_pos_max(1) == 219
+        assert ctx.seq_state(0).data.tobytes() == before and ctx.memory.seq_pos_max(1) == 149
+        # seq 0's cells shared with seq 1 (seq_cp): they stay taken, and its copy does not fit
+        # back either; said, not hidden
+        ctx.memory.clear()
+        ctx.prefill(toks, 0)
+        ctx.memory.seq_cp(0, 1)
+        with pytest.raises(pl.StateError, match="now empty: the copy kept aside did not fit back"):
+            ctx.load_seq_state(f, 0)
+        assert ctx.memory.seq_pos_max(0) == -1 and ctx.memory.seq_pos_max(1) == 149
+        ctx.memory.seq_cp(1, 0)  # shared again: the same through set_seq_state
+        with pytest.raises(pl.StateError, match="now empty: the copy kept aside did not fit back"):
+            ctx.set_seq_state(0, st150)
+        assert ctx.memory.seq_pos_max(0) == -1
         ctx.memory.seq_rm(1)
-        assert ctx.load_seq_state(f, 0).tolist() == toks.tolist() and ctx.memory.seq_pos_max(0) == 39
+        assert ctx.load_seq_state(f, 0).tolist() == toks.tolist() and ctx.memory.seq_pos_max(0) == 149
 
 
 def test_parse_state_reads_a_cut_file_header_with_numbers(files, tmp_path):
