@@ -795,8 +795,25 @@ class _Target:
         self.rb = _Rollback(ctx, seq_id)
         self.replay: list[int] = []
         self.since: list[int] = []  # tokens decoded after the checkpoint (positions rb.base ...)
-        self.batch = Batch(ctx.n_batch, 1, model=ctx.model)
+        self.batch = b = Batch(ctx.n_batch, 1, model=ctx.model)
+        b._n_seq_id[:] = 1  # one sequence, in every slot, for good
+        b._seq[:, 0] = seq_id
         self.out0 = 0  # the batch index of the row of the last token
+
+    def _fill(self, quiet: list[int], rows: list[int], pos: int) -> None:
+        """The batch: ``quiet`` (no logits) then ``rows`` (logits), from position ``pos``. Written
+        through cffi: after a decode numpy's calls cost tens of µs each with the caches it left
+        cold, more than a round's Python otherwise (the tokens are checked by then)."""
+        p = self.batch._p
+        token, bpos, logits = p.token, p.pos, p.logits
+        i = 0
+        for t in quiet:
+            token[i], bpos[i], logits[i] = t, pos + i, 0
+            i += 1
+        for t in rows:
+            token[i], bpos[i], logits[i] = t, pos + i, 1
+            i += 1
+        p.n_tokens = i
 
     def verify(self, id_last: int, draft: list[int]) -> None:
         rb, st, r = self.rb, self.st, self.replay
@@ -809,15 +826,11 @@ class _Target:
             elif not r:
                 rb.base = -1  # a round without a draft keeps its one row: nothing to restore to
             st.t_rollback += time.perf_counter() - t
-        b = self.batch
-        b.clear()
-        if r:
-            b.add_sequence(r, self.seq, self.end - len(r), logits="none")
         rows = [id_last, *draft]
-        b.add_sequence(rows, self.seq, self.end, logits="all")
+        self._fill(r, rows, self.end - len(r))
         p0 = self.passes.n_passes if self.passes is not None else 0
         t = time.perf_counter()
-        self.ctx.decode(b)  # KVCacheFullError: nothing of the batch reached memory
+        self.ctx.decode(self.batch)  # KVCacheFullError: nothing of the batch reached memory
         st.t_target += time.perf_counter() - t
         if self.passes is not None:
             st.verify_passes.append(self.passes.n_passes - p0)
@@ -854,12 +867,10 @@ class _Target:
         r = self.replay
         if not r:
             return
-        b = self.batch
-        b.clear()
-        b.add_sequence(r, self.seq, self.end - len(r), logits="none")
+        self._fill(r, [], self.end - len(r))
         p0 = self.passes.n_passes if self.passes is not None else 0
         t = time.perf_counter()
-        self.ctx.decode(b)
+        self.ctx.decode(self.batch)
         self.st.t_target += time.perf_counter() - t
         if self.passes is not None:
             self.st.n_replay_passes += self.passes.n_passes - p0
@@ -931,7 +942,7 @@ def _rounds(
     limit = n_predict if n_predict > 0 else -1  # -1: no limit
     rows_max = min(ctx.n_batch, ctx._n_outputs_max)
     n_ctx_seq = ctx.n_ctx_seq
-    sptr, sample, perf = sampler.ptr, lib.llama_sampler_sample, time.perf_counter
+    sample, perf = lib.llama_sampler_sample, time.perf_counter
     tokens = res.tokens
     drafted_at, accepted_at = st.drafted_at, st.accepted_at
     while True:
@@ -952,6 +963,7 @@ def _rounds(
                 if not isinstance(x, (int, np.integer)) or not 0 <= x < n_vocab:
                     raise ValueError(f"the draft proposed {x!r} at position {i}, not a token of [0, {n_vocab})")
             d = [int(x) for x in d]
+        sptr = sampler.ptr  # a closed sampler raises ClosedError here, before the verify changes anything
         try:
             try:
                 target.verify(id_last, d)
@@ -1004,12 +1016,12 @@ def _rounds(
         m = len(emitted)
         target.keep(start + m, lazy=stop is None)  # the last yielded token stays undecoded
         history += emitted
-        st.n_tokens += m
         j = 0  # tokens of this round yielded
         try:
             for tok in emitted:
                 tokens.append(tok)
                 j += 1
+                st.n_tokens += 1
                 yield tok
         except GeneratorExit:
             if j < m:  # closed inside the round: keep what was yielded only

@@ -489,3 +489,17 @@ def test_cli_speculative(tiny, tmp_path):
     assert row["passes_check"] == "ok" and row["speedup"] > 0
     assert "step" in r.stderr  # progress on stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_closed_sampler_raises_before_the_verify(tiny):
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = _repetitive(seed=11)
+        plain = list(pl.generate(ctx, prompt, 12))
+        ctx.memory.seq_rm(0)
+        smpl = pl.Sampler.greedy()
+        s = generate_speculative(ctx, prompt, 12, OracleDraft(plain, prompt.size), smpl, n_draft=2)
+        got = [next(s) for _ in range(3)]
+        smpl.close()
+        with pytest.raises(pl.ClosedError):
+            next(s)
+        assert got == plain[:3] and _held(ctx) == prompt.size + 2

@@ -72,7 +72,8 @@ static double now_s(clockid_t id) {
 // generate_speculative's rounds, replayed: the prompt but its last token is prefilled (untimed),
 // then round r decodes [last, drafts[r]...] with logits for every row, samples rows while they agree
 // with the draft (llama_sampler_sample: it accepts each token), and cuts the sequence back with
-// llama_memory_seq_rm. Returns the seconds from the end of the prefill to the last token (wall;
+// llama_memory_seq_rm; the rounds after the recorded ones have no draft (the Python loop asks no
+// draft when n_predict leaves room for one token only), until n_predict tokens or an end token. Returns the seconds from the end of the prefill to the last token (wall;
 // *cpu: this thread's CPU time), or -1 when a decode failed; *n_out: tokens sampled; *n_rounds.
 double spec_loop(struct llama_context * ctx, struct llama_sampler * smpl, const llama_token * prompt,
                  int n_prompt, const int * draft_len, const llama_token * drafts, int n_rounds_max,
@@ -91,8 +92,8 @@ double spec_loop(struct llama_context * ctx, struct llama_sampler * smpl, const 
     double t0 = now_s(CLOCK_MONOTONIC), c0 = now_s(CLOCK_THREAD_CPUTIME_ID);
     llama_token last = prompt[n_prompt - 1];
     int pos = n_prompt - 1, produced = 0, off = 0, r = 0;
-    for (; r < n_rounds_max; r++) {
-        int n = draft_len[r];
+    for (;; r++) {
+        int n = r < n_rounds_max ? draft_len[r] : 0; // rounds past the recorded ones draft nothing (as at the end)
         const llama_token * d = drafts + off;
         off += n;
         b.n_tokens = n + 1;
