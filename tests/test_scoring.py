@@ -446,6 +446,7 @@ def test_same_as_llama_perplexity(model_path, c, b, chunks):
     common = ["-m", str(model_path), "-f", str(scoring.sample_text_path()), "-c", str(c), "-b", str(b), "-t", "2"]
     native = run_native([*common, "--chunks", str(chunks)])
     ours = run_ours([*common, "--chunks", str(chunks)])
+    (BUILD / f"compare-c{c}-b{b}.txt").write_text(f"llama-perplexity:\n{native}\n\npyllamacpp perplexity:\n{ours}\n")
     n_chunks, n_final = chunks_and_final(native)
     o_chunks, o_final = chunks_and_final(ours)
     assert len(n_chunks) == chunks
@@ -469,8 +470,12 @@ def test_base_file_and_kl_divergence_both_ways_with_llama_perplexity(model_path,
     kl = ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "--kl-divergence"]
     native_on_ours = run_native([*common, *kl, "--kl-divergence-base", str(our_base)])
     ours_on_native = run_ours([*common, *kl, "--kl-divergence-base", str(nat_base)])
+    (BUILD / "compare-kld.txt").write_text(f"llama-perplexity:\n{native_on_ours}\n\npyllamacpp:\n{ours_on_native}\n")
     for key in ("Mean PPL(Q)", "Mean PPL(base)", "Mean    KLD", "Median  KLD", "99.0%   KLD", "RMS Δp", "Same top p"):
         n = re.search(re.escape(key) + r"\s*:\s*([-\d.]+)", native_on_ours)
         o = re.search(re.escape(key) + r"\s*:\s*([-\d.]+)", ours_on_native)
         assert n and o, key
-        assert n.group(1) == o.group(1), (key, n.group(1), o.group(1))
+        # printed alike, or one unit apart in the last digit: each side's exp (expf there, ggml's
+        # vectorized one here) rounds a token's float nll differently now and then (1 ulp, ~1e-6)
+        unit = 10.0 ** -len(n.group(1).split(".")[1])
+        assert abs(float(n.group(1)) - float(o.group(1))) <= 1.01 * unit, (key, n.group(1), o.group(1))
