@@ -73,12 +73,12 @@ def test_an_exception_in_the_timer_stops_the_decode_and_is_raised(model):
 
 def test_the_command_prints_both_tables_and_draws(tmp_path, capsys):
     png = tmp_path / "p.png"
-    argv = ["prefill-profile", "-t", "1", "-c", "256", "-p", "16", "-ub", "16,4", "-r", "1", "--clock", "cpu"]
+    argv = ["prefill-profile", "-t", "1", "-c", "256", "-p", "8", "-ub", "8,2", "-r", "1", "--clock", "cpu"]
     assert main([*argv, "-o", str(png)]) == 0
     out = capsys.readouterr().out
     assert "reserved, n_outputs_max 1" in out and "outside nodes" in out and "MUL_MAT" in out
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [r["n_ubatch"] for r in data["rows"]] == [16, 4] and data["clock"] == "cpu"
+    assert [r["n_ubatch"] for r in data["rows"]] == [8, 2] and data["clock"] == "cpu"
     assert data["rows"][1]["n_passes"] == 4

@@ -262,7 +262,8 @@ def measure(
         ``n_ubatch``, ``reserved`` (bytes: ``default`` and ``one_output``, from llama.cpp's log),
         ``high_water`` (bytes the prefill used, and the tensor that reached it), ``largest``
         (the all-output ubatch's largest tensors) and ``largest_prefill`` (those of the prefill's
-        last pass), ``plain_ms``, ``profiled_ms``, ``distortion``, ``groups`` (nodes timed per
+        last pass), ``plain_ms``, ``profiled_ms`` (and each run's: ``plain_runs_ms``,
+        ``profiled_runs_ms``), ``distortion``, ``groups`` (nodes timed per
         prefill), ``by_op`` and ``by_site`` (ms, largest first), ``outside_ms``.
 
     Raises:
@@ -323,6 +324,8 @@ def measure(
             timer.check()
             runs.append((wall, _timed(timer.passes, wall)))
     profiled = [w for w, _ in runs]
+    row["plain_runs_ms"] = [x / 1e6 for x in plain]
+    row["profiled_runs_ms"] = [x / 1e6 for x in profiled]
     row["plain_ms"] = statistics.median(plain) / 1e6
     row["profiled_ms"] = statistics.median(profiled) / 1e6
     row["distortion"] = row["profiled_ms"] / row["plain_ms"]
@@ -412,6 +415,11 @@ def run(args: argparse.Namespace) -> dict:
     return data
 
 
+def _spread(xs: Sequence[float]) -> float:
+    """(max - min) / median, in percent."""
+    return 100 * (max(xs) - min(xs)) / statistics.median(xs) if xs else 0.0
+
+
 def _top_ops(rows: Sequence[dict], k: int = 5) -> list[str]:
     total: dict[str, float] = {}
     for r in rows:
@@ -494,7 +502,9 @@ def print_report(data: dict) -> None:
     print(
         "(op columns scaled to the median profiled prefill; 'x' = profiled / plain: the cost of one group per node, "
         + ", ".join(f"{r['per_group_us']:.1f} us per group at -ub {r['n_ubatch']}" for r in rows)
-        + ")"
+        + "; the plain runs spread "
+        + ", ".join(f"{_spread(r['plain_runs_ms']):.1f}%" if "plain_runs_ms" in r else "?" for r in rows)
+        + " (max - min over the median))"
     )
     for r in rows:
         big = ", ".join(f"{x['name']} {x['bytes'] / mib:.2f}" for x in r["largest"][:3])
