@@ -434,3 +434,16 @@ def test_rows_of_a_pass_split_into_kv_streams(model):
     mask = next(r for r in cap.records if r.name == "attn_inp_kq_mask")
     assert mask.ne == (256, 7, 1, 2) and mask.n_stream == 2  # [n_kv, n_tokens/n_stream, 1, n_stream]
     assert cap["l_out", 3].shape == (14, 576)
+
+
+def test_the_listing_has_the_contexts_kv_streams(model):
+    """Without kv_unified each sequence has its own KV stream and the cache's nodes are named
+    after that ("cache_k_l0 (reshaped) (view)"): the listing's probe has as many streams."""
+    with _ctx(model, n_ctx=1024, n_seq_max=2, kv_unified=False) as ctx:
+        writes = [n.name for n in ctx.graph_nodes() if n.op == "SET_ROWS" and n.layer is None]
+        assert writes[0] == "cache_k_l0 (reshaped) (view)"
+        with ctx.capture("cache_k_l0 (reshaped) (view)") as cap:
+            ctx.decode(_batch(model, (0, A), (1, B)))
+    assert cap.records[0].op == "SET_ROWS" and cap.records[0].shape == (1024, 192)  # both streams' cells
+    with _ctx(model, n_ctx=1024, n_seq_max=2, kv_unified=True) as uni:
+        assert [n.name for n in uni.graph_nodes() if n.op == "SET_ROWS"][0] == "cache_k_l0 (view)"

@@ -245,14 +245,17 @@ def _probe(ctx: Context, shapes: Sequence[tuple[int, bool]]) -> list[list[dict]]
     c_cb = ffi.callback("bool(struct ggml_tensor *, bool, void *)", cb)
     model = ctx.model
     most = max(n for n, _ in shapes)
+    n_stream = _n_stream(ctx)
     probe = Context(
         model,
         dataclasses.replace(
             ctx.params,
-            n_ctx=256,
-            n_batch=max(8, most),
+            # as many KV streams as ctx (without kv_unified each sequence has its own, and the
+            # cache's nodes are named after that), 256 cells each (llama.cpp's padding)
+            n_ctx=256 * n_stream,
+            n_batch=max(8, most, n_stream),
             n_ubatch=max(8, most),
-            n_seq_max=1,
+            n_seq_max=n_stream,
             n_outputs_max=0,
             n_threads=1,  # the nodes do not depend on it, and one thread never waits for a busy core
             n_threads_batch=1,
@@ -297,6 +300,7 @@ def _listing(ctx: Context, n_tokens: int) -> Graph:
 
 def _listing_key(ctx: Context) -> tuple:
     skip = {"n_ctx", "n_batch", "n_ubatch", "n_seq_max", "n_threads", "n_threads_batch", "no_perf", "n_outputs_max"}
+    skip.add("kv_unified")  # in _n_stream
     out = []
     for f in dataclasses.fields(ctx.params):
         if f.name in skip:
@@ -304,7 +308,12 @@ def _listing_key(ctx: Context) -> tuple:
         v = getattr(ctx.params, f.name)
         if v is None or isinstance(v, (bool, int, float, str)):
             out.append((f.name, v))
-    return (*out, ("flash_attn", ctx.flash_attn))
+    return (*out, ("flash_attn", ctx.flash_attn), ("n_stream", _n_stream(ctx)))
+
+
+def _n_stream(ctx: Context) -> int:
+    """KV streams of the context's cache: 1 with kv_unified, else one per sequence."""
+    return 1 if ctx.params.kv_unified else int(ctx.n_seq_max)
 
 
 def _occurrences(nodes: list[dict]) -> list[tuple[str, int]]:
