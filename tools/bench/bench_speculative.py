@@ -73,8 +73,9 @@ static double now_s(clockid_t id) {
 // then round r decodes [last, drafts[r]...] with logits for every row, samples rows while they agree
 // with the draft (llama_sampler_sample: it accepts each token), and cuts the sequence back with
 // llama_memory_seq_rm; the rounds after the recorded ones have no draft (the Python loop asks no
-// draft when n_predict leaves room for one token only), until n_predict tokens or an end token. Returns the seconds from the end of the prefill to the last token (wall;
-// *cpu: this thread's CPU time), or -1 when a decode failed; *n_out: tokens sampled; *n_rounds.
+// draft when n_predict leaves room for one token only), until n_predict tokens or an end token.
+// Returns the seconds from the end of the prefill to the last token (wall; *cpu: this thread's
+// CPU time), or -1 when a decode failed; *n_out: tokens sampled; *n_rounds.
 double spec_loop(struct llama_context * ctx, struct llama_sampler * smpl, const llama_token * prompt,
                  int n_prompt, const int * draft_len, const llama_token * drafts, int n_rounds_max,
                  int n_predict, llama_token * out, int * n_out, int * n_rounds, double * cpu) {
@@ -93,7 +94,7 @@ double spec_loop(struct llama_context * ctx, struct llama_sampler * smpl, const 
     llama_token last = prompt[n_prompt - 1];
     int pos = n_prompt - 1, produced = 0, off = 0, r = 0;
     for (;; r++) {
-        int n = r < n_rounds_max ? draft_len[r] : 0; // rounds past the recorded ones draft nothing (as at the end)
+        int n = r < n_rounds_max ? draft_len[r] : 0; // past the recorded rounds: no draft
         const llama_token * d = drafts + off;
         off += n;
         b.n_tokens = n + 1;
@@ -139,6 +140,21 @@ DEFAULT_EXACT_PROMPTS = [
     "<|im_start|>user\nWrite a haiku about autumn.<|im_end|>\n<|im_start|>assistant\n",
     "A recipe for pancakes:\n1.",
     "The difference between a list and a tuple in Python is",
+    "<|im_start|>user\nRepeat this Python code exactly, renaming add to plus. Reply with the code only.\n\n"
+    "```python\ndef add(a, b):\n    total = a + b\n    return total\n\n\ndef scale(values, factor):\n"
+    "    out = []\n    for v in values:\n        out.append(v * factor)\n    return out\n```<|im_end|>\n"
+    "<|im_start|>assistant\n```python\n",
+    "Count from one to twenty in words: one, two, three, four,",
+    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
+    "<|im_start|>user\nWrite one sentence about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "Dear Sir or Madam,\n\nI am writing to",
+    "import numpy as np\n\n\ndef normalize(x):\n",
+    "The theory of relativity says that",
+    "<|im_start|>user\nTranslate 'good morning' into French, Spanish and German.<|im_end|>\n<|im_start|>assistant\n",
+    "Step 1: Preheat the oven to 180 degrees.\nStep 2:",
+    "SELECT name, age FROM users WHERE",
+    "The mitochondria is",
+    "<|im_start|>user\nGive me three tips for better sleep.<|im_end|>\n<|im_start|>assistant\n",
 ]
 
 
@@ -568,8 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-python", type=int, default=256, help="python: tokens per run (256)")
     ap.add_argument("--py-draft", type=int, default=4, help="python: n_draft (4)")
     ap.add_argument("--py-pairs", type=int, default=15, help="python: pairs (15)")
-    ap.add_argument("--exact-prompts", type=int, default=12, help="exactness: prompts (12)")
-    ap.add_argument("--n-exact", type=int, default=64, help="exactness: tokens per prompt (64)")
+    ap.add_argument("--exact-prompts", type=int, default=24, help="exactness: prompts (24)")
+    ap.add_argument("--n-exact", type=int, default=96, help="exactness: tokens per prompt (96)")
     ap.add_argument("--exact-draft", type=int, default=8, help="exactness: n_draft (8)")
     ap.add_argument("--widths", default="1,2,3,4,5,6,9,17", help="rows: batch widths (1,2,3,4,5,6,9,17)")
     ap.add_argument("--rows-repeat", type=int, default=7, help="rows: decodes per width (7)")
