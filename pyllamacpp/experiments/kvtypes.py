@@ -7,7 +7,7 @@ llama-perplexity computes it (``-c`` tokens per chunk, the second half scored); 
 against the f16 cache's logits and the top-1 agreement, on llama-perplexity's definitions (the f16
 run writes the base logits, every type is read against them, f16 itself included: its row shows the
 floor that the base's 16-bit storage leaves); and the speed of a -p token prefill and of -n
-single-token decodes after it (medians of -r runs).
+single-token decodes after it (medians of -r runs, the types taken in turn in each run).
 
 A quantized V cache needs flash attention (llama.cpp refuses the context otherwise), so -fa is on by
 default, for every type alike. The text defaults to the shipped public-domain Shakespeare excerpt
@@ -75,39 +75,53 @@ def _kv_mib(buffers: dict[str, dict[str, float]]) -> float:
     return float(sum(kinds.get("KV", 0.0) for kinds in buffers.values()))
 
 
-def _speed(model, tokens: np.ndarray, kw: dict, n_prompt: int, n_gen: int, repeat: int) -> dict[str, Any]:
-    """KV buffer, prefill and decode speed in one context of ``kv_ctx`` cells."""
+def _speed(model, tokens: np.ndarray, kws: dict[str, dict], n_prompt: int, n_gen: int, repeat: int) -> dict:
+    """Per type: the KV buffer of a context made with ``kws[type]``, and the median speed of a
+    prefill of ``n_prompt`` tokens and ``n_gen`` single-token decodes after it. The contexts stay
+    open side by side and each run goes through the types in a rotated order (A B C, B C A, ...),
+    so a change in the machine's load falls on every type alike."""
     from ..batch import Batch
 
-    with model.context(**kw) as ctx:
-        prompt, gen = tokens[:n_prompt], tokens[n_prompt : n_prompt + n_gen]
-        one = Batch(1, 1, model=model)
-        pre, dec = [], []
-        for _ in range(repeat):
-            ctx.memory.clear()
-            t0 = time.perf_counter()
-            ctx.prefill(prompt, 0, 0)
-            t1 = time.perf_counter()
-            for i, tok in enumerate(gen):
-                one.clear()
-                one.add(int(tok), n_prompt + i, 0, True)
-                ctx.decode(one)
-            t2 = time.perf_counter()
-            pre.append(t1 - t0)
-            dec.append(t2 - t1)
+    prompt, gen = tokens[:n_prompt], tokens[n_prompt : n_prompt + n_gen]
+    one = Batch(1, 1, model=model)
+    ctxs = {t: model.context(**kw) for t, kw in kws.items()}
+    try:
+        times: dict[str, tuple[list[float], list[float]]] = {t: ([], []) for t in ctxs}
+        names = list(ctxs)
+        for r in progress(range(repeat), "kv-types speed"):
+            for t in names[r % len(names) :] + names[: r % len(names)]:
+                ctx = ctxs[t]
+                ctx.memory.clear()
+                t0 = time.perf_counter()
+                ctx.prefill(prompt, 0, 0)
+                t1 = time.perf_counter()
+                for i, tok in enumerate(gen):
+                    one.clear()
+                    one.add(int(tok), n_prompt + i, 0, True)
+                    ctx.decode(one)
+                t2 = time.perf_counter()
+                times[t][0].append(t1 - t0)
+                times[t][1].append(t2 - t1)
         return {
-            "kv_mib": _kv_mib(ctx.buffers),
-            "kv_ctx": ctx.n_ctx,
-            "prefill_tps": prompt.size / float(np.median(pre)),
-            "decode_tps": gen.size / float(np.median(dec)) if gen.size else None,
+            t: {
+                "kv_mib": _kv_mib(ctx.buffers),
+                "kv_ctx": ctx.n_ctx,
+                "prefill_tps": prompt.size / float(np.median(times[t][0])),
+                "decode_tps": gen.size / float(np.median(times[t][1])) if gen.size else None,
+            }
+            for t, ctx in ctxs.items()
         }
+    finally:
+        for ctx in ctxs.values():
+            ctx.close()
 
 
 def run(args: argparse.Namespace) -> dict:
     """Measure every cache type of ``--types`` against f16 on the text.
 
     Per type: a context of ``--kv-ctx`` cells (``llama_init_from_model``) for the KV buffer and the
-    speed (``llama_decode`` of ``-p`` tokens, then ``-n`` single tokens); then
+    speed (``llama_decode`` of ``-p`` tokens, then ``-n`` single tokens; the types in turn, ``-r``
+    times); then
     :func:`pyllamacpp.scoring.perplexity` (f16, writing the base logits) and
     :func:`pyllamacpp.scoring.kl_divergence` against them (every type).
 
@@ -156,16 +170,20 @@ def run(args: argparse.Namespace) -> dict:
         out["n_tokens"] = int(tokens.size)
         with tempfile.TemporaryDirectory() as tmp:
             base = os.path.join(tmp, "f16.kld")
+            kws = {
+                t: dict(type_k=t, type_v=t, flash_attn=args.flash_attn, n_ubatch=args.ubatch_size, **threads)
+                for t in types
+            }
+            speed = _speed(
+                model,
+                tokens,
+                {t: dict(kw, n_ctx=args.kv_ctx, n_batch=max(args.n_prompt, 1)) for t, kw in kws.items()},
+                args.n_prompt,
+                args.n_gen,
+                args.repeat,
+            )
             for t in progress(types, "kv-types"):
-                kw = dict(type_k=t, type_v=t, flash_attn=args.flash_attn, n_ubatch=args.ubatch_size, **threads)
-                sp = _speed(
-                    model,
-                    tokens,
-                    dict(kw, n_ctx=args.kv_ctx, n_batch=max(args.n_prompt, 1)),
-                    args.n_prompt,
-                    args.n_gen,
-                    args.repeat,
-                )
+                kw, sp = kws[t], speed[t]
                 if t == "f16":
                     ref = perplexity(
                         model, tokens, args.ctx_size, args.batch_size, n_chunks=args.chunks, save_base=base, **kw
