@@ -88,7 +88,9 @@ class PassCounter:
         counter = PassCounter()
         ctx = model.context(n_ubatch=4, **counter.context_params())
 
-    The counter must outlive the context (the context's params keep a reference to it).
+    The counter must outlive the context (the context's params keep a reference to it). A
+    context has one ``cb_eval``: one made with the counter's has no graph taps (``ctx.capture``
+    raises ``TapError`` there).
 
     Attributes:
         n_passes: Passes seen so far.
