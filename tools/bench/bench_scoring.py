@@ -13,6 +13,11 @@ on the same context, the order rotated from round to round (A B C D, B C D A, ..
   numpy       the same decodes, each batch's rows scored with a float64 numpy log-softmax (what the
               C loop replaces)
   prefill     ``ctx.prefill(tokens)``: the same tokens with logits at the last one only
+  split       the decodes and the rows of ``score``, each timed on its own in the same run: the
+              rows' share, ``rows s / decodes s``, is what the log-softmax adds to the decode, and
+              ``decodes / (decodes + rows)`` the ratio it allows; on a machine shared with other
+              work this is steadier than comparing whole runs, whose load differs from run to run.
+              The same rows are then scored with numpy too (timed apart; its share likewise)
 
 The table gives each side's median tokens/s and its ratio to ``decode`` (median of the per-round
 ratios), by wall time and by the process's CPU time (``time.process_time``: with ``-t 1`` it is
@@ -55,6 +60,42 @@ def decode_rows(ctx, tokens: np.ndarray, n_batch: int, rows) -> None:
             rows(ctx, tokens[j[mask] + 1])
 
 
+class Split:
+    """``score``'s loop (the decodes of ``decode_rows``, each batch's rows scored in place with
+    ``scoring.log_softmax``), the decodes and the rows timed apart."""
+
+    def __init__(self) -> None:
+        self.decode = self.rows = 0.0
+        self.runs: list[tuple[float, float]] = []
+        self.numpy_runs: list[float] = []
+
+    def __call__(self, ctx, tokens: np.ndarray, n_batch: int) -> None:
+        n = tokens.size
+        batch = Batch(n_batch, 1, model=ctx.model)
+        ctx.memory.seq_rm(0)
+        dec = rows = np_rows = 0.0
+        threads = ctx.params.n_threads_batch
+        for b0 in range(0, n, n_batch):
+            chunk = tokens[b0 : b0 + n_batch]
+            j = np.arange(b0, b0 + chunk.size)
+            mask = j < n - 1
+            batch.clear()
+            batch.add_sequence(chunk, 0, b0, logits=mask)
+            t0 = time.perf_counter()
+            ctx.decode(batch)
+            t1 = time.perf_counter()
+            targets = tokens[j[mask] + 1]
+            scoring.log_softmax(ctx.logits_all(), targets, n_threads=threads)
+            t2 = time.perf_counter()
+            numpy_rows(ctx, targets)  # the same rows again, as the numpy side scores them
+            t3 = time.perf_counter()
+            dec += t1 - t0
+            rows += t2 - t1
+            np_rows += t3 - t2
+        self.runs.append((dec, rows))
+        self.numpy_runs.append(np_rows)
+
+
 def numpy_rows(ctx, targets: np.ndarray) -> None:
     x = ctx.logits_all()
     out = np.empty(len(targets))
@@ -74,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=default_n_threads(), help="threads (the physical cores)")
     ap.add_argument("-r", "--rounds", type=int, default=3, help="rounds (each runs every side once)")
     ap.add_argument("--no-numpy", action="store_true", help="leave out the numpy side")
+    ap.add_argument("--sides", help="run only these sides, e.g. split (decode is always run: the baseline)")
     ap.add_argument("--json", help="write the results here too")
     a = ap.parse_args(argv)
 
@@ -84,14 +126,19 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(n_ctx=a.ctx_size, n_batch=a.batch_size, n_ubatch=a.ubatch_size)
     ctx = model.context(**kw, n_threads=a.threads, n_threads_batch=a.threads)
     n = int(tokens.size)
+    split = Split()
     sides = {
         "decode": lambda: decode_rows(ctx, tokens, ctx.n_batch, None),
         "score": lambda: scoring.score(ctx, tokens),
         "numpy": lambda: decode_rows(ctx, tokens, ctx.n_batch, numpy_rows),
         "prefill": lambda: (ctx.memory.seq_rm(0), ctx.prefill(tokens, 0, 0)),
+        "split": lambda: split(ctx, tokens, ctx.n_batch),
     }
     if a.no_numpy:
         del sides["numpy"]
+    if a.sides:
+        sides = {k: sides[k] for k in a.sides.split(",")}
+        sides.setdefault("decode", lambda: decode_rows(ctx, tokens, ctx.n_batch, None))
     names = list(sides)
     ref = scoring.score(ctx, tokens)  # warm-up, and the check below
     times: dict[str, list[float]] = {k: [] for k in names}
@@ -111,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     again = scoring.score(ctx, tokens)
     rows = []
     for name in names:
+        if name == "split":  # its runs score every batch twice (C, then numpy): only its split counts
+            continue
         ratios = [d / t for d, t in zip(times["decode"], times[name])]
         cpu_ratios = [d / t for d, t in zip(cpu["decode"], cpu[name])]
         rows.append(
@@ -150,6 +199,22 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['side']:8s} {row['seconds']:8.3f} {row['tokens_per_s']:9.1f} {row['ratio_to_decode']:9.3f} "
             f"{row['cpu_seconds']:8.3f} {row['cpu_ratio_to_decode']:9.3f}"
         )
+    shares = [r / d for d, r in split.runs]
+    out["split"] = {
+        "runs": split.runs,
+        "rows_share": statistics.median(shares),
+        "allowed_ratio": statistics.median([d / (d + r) for d, r in split.runs]),
+    }
+    out["split"]["numpy_rows_share"] = statistics.median(r / d for (d, _), r in zip(split.runs, split.numpy_runs))
+    print(
+        f"split, numpy: the same rows {statistics.median(split.numpy_runs):.3f} s: "
+        f"{100 * out['split']['numpy_rows_share']:.2f} % of the decodes"
+    )
+    print(
+        f"split: rows {statistics.median(r for _, r in split.runs):.3f} s against decodes "
+        f"{statistics.median(d for d, _ in split.runs):.3f} s in the same runs: the rows add "
+        f"{100 * out['split']['rows_share']:.2f} % (ratio {out['split']['allowed_ratio']:.4f}); medians"
+    )
     print(f"perplexity of the text {ref.perplexity:.4f}; scored again bit-identical: {out['same_logprobs_again']}")
     if a.json:
         with open(a.json, "w") as f:
