@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import tempfile
 import shutil
 import subprocess
 import sys
@@ -311,7 +312,7 @@ def test_complete_logprobs_like_llama_cpp_python(model):
 # -- the CLI ---------------------------------------------------------------------------------------
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pyllamacpp.cli", *args], capture_output=True, text=True, timeout=900, cwd=ROOT
+        [sys.executable, "-m", "pyllamacpp.cli", *args], capture_output=True, text=True, timeout=900, cwd=tempfile.gettempdir()
     )
 
 

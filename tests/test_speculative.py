@@ -456,7 +456,7 @@ def test_layer_skip_of_the_quantized_default_model(model, tmp_path):
 # -- the experiment command --------------------------------------------------------------------
 def test_cli_speculative(tiny, tmp_path):
     cmd = [sys.executable, "-m", "pyllamacpp.cli", "speculative"]
-    r = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0 and "--draft-list" in r.stdout and "default" in r.stdout
     out = tmp_path / "spec.png"
     r = subprocess.run(
@@ -481,6 +481,7 @@ def test_cli_speculative(tiny, tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=tmp_path,
     )
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
