@@ -447,6 +447,10 @@ class Patch:
         nodes: The nodes it is called at.
         fn: The function.
         n_calls: How many times it was called.
+        seconds: Wall time of those calls in Python: building the array and the
+            :class:`TapInfo` (each patch at a shared node counts that part in full), the
+            function, and the copy back for a tensor not in host memory. ``seconds / n_calls``
+            is what one call costs.
 
     Args:
         ctx: The context (:meth:`Context.patch` makes patches).
@@ -478,6 +482,7 @@ class Patch:
         self.nodes = resolve(self.graph, names, layers, which)
         self.fn = fn
         self.n_calls = 0
+        self.seconds = 0.0
         self._active = False
 
     def __enter__(self) -> Patch:

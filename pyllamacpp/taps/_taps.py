@@ -4,6 +4,7 @@ and patches, the decode hooks, and the trampoline C calls for a patch."""
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -212,6 +213,7 @@ class Taps:
             return False
 
     def _patch(self, t, want: tuple[int, int], pass_index: int) -> None:
+        t0 = time.perf_counter()
         node = self.want_nodes[want]
         call_index, meta = self.current_call()
         ub = pass_index - (meta.first_pass if meta is not None else 0)
@@ -251,13 +253,22 @@ class Taps:
             pos=pos,
             on_host=on_host,
         )
-        for p in self.want_patches[want]:
+        patches = self.want_patches[want]
+        setup = time.perf_counter() - t0
+        for p in patches:
             p.n_calls += 1
-            out = p.fn(arr, info)
-            if out is not None:
-                arr[...] = out
+            t1 = time.perf_counter()
+            try:
+                out = p.fn(arr, info)
+                if out is not None:
+                    arr[...] = out
+            finally:
+                p.seconds += setup + time.perf_counter() - t1
         if tmp is not None:
+            t1 = time.perf_counter()
             lib.ggml_backend_tensor_set(t, ffi.from_buffer(tmp), 0, nbytes)
+            for p in patches:
+                p.seconds += time.perf_counter() - t1
 
 
 @ffi.def_extern()

@@ -1,6 +1,6 @@
 """What graph taps cost, measured in one process, the two sides of each row alternating.
 
-    python tools/bench/bench_taps.py [-r 7] [-t 2] [-n 64] [-p 512] [--json out.json]
+    python tools/bench/bench_taps.py [-r 7] [-t 2] [-n 64] [-p 512] [--rows idle,decode,...] [--json out.json]
 
 Rows (the default model, flash attention off so every site exists; ratios are time with / time
 without, so above 1 is slower):
@@ -12,8 +12,12 @@ without, so above 1 is slower):
   prefill   one 512-token decode with the same capture. Target <= 1.05.
   split     diagnostic: the decode row with ``copy=False`` (the 30 graph splits, no copies), and
             the same at one thread (no thread-pool wake-ups): where the cost comes from.
-  patch     a no-op Python patch at one node per pass: µs per call (decode time with it minus
-            without, over the calls).
+  patch     a no-op Python patch at one node per pass: µs per call, as ``Patch.seconds`` counts
+            it (the array, the TapInfo and the function, timed inside the call), and the
+            decode's time with it minus without, over the calls (noisier: a difference of two
+            medians of ~15 ms spans).
+Each ratio is the median of the ratios of the pairs (the two sides of one pair run back to back),
+with the pairs' quartiles: a machine whose speed drifts moves both sides of a pair alike.
 It measures; it asserts nothing about time.
 """
 
@@ -65,14 +69,21 @@ def _pairs(a, b, repeat: int) -> tuple[list[float], list[float]]:
     return ta, tb
 
 
+ROWS = ("idle", "decode", "prefill", "split", "split@1t", "patch")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-r", "--repeat", type=int, default=7)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-n", "--n-predict", type=int, default=64)
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("--rows", default=",".join(ROWS), help="the rows to run, comma-separated (default: all)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    want = args.rows.split(",")
+    if not set(want) <= set(ROWS):
+        ap.error(f"--rows: one of {', '.join(ROWS)}")
 
     import pyllamacpp as pl
 
@@ -92,22 +103,19 @@ def main(argv=None) -> int:
 
     def report(name, unit, with_, without, target=None, extra=""):
         a, b = statistics.median(with_), statistics.median(without)
-        ratio = a / b
-        rows.append({"row": name, "with": a, "without": b, "ratio": ratio, "target": target, "unit": unit})
+        pr = sorted(x / y for x, y in zip(with_, without))
+        ratio = statistics.median(pr)
+        q1, q3 = pr[len(pr) // 4], pr[(3 * len(pr)) // 4]
+        rows.append(
+            {"row": name, "with": a, "without": b, "ratio": ratio, "q1": q1, "q3": q3, "target": target, "unit": unit}
+        )
         tgt = f"  target <= {target}" if target else ""
         scale = 1e3 if unit == "ms" else 1e6
-        print(f"{name:<10} {a * scale:10.3f} {b * scale:10.3f} {unit:<3} ratio {ratio:6.3f}{tgt}{extra}")
+        spread = f"[{q1:.3f}, {q3:.3f}]"
+        print(f"{name:<10} {a * scale:10.3f} {b * scale:10.3f} {unit:<3} ratio {ratio:6.3f} {spread}{tgt}{extra}")
 
     print(f"model {model.path.name}, {args.threads} threads, -r {args.repeat}, flash attention off")
     print(f"{'row':<10} {'with':>10} {'without':>10}")
-    # idle: taps available, nothing armed, against no callback at all
-    a, b = _pairs(
-        lambda: _gen(tapped, prompt, args.n_predict, sampler),
-        lambda: _gen(plain, prompt, args.n_predict, sampler),
-        args.repeat,
-    )
-    report("idle", "ms", a, b, 1.01, "  (ms per token)")
-
     def armed(fn, **cap_kw):
         def run():
             with tapped.capture("l_out", **cap_kw):
@@ -116,35 +124,46 @@ def main(argv=None) -> int:
         return run
 
     dec = lambda: _gen(tapped, prompt, args.n_predict, sampler)  # noqa: E731
-    a, b = _pairs(armed(dec), dec, args.repeat)
-    report("decode", "ms", a, b, 1.10, "  (ms per token, l_out at 30 layers)")
-    pre = lambda: _prefill(tapped, long)  # noqa: E731
-    a, b = _pairs(armed(pre), pre, args.repeat)
-    report("prefill", "ms", a, b, 1.05, f"  (ms per {args.n_prompt}-token decode)")
-    a, b = _pairs(armed(dec, copy=False), dec, args.repeat)
-    report("split", "ms", a, b, None, "  (copy=False: the splits alone)")
-    one = model.context(**{**kw, "n_threads": 1, "n_threads_batch": 1})
-    dec1 = lambda: _gen(one, prompt, args.n_predict, sampler)  # noqa: E731
+    if "idle" in want:  # taps available, nothing armed, against no callback at all
+        a, b = _pairs(dec, lambda: _gen(plain, prompt, args.n_predict, sampler), args.repeat)
+        report("idle", "ms", a, b, 1.01, "  (ms per token)")
+    if "decode" in want:
+        a, b = _pairs(armed(dec), dec, args.repeat)
+        report("decode", "ms", a, b, 1.10, "  (ms per token, l_out at 30 layers)")
+    if "prefill" in want:
+        pre = lambda: _prefill(tapped, long)  # noqa: E731
+        a, b = _pairs(armed(pre), pre, args.repeat)
+        report("prefill", "ms", a, b, 1.05, f"  (ms per {args.n_prompt}-token decode)")
+    if "split" in want:
+        a, b = _pairs(armed(dec, copy=False), dec, args.repeat)
+        report("split", "ms", a, b, None, "  (copy=False: the splits alone)")
+    if "split@1t" in want:
+        one = model.context(**{**kw, "n_threads": 1, "n_threads_batch": 1})
+        dec1 = lambda: _gen(one, prompt, args.n_predict, sampler)  # noqa: E731
 
-    def armed1():
-        with one.capture("l_out", copy=False):
-            return dec1()
+        def armed1():
+            with one.capture("l_out", copy=False):
+                return dec1()
 
-    a, b = _pairs(armed1, dec1, args.repeat)
-    report("split@1t", "ms", a, b, None, "  (copy=False, 1 thread: no thread-pool wake-ups)")
+        a, b = _pairs(armed1, dec1, args.repeat)
+        report("split@1t", "ms", a, b, None, "  (copy=False, 1 thread: no thread-pool wake-ups)")
+    if "patch" in want:
+        inside = []
 
-    calls = []
+        def patched():
+            with tapped.patch("l_out", lambda x, info: None, layers=[10]) as p:
+                r = dec()
+            inside.append(p.seconds / max(p.n_calls, 1))
+            return r
 
-    def patched():
-        with tapped.patch("l_out", lambda x, info: None, layers=[10]) as p:
-            r = dec()
-        calls.append(p.n_calls)
-        return r
-
-    a, b = _pairs(patched, dec, args.repeat)
-    per_token = statistics.median(a) - statistics.median(b)
-    print(f"patch      {per_token * 1e6:10.1f} µs per Python call (a no-op patch at l_out-10, 1 call per token)")
-    rows.append({"row": "patch", "us_per_call": per_token * 1e6})
+        a, b = _pairs(patched, dec, args.repeat)
+        per_call = statistics.median(inside)
+        diff = statistics.median([x - y for x, y in zip(a, b)])
+        print(
+            f"patch      {per_call * 1e6:10.1f} µs per Python call, timed inside it (a no-op patch at l_out-10, "
+            f"1 call per token; decode time with minus without: {diff * 1e6:.0f} µs)"
+        )
+        rows.append({"row": "patch", "us_per_call": per_call * 1e6, "us_decode_difference": diff * 1e6})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
