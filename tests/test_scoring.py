@@ -10,10 +10,10 @@ import json
 import math
 import os
 import re
-import tempfile
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -312,7 +312,11 @@ def test_complete_logprobs_like_llama_cpp_python(model):
 # -- the CLI ---------------------------------------------------------------------------------------
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pyllamacpp.cli", *args], capture_output=True, text=True, timeout=900, cwd=tempfile.gettempdir()
+        [sys.executable, "-m", "pyllamacpp.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tempfile.gettempdir(),
     )
 
 
