@@ -116,6 +116,7 @@ def main(argv=None) -> int:
 
     print(f"model {model.path.name}, {args.threads} threads, -r {args.repeat}, flash attention off")
     print(f"{'row':<10} {'with':>10} {'without':>10}")
+
     def armed(fn, **cap_kw):
         def run():
             with tapped.capture("l_out", **cap_kw):
