@@ -12,10 +12,13 @@ without, so above 1 is slower):
   prefill   one 512-token decode with the same capture. Target <= 1.05.
   split     diagnostic: the decode row with ``copy=False`` (the 30 graph splits, no copies), and
             the same at one thread (no thread-pool wake-ups): where the cost comes from.
-  patch     a no-op Python patch at one node per pass: µs per call, as ``Patch.seconds`` counts
-            it (the array, the TapInfo and the function, timed inside the call), and the
-            decode's time with it minus without, over the calls (noisier: a difference of two
-            medians of ~15 ms spans).
+  patch     a no-op Python patch at one node per pass: µs per call, the median of the calls
+            timed inside them (the array, the TapInfo and the function: what ``Patch.seconds``
+            adds up), and the decode's time with it minus without (noisier: a difference of two
+            ~15 ms spans).
+  patch-warm  diagnostic: the same call made 20 times in a row inside each callback, the first
+            left out: what it costs with the interpreter's code and data still in the caches,
+            against the first call after a stretch of the pass.
 Each ratio is the median of the ratios of the pairs (the two sides of one pair run back to back),
 with the pairs' quartiles: a machine whose speed drifts moves both sides of a pair alike.
 It measures; it asserts nothing about time.
@@ -69,7 +72,7 @@ def _pairs(a, b, repeat: int) -> tuple[list[float], list[float]]:
     return ta, tb
 
 
-ROWS = ("idle", "decode", "prefill", "split", "split@1t", "patch")
+ROWS = ("idle", "decode", "prefill", "split", "split@1t", "patch", "patch-warm")
 
 
 def main(argv=None) -> int:
@@ -148,23 +151,55 @@ def main(argv=None) -> int:
 
         a, b = _pairs(armed1, dec1, args.repeat)
         report("split@1t", "ms", a, b, None, "  (copy=False, 1 thread: no thread-pool wake-ups)")
+    from pyllamacpp.taps._taps import taps_of
+
+    taps = taps_of(tapped)
+
+    def timing(n_calls: int, first: list, again: list):
+        """The context's patch entry point, made to run each call ``n_calls`` times and time them."""
+
+        def on_patch(t, want_, occurrence, pass_index):
+            for i in range(n_calls):
+                t0 = time.perf_counter()
+                ok = type(taps).on_patch(taps, t, want_, occurrence, pass_index)
+                (first if i == 0 else again).append(time.perf_counter() - t0)
+            return ok
+
+        return on_patch
+
+    noop = lambda x, info: None  # noqa: E731
     if "patch" in want:
-        inside = []
+        calls: list[float] = []
 
         def patched():
-            with tapped.patch("l_out", lambda x, info: None, layers=[10]) as p:
-                r = dec()
-            inside.append(p.seconds / max(p.n_calls, 1))
-            return r
+            taps.on_patch = timing(1, calls, [])  # the trampoline looks the method up on the instance
+            try:
+                with tapped.patch("l_out", noop, layers=[10]):
+                    return dec()
+            finally:
+                del taps.on_patch
 
         a, b = _pairs(patched, dec, args.repeat)
-        per_call = statistics.median(inside)
+        per_call = statistics.median(calls)
         diff = statistics.median([x - y for x, y in zip(a, b)])
         print(
-            f"patch      {per_call * 1e6:10.1f} µs per Python call, timed inside it (a no-op patch at l_out-10, "
-            f"1 call per token; decode time with minus without: {diff * 1e6:.0f} µs)"
+            f"patch      {per_call * 1e6:10.1f} µs per Python call, median of {len(calls)} timed inside them "
+            f"(a no-op patch at l_out-10, 1 call per pass; decode time with minus without: {diff * 1e6:.0f} µs)"
         )
         rows.append({"row": "patch", "us_per_call": per_call * 1e6, "us_decode_difference": diff * 1e6})
+    if "patch-warm" in want:
+        first: list[float] = []
+        again: list[float] = []
+        taps.on_patch = timing(20, first, again)
+        try:
+            for _ in range(args.repeat):
+                with tapped.patch("l_out", noop, layers=[10]):
+                    dec()
+        finally:
+            del taps.on_patch
+        a, b = statistics.median(first), statistics.median(again)
+        print(f"patch-warm {a * 1e6:10.1f} µs the first call of a callback, {b * 1e6:.1f} µs the 19 after it (medians)")
+        rows.append({"row": "patch-warm", "us_first": a * 1e6, "us_warm": b * 1e6})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
