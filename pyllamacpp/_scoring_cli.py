@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .experiments.common import add_model_path_flag
+
 
 def add_parser(sub: Any) -> None:
     """Add the ``perplexity`` subcommand to ``sub`` (cli.py's subparsers)."""
@@ -28,7 +30,7 @@ def add_parser(sub: Any) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-m", "--model", type=Path, default=None, help="GGUF file (default: the default model)")
+    add_model_path_flag(p)
     p.add_argument("-f", "--file", type=Path, help="the text (default: the shipped Shakespeare excerpt)")
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per chunk (n_ctx)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="n_batch")

@@ -52,7 +52,8 @@ from ._lib import ffi, lib
 from .batch import Batch
 from .context_state import StateBuffer, StateFlags
 from .errors import DecodeAborted, KVCacheFullError, LlamaError
-from .generation import FinishReason
+from .generation import FinishReason, Generation
+from .generation import _Outcome as _GenOutcome
 from .sampling import Sampler
 
 if TYPE_CHECKING:
@@ -772,16 +773,13 @@ class SpeculativeStats:
         return d
 
 
-class _Outcome:
-    """What a speculative generation did, written by its generator (kept apart from the object the
-    caller holds, so that dropping that one closes the generator at once)."""
+class _Outcome(_GenOutcome):
+    """What a speculative generation did (a generation's outcome and its figures)."""
 
-    __slots__ = ("error", "finish_reason", "stats", "tokens")
+    __slots__ = ("stats",)
 
     def __init__(self, stats: SpeculativeStats) -> None:
-        self.tokens: list[int] = []
-        self.finish_reason: FinishReason | None = None
-        self.error: KVCacheFullError | None = None
+        super().__init__()
         self.stats = stats
 
 
@@ -1036,11 +1034,11 @@ def _rounds(
             return
 
 
-class Speculation:
+class Speculation(Generation):
     """What :func:`generate_speculative` returns: an iterator of token ids, and the figures.
 
-    Iterate it as a :class:`~pyllamacpp.Generation`; one verify decode runs when the tokens of
-    the last one are used up.
+    A :class:`~pyllamacpp.Generation` (iterate it; ``tokens``, ``finish_reason``, ``error``): one
+    verify decode runs when the tokens of the last one are used up.
 
     Attributes:
         ctx: The target context.
@@ -1084,36 +1082,9 @@ class Speculation:
             ctx, toks, int(n_predict), self._sampler, seq_id, draft, int(n_draft), passes, self._out, prefix
         )
 
-    @property
-    def tokens(self) -> list[int]:
-        """The tokens yielded so far."""
-        return self._out.tokens
-
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        """``"eog"``, ``"n_predict"`` or ``"ctx_full"`` once exhausted; None while it runs, closed early or raised."""
-        return self._out.finish_reason
-
-    @property
-    def error(self) -> KVCacheFullError | None:
-        """The :class:`~pyllamacpp.KVCacheFullError` that ended it with ``"ctx_full"``, else None."""
-        return self._out.error
-
-    def __iter__(self) -> Speculation:
-        return self
-
-    def __next__(self) -> int:
-        return next(self._it)
-
     def close(self) -> None:
         """Stop here: the sequence keeps the prompt and the yielded tokens but the last."""
         self._it.close()
-
-    def __enter__(self) -> Speculation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (

@@ -37,6 +37,30 @@ def add_cache_and_thread_flags(p: argparse.ArgumentParser, *, threads: int | Non
     )
 
 
+MODEL_HELP = "GGUF file (default: $PYLLAMACPP_MODEL or the default model)"
+
+
+def subcommand(sub: argparse._SubParsersAction, name: str, help: str, doc: str | None) -> argparse.ArgumentParser:
+    """A subcommand's parser: ``help`` in ``pyllamacpp --help``, the module's docstring as it is
+    written (line breaks kept) in ``pyllamacpp NAME --help``.
+
+    Args:
+        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
+        name: The subcommand.
+        help: Its one line.
+        doc: Its description (the module's ``__doc__``).
+
+    Returns:
+        The parser.
+    """
+    return sub.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_model_path_flag(p: argparse.ArgumentParser) -> None:
+    """Add ``-m/--model`` (a GGUF path; None: ``$PYLLAMACPP_MODEL`` or the default model)."""
+    p.add_argument("-m", "--model", type=Path, default=None, help=MODEL_HELP)
+
+
 def add_model_flags(
     p: argparse.ArgumentParser,
     *,
@@ -59,9 +83,7 @@ def add_model_flags(
         threads: The default of ``-t``; None: the physical core count (``default_n_threads()``, as
             llama.cpp's tools).
     """
-    p.add_argument(
-        "-m", "--model", type=Path, default=None, help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)"
-    )
+    add_model_path_flag(p)
     p.add_argument("-c", "--ctx-size", type=int, default=ctx, help="n_ctx (default %(default)s)")
     p.add_argument("-b", "--batch-size", type=int, default=batch, help="n_batch (default %(default)s)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=ubatch, help="n_ubatch (default %(default)s)")

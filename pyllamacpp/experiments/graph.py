@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import Any
 
-from .common import add_model_flags, context_kwargs, load_model
+from .common import add_model_flags, context_kwargs, load_model, subcommand
 
 __all__ = ["add_parser", "run", "print_report", "main"]
 
@@ -29,12 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     Returns:
         The subcommand's parser (its ``func`` is :func:`main`).
     """
-    p = sub.add_parser(
-        "graph",
-        help="the nodes one forward pass computes (the map for graph taps)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = subcommand(sub, "graph", "the nodes one forward pass computes (the map for graph taps)", __doc__)
     add_model_flags(p, ctx=512)
     p.add_argument("--n-tokens", type=int, default=3, help="tokens of the pass whose shapes are shown")
     p.add_argument("--layers", default=None, help="only these layers, e.g. 0,5 (and the unlayered nodes)")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .common import add_cache_and_thread_flags, load_model, progress
+from .common import add_cache_and_thread_flags, add_model_path_flag, load_model, progress, subcommand
 
 if TYPE_CHECKING:
     from ..context import Context
@@ -840,17 +840,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     Returns:
         The subcommand's parser (its ``func`` is :func:`main`).
     """
-    from pathlib import Path
-
-    p = sub.add_parser(
-        "kv-live",
-        help="the KV cache tensors in their buffer, against the state dump",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "-m", "--model", type=Path, default=None, help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)"
-    )
+    p = subcommand(sub, "kv-live", "the KV cache tensors in their buffer, against the state dump", __doc__)
+    add_model_path_flag(p)
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="n_ctx (default %(default)s)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="n_gpu_layers (default %(default)s)")
     add_cache_and_thread_flags(p)

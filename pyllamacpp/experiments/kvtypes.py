@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._cpu import default_n_threads
-from .common import progress
+from .common import add_model_path_flag, progress, subcommand
 
 DEFAULT_TYPES = "f16,q8_0,q5_1,q4_0"
 
@@ -40,13 +40,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     Returns:
         The subcommand's parser (cli.py sets its ``func``).
     """
-    p = sub.add_parser(
+    p = subcommand(
+        sub,
         "kv-types",
-        help="KV cache types against f16: buffer, bytes/token, perplexity, KL divergence, top-1, speed",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "KV cache types against f16: buffer, bytes/token, perplexity, KL divergence, top-1, speed",
+        __doc__,
     )
-    p.add_argument("-m", "--model", type=Path, default=None, help="GGUF file (default: the default model)")
+    add_model_path_flag(p)
     p.add_argument("-f", "--file", type=Path, default=None, help="the text (default: the shipped Shakespeare excerpt)")
     p.add_argument("--types", default=DEFAULT_TYPES, help="cache types, K and V alike; f16 is the reference")
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per perplexity chunk")

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .common import add_model_flags, context_kwargs, load_model, progress
+from .common import add_model_flags, context_kwargs, load_model, progress, subcommand
 from .splits import N_PAD, PlanError, add_plan_flags, layout_rows, pad, shape_from_args
 
 if TYPE_CHECKING:
@@ -822,12 +822,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     Returns:
         The subcommand's parser (the caller sets its ``func``).
     """
-    p = sub.add_parser(
-        "mask",
-        help="the KQ mask of each ubatch, shown and checked against llama.cpp's rule",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = subcommand(sub, "mask", "the KQ mask of each ubatch, shown and checked against llama.cpp's rule", __doc__)
     add_model_flags(p, ctx=512, batch=512, ubatch=512)
     add_plan_flags(p)
     p.add_argument("--shared", type=int, default=0, help="tokens cached once for every sequence (seq_cp from 0)")

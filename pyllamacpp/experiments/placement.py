@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._cpu import default_n_threads
-from .common import add_cache_and_thread_flags
+from .common import add_cache_and_thread_flags, add_model_path_flag, subcommand
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -55,15 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     Returns:
         The subcommand's parser (its ``func`` is :func:`main`).
     """
-    import argparse
-
-    p = sub.add_parser(
-        "placement",
-        help="restore a sequence at the same or other KV cells, -fa on/off: do the logits change?",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = subcommand(
+        sub, "placement", "restore a sequence at the same or other KV cells, -fa on/off: do the logits change?", __doc__
     )
-    p.add_argument("-m", "--model", default=None, help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
+    add_model_path_flag(p)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: a built-in story opening)")
     p.add_argument(
         "-p",

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .common import add_cache_and_thread_flags, load_model, progress
+from .common import add_cache_and_thread_flags, add_model_path_flag, load_model, progress, subcommand
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -579,17 +579,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     Returns:
         The subcommand's parser (its ``func`` is :func:`main`).
     """
-    from pathlib import Path
-
-    p = sub.add_parser(
-        "prefill-profile",
-        help="compute buffer and prefill time by op type against -ub",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "-m", "--model", type=Path, default=None, help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)"
-    )
+    p = subcommand(sub, "prefill-profile", "compute buffer and prefill time by op type against -ub", __doc__)
+    add_model_path_flag(p)
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="n_ctx (default %(default)s)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="n_batch, at least -p (default %(default)s)")
     p.add_argument("-ub", "--ubatch-list", default="512,128,32,8", help="the -ub values (default %(default)s)")

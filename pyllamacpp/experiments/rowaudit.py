@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .common import add_model_flags, context_kwargs, load_model, progress
+from .common import add_model_flags, context_kwargs, load_model, progress, subcommand
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -443,11 +443,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     Returns:
         The subcommand's parser (the caller sets its ``func``).
     """
-    p = sub.add_parser(
-        "row-audit",
-        help="does sequence B change sequence A's rows in one ubatch? every node compared",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = subcommand(
+        sub, "row-audit", "does sequence B change sequence A's rows in one ubatch? every node compared", __doc__
     )
     add_model_flags(p, ctx=512, batch=512, ubatch=512, n_parallel=2)
     p.set_defaults(kv_unified=True)

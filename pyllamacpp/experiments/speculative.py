@@ -26,7 +26,7 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from .common import Interrupted, add_model_flags, context_kwargs, load_model, progress
+from .common import Interrupted, add_model_flags, context_kwargs, load_model, progress, subcommand
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -124,11 +124,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     Returns:
         The subcommand's parser (the caller sets its ``func``).
     """
-    p = sub.add_parser(
+    p = subcommand(
+        sub,
         "speculative",
-        help="speculative decoding against plain generate: acceptance, passes per verify, speed-up",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "speculative decoding against plain generate: acceptance, passes per verify, speed-up",
+        __doc__,
     )
     add_model_flags(p, ctx=2048)
     p.add_argument("--draft", default="ngram", help="ngram, layer-skip:K or model:PATH")

@@ -27,6 +27,8 @@ import json
 import os
 from collections.abc import Sequence
 
+from .common import subcommand
+
 MODES = ("auto", "simple", "equal", "seq")
 LAYOUTS = ("seq", "interleave")
 N_PAD = 256  # llama_kv_cache::get_n_kv pads n_kv to max(n_pad, 256); n_pad is 1 for the usual caches
@@ -737,12 +739,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     Returns:
         The subcommand's parser (its ``func`` is :func:`main`).
     """
-    p = sub.add_parser(
-        "split-plan",
-        help="how a batch becomes decode calls and ubatches (no model)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = subcommand(sub, "split-plan", "how a batch becomes decode calls and ubatches (no model)", __doc__)
     add_plan_flags(p)
     p.add_argument("-b", "--n-batch", "--batch-size", dest="batch_size", type=int, default=2048)
     p.add_argument("-ub", "--n-ubatch", "--ubatch-size", dest="ubatch_size", type=int, default=512)

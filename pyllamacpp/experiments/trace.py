@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .common import add_model_flags, context_kwargs, load_model, progress
+from .common import add_model_flags, context_kwargs, load_model, progress, subcommand
 from .splits import PlanError, add_plan_flags, plan, shape_from_args
 
 if TYPE_CHECKING:
@@ -328,14 +328,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     Returns:
         The subcommand's parser (its ``func`` is :func:`main`).
     """
-    import argparse
 
-    p = sub.add_parser(
-        "trace-ubatches",
-        help="trace the engine's forward passes against split-plan",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = subcommand(sub, "trace-ubatches", "trace the engine's forward passes against split-plan", __doc__)
     add_model_flags(p)
     add_plan_flags(p)
     p.set_defaults(func=main)
