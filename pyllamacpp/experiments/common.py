@@ -57,7 +57,11 @@ def subcommand(sub: argparse._SubParsersAction, name: str, help: str, doc: str |
 
 
 def add_model_path_flag(p: argparse.ArgumentParser) -> None:
-    """Add ``-m/--model`` (a GGUF path; None: ``$PYLLAMACPP_MODEL`` or the default model)."""
+    """Add ``-m/--model``: a GGUF path; None (not given) loads ``$PYLLAMACPP_MODEL`` or the default model.
+
+    Args:
+        p: The parser (a subcommand's).
+    """
     p.add_argument("-m", "--model", type=Path, default=None, help=MODEL_HELP)
 
 
