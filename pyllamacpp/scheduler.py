@@ -20,6 +20,15 @@ A finished request's cells stay as cache until its sequence is needed by another
 KV cache runs out of cells. Sharing between sequences needs ``kv_unified=True``: with one stream
 per sequence, llama.cpp copies only whole sequences between streams, so there a request reuses only
 what its own sequence held (as the server without ``--kv-unified``).
+
+Drafts (speculative decoding per request, as the server's per-slot draft): a request submitted
+with ``draft=`` (a :class:`~pyllamacpp.speculative.Draft`, for example an ``NgramDraft``) puts its
+pending token and up to ``n_draft`` drafted tokens into the step's batch, every row with logits;
+after the decode it samples its rows in order with its own chain while the sampled token is the
+drafted one (sample-and-compare, as :func:`~pyllamacpp.generate_speculative`), one event per
+token, and the cells of the rejected rows are removed (``llama_memory_seq_rm``). Drafts take
+batch rows before prompt chunks do, and only what the batch has left over one row per generating
+sequence. They need a plain KV cache (no sliding window, no recurrent state).
 """
 
 from __future__ import annotations
@@ -65,6 +74,12 @@ class Request:
         finish_reason: ``"eog"``, ``"n_predict"``, ``"ctx_full"`` or ``"cancelled"``; None while
             it waits or runs.
         error: The :class:`~pyllamacpp.KVCacheFullError` that ended it with ``"ctx_full"``.
+        draft: Its :class:`~pyllamacpp.speculative.Draft`, or None.
+        n_draft: The most tokens drafted per step.
+        n_drafted: Drafted tokens verified so far.
+        n_accepted: Drafted tokens its sampler agreed with.
+        drafted_at: Per draft position (index 0: the first drafted token), steps that drafted it.
+        accepted_at: Per draft position, steps that accepted it.
         n_prompt_reused: Prompt tokens whose KV cells came from the prefix cache (not decoded).
         n_prompt_decoded: Prompt tokens decoded for it.
         reused_from: The sequence whose cells it reused (its own, or the one ``seq_cp`` copied
@@ -111,6 +126,14 @@ class Request:
         "_sched",
         "_s",
         "_sptr",
+        "draft",
+        "n_draft",
+        "n_drafted",
+        "n_accepted",
+        "drafted_at",
+        "accepted_at",
+        "_hist",
+        "_drafted",
     )
 
     def __init__(
@@ -140,6 +163,14 @@ class Request:
         self._out = -1  # output index of its logits in this step's batch
         self._pending = -1  # sampled, not yet decoded
         self._cancel = False
+        self.draft: Any = None
+        self.n_draft = 0
+        self.n_drafted = 0
+        self.n_accepted = 0
+        self.drafted_at: list[int] = []
+        self.accepted_at: list[int] = []
+        self._hist: list[int] = []  # prompt + sampled tokens, for the draft
+        self._drafted: list[int] = []  # this step's drafted tokens
 
     @property
     def n_prompt(self) -> int:
@@ -181,15 +212,22 @@ class Request:
             self._cancel = True
             self._sched._n_cancel += 1
 
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Drafted tokens accepted per drafted token verified (None before any)."""
+        return self.n_accepted / self.n_drafted if self.n_drafted else None
+
     def report(self) -> dict:
         """The per-request figures as a dict (JSON-ready).
 
         Returns:
             ``id``, ``seq_id``, ``n_prompt``, ``n_prompt_reused``, ``n_prompt_decoded``,
             ``reused_from``, ``n_tokens``, ``finish_reason``, ``time_to_first_token_s``,
-            ``tokens_per_s``, ``text``.
+            ``tokens_per_s``, ``text``; for a request with a draft also ``n_draft``,
+            ``n_drafted``, ``n_accepted``, ``acceptance_rate`` and ``acceptance_at`` (per draft
+            position: steps that accepted it / steps that drafted it).
         """
-        return {
+        out: dict[str, Any] = {
             "id": self.id,
             "seq_id": self.seq_id,
             "n_prompt": self.n_prompt,
@@ -202,6 +240,15 @@ class Request:
             "tokens_per_s": self.tokens_per_s,
             "text": self.text,
         }
+        if self.draft is not None:
+            out.update(
+                n_draft=self.n_draft,
+                n_drafted=self.n_drafted,
+                n_accepted=self.n_accepted,
+                acceptance_rate=self.acceptance_rate,
+                acceptance_at=[a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
+            )
+        return out
 
     def __repr__(self) -> str:
         state = self.finish_reason or ("waiting" if self.seq_id is None else "running")
@@ -287,6 +334,8 @@ class Scheduler:
         self._gen: list[Request] = []  # have a sampled token to decode
         self._prefill: list[Request] = []  # admitted, prompt not all decoded
         self._samplers: set[int] = set()  # id() of the samplers of live requests
+        self._drafts: set[int] = set()  # id() of the drafts of live requests
+        self._no_drafts = False  # this step's batch is filled without drafts (the cache was full)
         self._next_id = 0
         self._n_cancel = 0  # cancel() calls not yet handled
         self.n_steps = 0
@@ -308,6 +357,8 @@ class Scheduler:
         sampler: Sampler | None = None,
         *,
         special: bool = False,
+        draft: Any = None,
+        n_draft: int = 4,
     ) -> Request:
         """Queue a request; it starts at the next step that has a free sequence.
 
@@ -319,6 +370,10 @@ class Scheduler:
             sampler: Its :class:`~pyllamacpp.Sampler` (greedy when None); one sampler serves one
                 live request (its penalties and grammar state are that request's).
             special: Render special (control) tokens in the text pieces.
+            draft: A :class:`~pyllamacpp.speculative.Draft` (``NgramDraft()``, a ``ModelDraft``
+                of its own...) whose tokens each step verifies in the same batch; one draft
+                serves one live request. None: no drafts.
+            n_draft: The most tokens drafted per step (with ``draft``).
 
         Returns:
             The :class:`Request`.
@@ -326,8 +381,11 @@ class Scheduler:
         Raises:
             ValueError: No tokens, a token outside the vocabulary, a prompt longer than the
                 context's ``n_ctx_seq``, ``n_predict < -1``, or a sampler already used by a live
-                request.
-            TypeError: ``sampler`` is not a :class:`~pyllamacpp.Sampler`.
+                request, a draft on a memory that cannot drop a suffix (:attr:`plain_kv` False),
+                a draft already used by a live request, ``n_draft < 1``, or a draft whose
+                model's vocabulary differs (``Draft.bind``).
+            TypeError: ``sampler`` is not a :class:`~pyllamacpp.Sampler`, or ``draft`` not a
+                :class:`~pyllamacpp.speculative.Draft`.
             ClosedError: The context, model or sampler is closed.
         """
         self.ctx.ptr  # noqa: B018 - raises ClosedError once the context is closed
@@ -355,8 +413,27 @@ class Scheduler:
         sampler.ptr  # noqa: B018 - raises ClosedError for a closed sampler
         if id(sampler) in self._samplers:
             raise ValueError("this sampler is used by another live request: give each request its own")
+        if draft is not None:
+            from .speculative import Draft
+
+            if not isinstance(draft, Draft):
+                raise TypeError(f"draft must be a pyllamacpp.speculative.Draft, got {type(draft).__name__}")
+            if not self.plain_kv:
+                raise ValueError(
+                    "drafts need a memory that can drop a suffix; this model's cannot (a sliding window, "
+                    "or a recurrent or hybrid memory): use generate_speculative, which checkpoints it"
+                )
+            n_draft = int(n_draft)
+            if n_draft < 1:
+                raise ValueError(f"n_draft must be >= 1, got {n_draft}")
+            if id(draft) in self._drafts:
+                raise ValueError("this draft is used by another live request: give each request its own")
+            draft.bind(self.model)
+            self._drafts.add(id(draft))
         self._samplers.add(id(sampler))
         req = Request(self, self._next_id, toks, n_predict, sampler, self.model._tokens[bool(special)])
+        if draft is not None:
+            req.draft, req.n_draft = draft, n_draft
         self._next_id += 1
         self._waiting.append(req)
         return req
@@ -447,6 +524,9 @@ class Scheduler:
             except KVCacheFullError as e:
                 if e.__context__ is not None:
                     raise
+                if not self._no_drafts and any(r._drafted for r in self._gen):
+                    self._no_drafts = True  # drafts first: they are only a speed-up
+                    continue
                 if self._evict_cache():
                     continue
                 self._end(
@@ -455,8 +535,15 @@ class Scheduler:
                 if not (self._gen or self._prefill):
                     return events
             except (DecodeAborted, KeyboardInterrupt):  # DecodeInterrupted, or Ctrl-C right after the decode
+                self._no_drafts = False
                 self._rollback()
                 raise
+            except BaseException:
+                self._no_drafts = False
+                for r in self._gen:
+                    r._drafted = []
+                raise
+        self._no_drafts = False
         self.n_steps += 1
         self._decoded(events)
         return events
@@ -547,6 +634,9 @@ class Scheduler:
         r.seq_id, r._s, r.n_prompt_reused, r._i = s, s, reuse, reuse
         r.reused_from = src if reuse else None
         r.t_start = time.perf_counter()
+        if r.draft is not None:
+            r._hist = toks.tolist()
+            r.draft.begin(list(r._hist))
         self.n_prompt_reused += reuse
         self._running[s] = r
         self._prefill.append(r)
@@ -556,6 +646,7 @@ class Scheduler:
         # written through cffi without Batch.add's checks (one seq id per slot is set once)
         p, n_held, i = batch._p, self._n_held, 0
         token, pos, seq_id, logits = p.token, p.pos, p.seq_id, p.logits
+        slack = 0 if self._no_drafts else self.n_batch - len(self._gen)  # rows drafts may take
         for r in self._gen:
             s = r._s
             token[i], pos[i], logits[i] = r._pending, n_held[s], 1
@@ -563,6 +654,15 @@ class Scheduler:
             r._out = i
             r._sptr = r.sampler.ptr  # a closed sampler raises here, before the decode changes anything
             i += 1
+            if r.draft is not None:
+                d = self._draft(r, slack) if slack > 0 else []
+                r._drafted = d
+                p0 = n_held[s] + 1
+                for j, t in enumerate(d):
+                    token[i], pos[i], logits[i] = t, p0 + j, 1
+                    seq_id[i][0] = s
+                    i += 1
+                slack -= len(d)
         p.n_tokens = i
         budget = self.n_batch - i
         for r in self._prefill:
@@ -577,12 +677,56 @@ class Scheduler:
             r._out = sl.stop - 1
             budget -= n
 
+    def _draft(self, r: Request, slack: int) -> list[int]:
+        """Up to ``n_draft`` tokens from ``r``'s draft for this step: no more than the batch has left,
+        than positions remain in the sequence, or than tokens remain to sample after the pending one."""
+        n = min(r.n_draft, slack, self._n_ctx_seq - self._n_held[r._s] - 1)
+        if r.n_predict >= 0:
+            n = min(n, r.n_predict - len(r.tokens) - 1)  # the verify samples up to n + 1 tokens
+        if n <= 0:
+            return []
+        d = [int(t) for t in r.draft.draft(r._hist, n)][:n]
+        for t in d:
+            if not 0 <= t < self._n_vocab:
+                raise ValueError(
+                    f"request {r.id}'s draft proposed token {t}, outside the vocabulary [0, {self._n_vocab})"
+                )
+        return d
+
+    def _verify(self, r: Request, cptr: Any, ev: Callable[[Event], None]) -> None:
+        """Sample ``r``'s rows in order while its sampler agrees with the draft; drop the rest's cells."""
+        d, r._drafted = r._drafted, []
+        s, n_held = r._s, self._n_held
+        end = n_held[s] + 1 + len(d)  # the positions the verify rows took
+        n_held[s] += 1  # the pending token
+        r.n_drafted += len(d)
+        while len(r.drafted_at) < len(d):
+            r.drafted_at.append(0)
+            r.accepted_at.append(0)
+        for j in range(len(d)):
+            r.drafted_at[j] += 1
+        base = r._out
+        for j in range(len(d) + 1):
+            r._out = base + j
+            self._sample(r, cptr, ev)
+            if r.finish_reason is not None or j == len(d) or r._pending != d[j]:
+                break
+            self._gen.pop()  # _sample queued r for the next step; it goes on from the next row instead
+            n_held[s] += 1  # the drafted token's cell holds what was sampled
+            r.n_accepted += 1
+            r.accepted_at[j] += 1
+        if n_held[s] < end:
+            self.ctx.memory.seq_rm(s, n_held[s], -1)  # the cells of the rows not kept
+
     def _decoded(self, events: list[Event]) -> None:
         n_held = self._n_held
         gen = self._gen
         self._gen = []
         sample, cptr, ev = self._sample, self.ctx.ptr, events.append
         for r in gen:
+            if r._drafted:
+                self._verify(r, cptr, ev)
+                continue
             n_held[r._s] += 1
             sample(r, cptr, ev)
         prefill, still = self._prefill, []
@@ -614,6 +758,8 @@ class Scheduler:
             raise IndexError(f"llama_sampler_sample() failed for output {r._out} of request {r.id}")
         toks = r.tokens
         toks.append(tok)
+        if r.draft is not None:
+            r._hist.append(tok)
         self.n_tokens += 1
         if r.t_first_token is None:
             r.t_first_token = time.perf_counter()
@@ -647,6 +793,9 @@ class Scheduler:
     ) -> None:
         r.finish_reason, r.error, r.t_end = reason, error, time.perf_counter()
         self._samplers.discard(id(r.sampler))
+        if r.draft is not None:
+            self._drafts.discard(id(r.draft))
+            r._drafted = []
         s = r.seq_id
         if s is not None:
             if r in self._gen:
@@ -679,6 +828,7 @@ class Scheduler:
         lost: list[Event] = []
         for r in self._gen + self._prefill:
             r._chunk = 0
+            r._drafted = []
             if not mem.seq_rm(r._s, self._n_held[r._s], -1):
                 self._end(r, "cancelled", lost.append)
                 self._drop(r._s)

@@ -420,3 +420,137 @@ def test_abort_with_a_recurrent_state(tmp_path):
         again = sched.submit([1, 2, 3, 4], 8)
         list(sched.run())
         assert again.tokens == alone
+
+
+# -- drafts ----------------------------------------------------------------------------------------
+class _Oracle:
+    """Proposes the solo run's continuation: the greedy target accepts every drafted token."""
+
+    def __new__(cls, continuation, n_prompt):
+        from pyllamacpp.speculative import Draft
+
+        class Oracle(Draft):
+            def draft(self, history, n_max):
+                i = len(history) - n_prompt
+                return list(continuation)[i : i + n_max]
+
+        return Oracle()
+
+
+def _wrong():
+    """Proposes a token the greedy target never takes here (the last vocabulary id): all rejected."""
+    from pyllamacpp.speculative import Draft
+
+    class Wrong(Draft):
+        def draft(self, history, n_max):
+            return [self.n_vocab - 1] * n_max
+
+        def bind(self, model):
+            self.n_vocab = model.n_vocab
+
+    return Wrong()
+
+
+def _cells_match(ctx, sched):
+    """Each sequence holds exactly the cells the scheduler says (no rejected row left behind)."""
+    for s in range(sched.n_seq_max):
+        n = sched.cached().get(s, 0)
+        assert ctx.memory.seq_pos_max(s) == n - 1, (s, n)
+
+
+def test_drafts_keep_every_request_equal_to_its_solo_run(model, solo):
+    from pyllamacpp.speculative import NgramDraft
+
+    with _ctx(model) as ctx:
+        sched = Scheduler(ctx)
+        reqs, steps = [], {}
+        for k, q in enumerate(LISTS[:6]):
+            prompt = model.tokenize(SYSTEM + q)
+            draft = [None, NgramDraft(), _Oracle(solo[q], prompt.size), _wrong()][k % 4]
+            reqs.append(sched.submit(prompt, N, draft=draft, n_draft=3))
+        for ev in sched.run():
+            steps.setdefault(ev.request.id, set()).add(sched.n_steps)
+            _cells_match(ctx, sched) if ev.finish_reason else None
+        _cells_match(ctx, sched)
+        for r, q in zip(reqs, LISTS):
+            assert r.tokens == solo[q], (q, r)
+            assert r.finish_reason == "n_predict"
+        plain, ngram, oracle, wrong = reqs[0], reqs[1], reqs[2], reqs[3]
+        assert "n_drafted" not in plain.report() and plain.acceptance_rate is None
+        # all of the oracle's drafts are taken: 8 tokens in 1 + ceil(7 / 4) steps; n_predict caps
+        # the last draft (3 tokens to go: 2 drafted)
+        assert oracle.n_accepted == oracle.n_drafted == 3 + 2 and oracle.acceptance_rate == 1.0
+        assert len(steps[oracle.id]) == 3 and len(steps[plain.id]) == N
+        rep = oracle.report()
+        assert rep["acceptance_at"] == [1.0, 1.0, 1.0] and rep["n_draft"] == 3
+        # one token per step; the last step has none left to draft for (3 + 3 + 3 + 3 + 2 + 1 drafted)
+        assert wrong.n_accepted == 0 and wrong.drafted_at[0] == N - 2 and wrong.n_drafted == 15
+        assert ngram.n_drafted >= ngram.n_accepted >= 0
+
+
+def test_drafts_take_only_the_rows_the_batch_has_left(model, solo):
+    # n_batch 4 and three generating sequences: one row left per step for all drafts together
+    with _ctx(model, n_batch=4, n_ubatch=4) as ctx:
+        sched = Scheduler(ctx)
+        reqs = []
+        for q in LISTS[:3]:
+            prompt = model.tokenize(SYSTEM + q)
+            reqs.append(sched.submit(prompt, N, draft=_Oracle(solo[q], prompt.size), n_draft=8))
+        widths = []
+        while not sched.idle:
+            sched.step()
+            widths.append(sched._batch.n_tokens)
+        assert max(widths) <= 4
+        assert [r.tokens for r in reqs] == [solo[q] for q in LISTS[:3]]
+        assert sum(r.n_drafted for r in reqs) > 0 and all(r.acceptance_rate in (None, 1.0) for r in reqs)
+        _cells_match(ctx, sched)
+
+
+def test_drafts_give_way_when_the_cache_is_full(model):
+    # two endless "1, 1, ..." requests with n-gram drafts (nearly all accepted): when the cells
+    # run out, the step is retried without drafts first, so the cache fills to its last cells
+    from pyllamacpp.speculative import NgramDraft
+
+    endless = 'root ::= "1, " root'
+    long = np.resize(model.tokenize(SYSTEM + LISTS[0]), 180)
+    with _ctx(model, n_seq_max=2, n_ctx=256, n_batch=256) as ctx:
+        sched = Scheduler(ctx)
+        g = lambda: pl.Sampler(model).grammar(model, endless).pick_greedy()  # noqa: E731
+        a = sched.submit(long, -1, g(), draft=NgramDraft(), n_draft=6)
+        b = sched.submit(long[::-1][:40], -1, g(), draft=NgramDraft(), n_draft=6)
+        ended, most = [], 0
+        while not ended:
+            ended = [ev.request for ev in sched.step() if ev.finish_reason == "ctx_full"]
+            most = max(most, sum(sched.cached().values()))
+        assert ended == [a] and not b.done
+        assert a.n_accepted > 10 and b.n_accepted > 0  # the drafts did run
+        # every cell was used before a ended: a step without room for its drafts ran without them
+        assert most == ctx.n_ctx
+        assert sched.cached() == {b.seq_id: b.n_prompt + len(b.tokens) - 1}
+        _cells_match(ctx, sched)
+        b.cancel()
+        list(sched.run())
+
+
+def test_bad_drafts_are_refused_before_any_decode(model, tmp_path):
+    from pyllamacpp.speculative import NgramDraft
+    from pyllamacpp.testing import make_model
+
+    with _ctx(model, n_seq_max=2) as ctx:
+        sched = Scheduler(ctx)
+        d = NgramDraft()
+        with pytest.raises(TypeError, match="Draft"):
+            sched.submit(SYSTEM, 4, draft=object())
+        with pytest.raises(ValueError, match="n_draft"):
+            sched.submit(SYSTEM, 4, draft=d, n_draft=0)
+        r = sched.submit(SYSTEM, 4, draft=d)
+        with pytest.raises(ValueError, match="another live request"):
+            sched.submit(SYSTEM, 4, draft=d)
+        list(sched.run())
+        assert r.finish_reason == "n_predict"
+        sched.submit(SYSTEM, 2, draft=d)  # free again once that request ended
+        list(sched.run())
+    path = make_model(tmp_path / "m.gguf", "mamba", n_layer=2, n_embd=64, n_vocab=128, ssm_d_conv=4, ssm_d_state=8)
+    with pl.Model(path) as m, m.context(n_ctx=256, n_seq_max=2, n_threads=1) as ctx:
+        with pytest.raises(ValueError, match="drop a suffix"):
+            Scheduler(ctx).submit([1, 2, 3], 4, draft=NgramDraft())
