@@ -27,6 +27,13 @@ the two sides alternating: plain, speculative, speculative, plain, ...):
               plain ``generate`` on ``--exact-prompts`` prompts of the default model, ``--n-exact``
               tokens each: how many runs differ, where, and the target's top-1 minus top-2 logit
               at the first difference (from one batched decode of the plain continuation).
+  scheduler   the quote workload as a ``Scheduler`` request with an ``NgramDraft`` (``--sched-draft``
+              tokens) against the same request without one, alone and beside ``--sched-others``
+              plain requests that share its batches (list prompts, as many tokens): the time
+              per side from the end of the first step (every prompt's prefill) to the last
+              token, the speed-up, the quote request's
+              acceptance, and which requests' tokens differ between the sides (0: the one with
+              the draft; with the index of the first token that differs).
   rows        what a verify batch costs: one decode of r rows, every row with logits, against a
               one-row decode, on the default model (and ``--requant`` models): the ceiling of
               any speed-up, since r rows buy at most r tokens.
@@ -491,6 +498,64 @@ def section_rows(a: argparse.Namespace) -> list[dict]:
     return out
 
 
+def section_scheduler(a: argparse.Namespace) -> list[dict]:
+    """A draft per request in the Scheduler: the whole run with the quote request's draft and without."""
+    import pyllamacpp as pl
+    from pyllamacpp.experiments.prefix import LISTS, SYSTEM_PROMPT
+    from pyllamacpp.experiments.speculative import WORKLOADS
+
+    out = []
+    with pl.Model() as m:
+        quote = m.tokenize(WORKLOADS["quote"], parse_special=True)
+        for n_others in _ints(a.sched_others):
+            kw = dict(n_ctx=2048, n_seq_max=n_others + 1, kv_unified=True, n_threads=a.threads)
+            with m.context(**kw, n_threads_batch=a.threads) as ctx:
+                times: dict[str, list[float]] = {"plain": [], "draft": []}
+                toks: dict[str, list] = {}
+                stats = {}
+                for i in range(a.pairs):
+                    for side in ("plain", "draft") if i % 2 == 0 else ("draft", "plain"):
+                        sched = pl.Scheduler(ctx, prefix_cache=False)
+                        d = pl.NgramDraft() if side == "draft" else None
+                        r = sched.submit(quote, a.n_quote, draft=d, n_draft=a.sched_draft)
+                        others = [sched.submit(SYSTEM_PROMPT + q, a.n_quote) for q in LISTS[:n_others]]
+                        sched.step()  # every prompt's prefill (one batch): not timed
+                        w = time.perf_counter()
+                        steps = 1
+                        while not sched.idle:
+                            sched.step()
+                            steps += 1
+                        times[side].append(time.perf_counter() - w)
+                        toks[side] = [r.tokens] + [o.tokens for o in others]
+                        if side == "draft":
+                            stats = {"acceptance_rate": r.acceptance_rate, "n_drafted": r.n_drafted, "steps": steps}
+                        else:
+                            stats_plain_steps = steps
+                sp = [p / q for p, q in zip(times["plain"], times["draft"])]
+                out.append(
+                    {
+                        "n_others": n_others,
+                        "n_draft": a.sched_draft,
+                        "n_tokens": a.n_quote * (n_others + 1),
+                        "plain_s": statistics.median(times["plain"]),
+                        "draft_s": statistics.median(times["draft"]),
+                        "speedup": statistics.median(sp),
+                        "speedups": sp,
+                        "same_tokens": toks["plain"] == toks["draft"],
+                        # which requests (0: the one with the draft) and from which token on
+                        "differ": [
+                            (k, next(j for j, (x, y) in enumerate(zip(p, q)) if x != y))
+                            for k, (p, q) in enumerate(zip(toks["plain"], toks["draft"]))
+                            if p != q
+                        ],
+                        "steps_plain": stats_plain_steps,
+                        **stats,
+                    }
+                )
+                print(f"scheduler: {json.dumps(out[-1])}", file=sys.stderr, flush=True)
+    return out
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -535,6 +600,22 @@ def report(a: argparse.Namespace, cmd: str, res: dict, load: tuple, t0: float) -
             print(
                 f"| {r['model']} | {r['rows']} | {r['cpu_ms']:.1f} | {r['cpu_x']:.2f} | {r['wall_ms']:.1f} | "
                 f"{r['wall_x']:.2f} |"
+            )
+        print()
+    rows = res.get("scheduler")
+    if rows:
+        print(
+            "| other requests | n_draft | tokens in all | plain s | with the draft s | speed-up (pairs) | steps "
+            "| acceptance | requests whose tokens differ |"
+        )
+        print("|---:|---:|---:|---:|---:|---|---|---:|---|")
+        for r in rows:
+            pairs = ", ".join(f"{x:.2f}" for x in r["speedups"])
+            acc = r["acceptance_rate"]
+            print(
+                f"| {r['n_others']} | {r['n_draft']} | {r['n_tokens']} | {r['plain_s']:.2f} | {r['draft_s']:.2f} | "
+                f"**{r['speedup']:.2f}** ({pairs}) | {r['steps_plain']} -> {r['steps']} | "
+                f"{acc if acc is None else f'{acc:.2f}'} | {r['differ'] or 'none'} |"
             )
         print()
     rows = res.get("python")
@@ -587,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exact-prompts", type=int, default=24, help="exactness: prompts (24)")
     ap.add_argument("--n-exact", type=int, default=96, help="exactness: tokens per prompt (96)")
     ap.add_argument("--exact-draft", type=int, default=8, help="exactness: n_draft (8)")
+    ap.add_argument("--sched-others", default="0,1,3", help="scheduler: plain requests beside it (0,1,3)")
+    ap.add_argument("--sched-draft", type=int, default=3, help="scheduler: n_draft (3)")
     ap.add_argument("--widths", default="1,2,3,4,5,6,9,17", help="rows: batch widths (1,2,3,4,5,6,9,17)")
     ap.add_argument("--rows-repeat", type=int, default=7, help="rows: decodes per width (7)")
     ap.add_argument("--json", metavar="PATH", help="also write the raw results here")
@@ -600,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": section_python,
         "exactness": section_exactness,
         "rows": section_rows,
+        "scheduler": section_scheduler,
     }
     for s in [x.strip() for x in a.sections.split(",") if x.strip()]:
         if s not in fns:
