@@ -44,10 +44,12 @@ from pyllamacpp.batch import Batch
 from pyllamacpp.params import default_n_threads
 
 
-def decode_rows(ctx, tokens: np.ndarray, n_batch: int, rows) -> None:
-    """The decodes of ``score`` for a text that fits the window; ``rows(ctx, targets)`` after each."""
+def decode_rows(ctx, tokens: np.ndarray, n_batch: int, rows, decode=None) -> None:
+    """The decodes of ``score`` for a text that fits the window; ``rows(ctx, targets)`` after each
+    (``decode(batch)`` instead of ``ctx.decode`` when given)."""
     n = tokens.size
     batch = Batch(n_batch, 1, model=ctx.model)
+    decode = decode or ctx.decode
     ctx.memory.seq_rm(0)
     for b0 in range(0, n, n_batch):
         chunk = tokens[b0 : b0 + n_batch]
@@ -55,7 +57,7 @@ def decode_rows(ctx, tokens: np.ndarray, n_batch: int, rows) -> None:
         mask = j < n - 1
         batch.clear()
         batch.add_sequence(chunk, 0, b0, logits=mask)
-        ctx.decode(batch)
+        decode(batch)
         if rows is not None:
             rows(ctx, tokens[j[mask] + 1])
 
@@ -70,30 +72,25 @@ class Split:
         self.numpy_runs: list[float] = []
 
     def __call__(self, ctx, tokens: np.ndarray, n_batch: int) -> None:
-        n = tokens.size
-        batch = Batch(n_batch, 1, model=ctx.model)
-        ctx.memory.seq_rm(0)
-        dec = rows = np_rows = 0.0
+        spent = {"decode": 0.0, "rows": 0.0, "numpy": 0.0}
         threads = ctx.params.n_threads_batch
-        for b0 in range(0, n, n_batch):
-            chunk = tokens[b0 : b0 + n_batch]
-            j = np.arange(b0, b0 + chunk.size)
-            mask = j < n - 1
-            batch.clear()
-            batch.add_sequence(chunk, 0, b0, logits=mask)
+
+        def decode(batch) -> None:
             t0 = time.perf_counter()
             ctx.decode(batch)
+            spent["decode"] += time.perf_counter() - t0
+
+        def rows(ctx, targets) -> None:
             t1 = time.perf_counter()
-            targets = tokens[j[mask] + 1]
             scoring.log_softmax(ctx.logits_all(), targets, n_threads=threads)
             t2 = time.perf_counter()
             numpy_rows(ctx, targets)  # the same rows again, as the numpy side scores them
-            t3 = time.perf_counter()
-            dec += t1 - t0
-            rows += t2 - t1
-            np_rows += t3 - t2
-        self.runs.append((dec, rows))
-        self.numpy_runs.append(np_rows)
+            spent["rows"] += t2 - t1
+            spent["numpy"] += time.perf_counter() - t2
+
+        decode_rows(ctx, tokens, n_batch, rows, decode)
+        self.runs.append((spent["decode"], spent["rows"]))
+        self.numpy_runs.append(spent["numpy"])
 
 
 def numpy_rows(ctx, targets: np.ndarray) -> None:
