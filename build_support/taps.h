@@ -239,7 +239,13 @@ static void pyl_tap_inputs(pyl_taps *s, const struct ggml_tensor *t) {
 
 static bool pyl_tap_eval(struct ggml_tensor *t, bool ask, void *user_data) {
     pyl_taps *s = (pyl_taps *)user_data;
-    if (!s->armed) return false;
+    if (!s->armed) {
+        /* After a failure, still count the passes that begin: a failure at a graph's last node
+         * stops nothing in that pass, and Python removes its cells only when it sees that a later
+         * pass began (the one the abort flag stopped, which llama.cpp rolled back itself). */
+        if (s->error && ask && strncmp(t->name, s->pass_start, PYL_TAP_NAME) == 0) s->cur_pass++;
+        return false;
+    }
     if (ask) {
         s->n_asked++;
         const uint32_t h = pyl_tap_hash(t->name);

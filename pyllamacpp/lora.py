@@ -310,8 +310,7 @@ def set_loras(ctx: Context, adapters: Mapping[LoraAdapter, float]) -> None:
     finally:
         ctx._lock.release()
     h = cast(Handle, ctx._h)
-    held = {id(d) for d in h.deps}
-    h.deps = h.deps + tuple(a._h for a in chosen if id(a._h) not in held)  # freed after the context
+    h.add_deps(tuple(a._h for a in chosen))  # freed after the context, in any order of the collector
     for a in chosen:
         a._contexts.add(ctx)
     if chosen:

@@ -11,7 +11,7 @@ A chain must end with a step that picks a token (``greedy`` or ``dist``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ._handle import Handle, Owner
 from ._lib import ffi, lib
@@ -199,7 +199,10 @@ class Sampler(Owner):
             smpl = lib.llama_sampler_init_grammar(model._vocab_ptr(), grammar.encode(), root.encode())
         if smpl == ffi.NULL:
             raise ValueError(f"grammar rejected by llama.cpp: {cap.reason() or 'parse error'}")
-        return self._add(smpl, "grammar")
+        self._add(smpl, "grammar")
+        # the grammar keeps the model's vocab pointer: the model's C object outlives the chain
+        cast(Handle, self._h).add_deps((model._h,))
+        return self
 
     def dist(self, seed: int = lib.LLAMA_DEFAULT_SEED) -> Sampler:
         """Add ``llama_sampler_init_dist(seed)``: pick a token at random from the distribution.

@@ -111,7 +111,9 @@ class Child:
         return "\n".join(lines)
 
 
-def run_child(code: str, *args: object, timeout: float = 300, check: bool = True) -> Child:
+def run_child(
+    code: str, *args: object, timeout: float = 300, check: bool = True, env: dict[str, str] | None = None
+) -> Child:
     """Run ``code`` in a fresh interpreter, so that an abort (SIGABRT from a GGML_ASSERT, a
     SIGSEGV) ends that process and fails the calling test, not the pytest run.
 
@@ -124,11 +126,12 @@ def run_child(code: str, *args: object, timeout: float = 300, check: bool = True
         timeout: Seconds before the child is killed (``subprocess.TimeoutExpired``).
         check: Fail the test (``pytest.fail``, with :meth:`Child.describe`) unless the child
             exited with 0.
+        env: Variables set in the child on top of this process's environment.
 
     Returns:
         The :class:`Child`.
     """
-    env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
+    env = {**os.environ, "GGML_NO_BACKTRACE": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-X", "faulthandler", "-c", code, *map(str, args)],
         capture_output=True,
