@@ -64,6 +64,8 @@ if TYPE_CHECKING:  # the lazy names below, as mypy should see them
     from .speculative import compare_speculative as compare_speculative
     from .speculative import generate_speculative as generate_speculative
     from .speculative import layer_skip_gguf as layer_skip_gguf
+    from .evaluation import Loglikelihood as Loglikelihood
+    from .evaluation import loglikelihood as loglikelihood
     from .text import Completion as Completion
     from .text import Detokenizer as Detokenizer
     from .text import TextStream as TextStream
@@ -111,9 +113,11 @@ _LAZY = {
     "ModelDraft": ".speculative",
     "PassCounter": ".speculative",
     "layer_skip_gguf": ".speculative",
+    "loglikelihood": ".evaluation",
+    "Loglikelihood": ".evaluation",
 }
 # public subpackages and modules, also imported on first access (``pyllamacpp.state.parse``)
-_SUBMODULES = ("state", "testing", "models", "experiments", "rpc", "cli", "scoring", "speculative", "taps", "cvec")
+_SUBMODULES = ("state", "testing", "models", "experiments", "rpc", "cli", "scoring", "speculative", "taps", "cvec", "evaluation")
 
 
 def __getattr__(name: str) -> Any:

@@ -548,6 +548,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .experiments import profile
 
     profile.add_parser(sub)
+
+    from .evaluation import _cli as _evaluation_cli
+
+    _evaluation_cli.add_parser(sub)
     return ap
 
 
