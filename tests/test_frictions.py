@@ -12,6 +12,7 @@ imported, not the source folder).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -21,11 +22,19 @@ import tempfile
 import time
 import warnings
 
+import numpy as np
 import pytest
 
 import pyllamacpp as pl
 import pyllamacpp.context as context_module
-from pyllamacpp.errors import BusyCoresWarning, InvalidBatchError, StateError, n_stream_hint
+from pyllamacpp.errors import (
+    BusyCoresWarning,
+    CaptureLimitError,
+    InvalidBatchError,
+    StateError,
+    TapError,
+    n_stream_hint,
+)
 
 # The command with SIGINT at its default, even under a job control that started us with it
 # ignored (CI, `pytest &`), as tests/test_cli.py runs it.
@@ -228,3 +237,190 @@ def test_the_command_says_the_warning_without_a_file_path():
     assert json.loads(proc.stdout)["generated_tokens"] == 1
     assert proc.stderr.startswith("pyllamacpp demo: warning: the load average is 9.0 on 2 CPU(s)"), proc.stderr
     assert ".py:" not in proc.stderr and "/" not in proc.stderr, proc.stderr
+
+
+# -- issue 29: the taps, speculative and state-file guides, tried as a new user -------------------
+
+
+def _taps_ctx(model, **kw):
+    kw = {"n_ctx": 512, "n_threads": 1, "n_threads_batch": 1, "flash_attn": "off", **kw}
+    return model.context(**kw)
+
+
+def _cat(model, n=64):
+    b = pl.Batch(n, 1, model=model)
+    b.add_sequence(model.tokenize("The cat sat on the mat."), 0, 0, logits="last")
+    return b
+
+
+def test_layers_keeps_views_of_those_layers_only(model):
+    """``"cache_*", layers=[3]``: the views of the KV cache (``cache_k_l3 (view)``, layer None
+    as a GraphNode) are layered by their name, so only layer 3's are kept (they were every
+    layer's, 182 records)."""
+    with _taps_ctx(model) as ctx:
+        with ctx.capture("cache_*", layers=[3]) as cap:
+            ctx.decode(_cat(model))
+        names = sorted({r.name for r in cap.records})
+        assert names and all("_l3" in n for n in names), names
+        assert {"cache_k_l3", "cache_k_l3 (view)", "cache_v_l3"} <= set(names), names  # inputs and views
+        assert {pl.taps.name_layer(n) for n in ctx.graph_nodes().named("cache_k_l3 (view)")} == {3}
+        text = ctx.graph_nodes().table(views=True, layers=[3])
+        assert "cache_k_l3 (view)" in text and "cache_k_l4 (view)" not in text and "l_out-4" not in text
+
+
+def test_negative_layers_count_from_the_last(model):
+    """``layers=[-1]`` is the last layer, as a Python index (TransformerLens users write it);
+    one past either end is a TapError naming the layers there are."""
+    with _taps_ctx(model) as ctx:
+        g = ctx.graph_nodes()
+        assert g.n_layer == 30
+        with ctx.capture("l_out", "kq_soft_max", layers=[-1, -30]) as cap:
+            ctx.decode(_cat(model))
+        assert sorted({r.name for r in cap.records}) == ["kq_soft_max-0", "kq_soft_max-29", "l_out-0", "l_out-29"]
+        for bad in ([-31], [30], [3, 30]):
+            with pytest.raises(TapError, match=r"the model's layers are 0\.\.29 \(negative layers count from"):
+                ctx.capture("l_out", layers=bad)
+        with pytest.raises(TypeError, match="a list of layers"):
+            ctx.capture("l_out", layers=3)
+
+
+def test_capture_limit_counts_the_records_the_capture_shows(model):
+    """``max_bytes`` too small for the second ``l_out``: the message counts the records
+    ``cap.records`` holds (1), not the automatic inp_tokens / inp_pos copies (3 before)."""
+    with _taps_ctx(model) as ctx:
+        with pytest.raises(CaptureLimitError) as e, ctx.capture("l_out", max_bytes=20000) as cap:
+            ctx.decode(_cat(model))
+        assert len(cap.records) == 1
+        assert "l_out-1 did not fit" in str(e.value) and "(1 record captured before it)" in str(e.value), str(e.value)
+        ctx.memory.clear()
+        with pytest.raises(CaptureLimitError) as e, ctx.capture("l_out", max_bytes=40000) as cap:
+            ctx.decode(_cat(model))
+        assert len(cap.records) == 2 and "(2 records captured before it)" in str(e.value), str(e.value)
+
+
+def test_the_inputs_have_one_naming(model):
+    """The TapError's list of inputs, ``Graph.input_names()`` and ``pyllamacpp graph --sites``
+    name them alike: ``cache_k_l<0..29>``, in order of first use."""
+    import dataclasses
+
+    from pyllamacpp.experiments.graph import _input_names
+
+    with _taps_ctx(model) as ctx:
+        g = ctx.graph_nodes()
+        names = g.input_names()
+        assert "cache_k_l<0..29>" in names and "cache_v_l<0..29>" in names and "cache_k" not in names
+        assert names == _input_names([dataclasses.asdict(n) for n in g.inputs])  # the command's
+        assert names[:2] == ["inp_tokens", "inp_pos"]
+        with pytest.raises(TapError) as e:
+            ctx.capture("attention_probs")
+        assert f"Inputs: {', '.join(names)}." in str(e.value), str(e.value)
+
+
+def test_a_pass_counter_on_the_taps_counts_while_the_context_is_tapped(model):
+    """``PassCounter(ctx)`` counts on the context's taps: the same passes and nodes as a counter
+    with its own cb_eval on a twin context, while a capture on the same context sees its
+    passes from 0 as without the counter; closed, it counts no more."""
+    batch = _cat(model)  # 7 tokens: 2 passes under n_ubatch 4
+
+    def work(ctx, capture):
+        ctx.decode(batch)
+        ctx.memory.clear()
+        with capture(ctx) as cap:
+            ctx.decode(batch)
+        ctx.memory.clear()
+        list(pl.generate(ctx, model.tokenize("The cat sat on the mat."), 4, pl.Sampler.greedy()))
+        return cap
+
+    ref = pl.PassCounter()
+    with _taps_ctx(model, n_ubatch=4, **ref.context_params()) as twin:
+        work(twin, lambda c: contextlib.nullcontext())
+    assert ref.n_passes == 2 + 2 + 2 + 3  # prompt x3 (2 passes each), then 3 single-token steps
+    with _taps_ctx(model, n_ubatch=4) as ctx:
+        with pl.PassCounter(ctx) as pc:
+            cap = work(ctx, lambda c: c.capture("l_out", layers=[3]))
+            assert (pc.n_passes, pc.n_nodes) == (ref.n_passes, ref.n_nodes)
+            assert [r.pass_index for r in cap.records] == [0, 1] and cap["l_out", 3].shape == (7, 576)
+            pc.reset()
+            ctx.memory.clear()
+            ctx.decode(batch)
+            assert pc.n_passes == 2
+        ctx.memory.clear()
+        ctx.decode(batch)
+        assert pc.n_passes == 2 and not ctx._taps.armed  # closed: counts kept, taps idle again
+        with pytest.raises(ValueError, match="counts on a context's taps"):
+            pc.context_params()
+    with model.context(n_ctx=256, taps=False) as off, pytest.raises(TapError, match="taps=False"):
+        pl.PassCounter(off)
+
+
+def test_generate_speculative_takes_a_counter_on_the_taps(model):
+    with _taps_ctx(model, n_ubatch=4) as ctx, pl.PassCounter(ctx) as pc:
+        prompt = model.tokenize("one two three four one two three four one two three")
+        s = pl.generate_speculative(ctx, prompt, 8, pl.NgramDraft(), n_draft=5, passes=pc)
+        list(s)
+        by_rows = s.stats.passes_by_rows()
+        assert by_rows and all(p == [-(-rows // 4)] * len(p) for rows, p in by_rows.items()), by_rows
+    with _taps_ctx(model) as other, pytest.raises(ValueError, match="does not count ctx's passes"):
+        pl.generate_speculative(other, prompt, 4, passes=pc)
+
+
+def test_plots_draw_the_captured_data(model):
+    """Each helper returns a Figure whose image or lines are the captured tensors: the head's
+    probabilities cut to the cells in use, the mask's finite entries, the rows' L2 norms."""
+    from matplotlib.figure import Figure
+
+    from pyllamacpp.taps import plot_attention, plot_mask, plot_residual_norms
+
+    with _taps_ctx(model, n_ctx=1024, n_seq_max=2, kv_unified=True) as ctx:
+        two = _cat(model)
+        two.add_sequence(model.tokenize("A dog ran in the park!"), 1, 0, logits="last")
+        with ctx.capture("l_out", "kq_soft_max", "attn_inp_kq_mask") as cap:
+            ctx.decode(two)
+    p = cap["kq_soft_max", 5]  # (9 heads, 14 rows, 256 cells)
+    fig = plot_attention(cap, 5, 3)
+    assert isinstance(fig, Figure)
+    img = np.asarray(fig.axes[0].images[0].get_array())
+    assert np.array_equal(img, p[3, :, :14])  # 14 cells hold the two prompts
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels[0] == "0 'The'" and labels[7] == "0 'A'", labels  # the context's model labels them
+    fig = plot_attention(cap, -1, seq_id=1)  # every head of the last layer, sequence 1's rows
+    assert len(fig.axes[0].images) == 1 and sum(len(a.images) for a in fig.axes) == 9
+    assert np.array_equal(np.asarray(fig.axes[4].images[0].get_array()), cap.rows(1)["kq_soft_max", 29][4, :, :14])
+    with pytest.raises(IndexError, match="9 heads"):
+        plot_attention(cap, 5, 9)
+    mask = cap["attn_inp_kq_mask"]
+    img = np.asarray(plot_mask(cap).axes[0].images[0].get_array())
+    assert img.shape == (14, 14) and np.array_equal(img, np.isfinite(mask[:, :14]))
+    assert img[:7, 7:].sum() == 0 and img[7:, :7].sum() == 0 and img.sum() == 2 * 28  # two causal triangles
+    fig = plot_residual_norms(cap)
+    lines = fig.axes[0].lines
+    assert len(lines) == 14 and list(lines[0].get_xdata()) == list(range(30))
+    for row in (0, 6, 13):
+        want = [np.linalg.norm(cap["l_out", il][row]) if il < 29 else np.nan for il in range(29)]
+        assert np.allclose(lines[row].get_ydata()[:29], want, equal_nan=True)
+    # l_out-29 holds the output rows only (6 and 13): the others have no point there
+    last = [lines[r].get_ydata()[29] for r in range(14)]
+    assert np.isnan(last[0]) and np.isclose(last[6], np.linalg.norm(cap["l_out", 29][0]))
+    assert np.isclose(last[13], np.linalg.norm(cap["l_out", 29][1]))
+    with pytest.raises(KeyError, match="no layer of it"):
+        plot_residual_norms(cap, site="ffn_out")
+
+
+def test_plots_say_when_matplotlib_is_missing(model, monkeypatch):
+    import builtins
+
+    from pyllamacpp.taps import plot_mask
+
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **kw):
+        if name.startswith("matplotlib"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real(name, *a, **kw)
+
+    with _taps_ctx(model) as ctx:
+        with ctx.capture("attn_inp_kq_mask") as cap:
+            ctx.decode(_cat(model))
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    with pytest.raises(ImportError, match="need matplotlib, which is not installed"):
+        plot_mask(cap)

@@ -20,15 +20,33 @@ The listing (:meth:`Graph`) comes from probe decodes in a throwaway context with
 parameters (2 and 3 tokens, every row an output, and the shape you ask for), so the context you
 tap is not touched by it: the token axis of each node is the axis whose length follows the
 token count.
+
+Pictures of a capture (matplotlib, optional): :func:`plot_attention`, :func:`plot_mask`,
+:func:`plot_residual_norms`.
 """
 
 from __future__ import annotations
 
 from ._capture import Capture, Patch
-from ._graph import Graph, GraphNode, NamesFilter, _listing, resolve, split_name
+from ._graph import Graph, GraphNode, NamesFilter, _listing, name_layer, resolve, split_name
+from ._plot import plot_attention, plot_mask, plot_residual_norms
 from ._rows import TapInfo, TapRecord, _plan_ubatches
 from ._taps import Taps, taps_of
 
-__all__ = ["NamesFilter", "GraphNode", "Graph", "TapRecord", "TapInfo", "Capture", "Patch", "split_name", "resolve"]
+__all__ = [
+    "NamesFilter",
+    "GraphNode",
+    "Graph",
+    "TapRecord",
+    "TapInfo",
+    "Capture",
+    "Patch",
+    "split_name",
+    "name_layer",
+    "resolve",
+    "plot_attention",
+    "plot_mask",
+    "plot_residual_norms",
+]
 # used by Context (lazily): _listing (graph_nodes), _plan_ubatches (a failed tap's rollback)
 _INTERNAL = (_listing, _plan_ubatches, Taps, taps_of)

@@ -173,21 +173,47 @@ class Graph:
                 seen.setdefault(n.site, None)
         return list(seen)
 
+    @property
+    def n_layer(self) -> int:
+        """The layers the pass names: one more than the highest layer of a node (0 when no node
+        is layered). A negative ``layers=`` entry counts back from it, as a Python index does."""
+        return 1 + max((n.layer for n in self.nodes if n.layer is not None), default=-1)
+
+    def input_names(self) -> list[str]:
+        """The inputs' names in order of first use, the KV cache tensors of every layer as one
+        entry (``cache_k_l<0..29>``): what ``pyllamacpp graph --sites`` prints.
+
+        Returns:
+            One name per input leaf, one per KV cache tensor kind.
+        """
+        layers: dict[str, list[int]] = {}
+        for i in self.inputs:
+            key = i.name if i.layer is None else f"{i.site}_l"
+            layers.setdefault(key, [])
+            if i.layer is not None:
+                layers[key].append(i.layer)
+        return [k if not ls else f"{k}<{min(ls)}..{max(ls)}>" for k, ls in layers.items()]
+
     def table(self, *, views: bool = False, layers: Sequence[int] | None = None) -> str:
         """The listing as text: index, name, op, type, shape, token axis.
 
         Args:
             views: Also list view nodes (RESHAPE, VIEW, PERMUTE, TRANSPOSE: no compute).
-            layers: Only these layers (and the unlayered nodes).
+            layers: Only these layers (and the unlayered nodes); negative ones count from
+                :attr:`n_layer`, as Python indexes do.
 
         Returns:
             One line per node, then one per input.
+
+        Raises:
+            TapError: A layer the pass does not have.
         """
+        lay = _layer_set(self, layers)
         lines = [f"{'#':>5}  {'name':<34} {'op':<15} {'type':<5} {'shape':<22} rows"]
         for n in [*self.nodes, *self.inputs]:
             if n.is_view and not views:
                 continue
-            if layers is not None and n.layer is not None and n.layer not in layers:
+            if lay is not None and not _in_layers(n, lay):
                 continue
             idx = "in" if n.kind == "input" else str(n.index)
             rows = "-" if n.token_axis is None else f"axis {n.token_axis}"
@@ -472,6 +498,47 @@ def _matcher(names: NamesFilter) -> Callable[[GraphNode], bool]:
     return match
 
 
+def name_layer(node: GraphNode) -> int | None:
+    """The layer a node's name says, a view's suffix aside: ``l_out-5`` and ``Qcur-0 (view)``
+    give 5 and 0, ``cache_k_l3 (view) (permuted)`` 3, ``embd`` and ``node_21`` None. What
+    ``layers=`` filters on (:attr:`GraphNode.layer` is None for suffixed names, which are their
+    own site).
+
+    Args:
+        node: A node or input of a listing.
+
+    Returns:
+        The layer, or None.
+    """
+    if node.layer is not None:
+        return node.layer
+    return split_name(node.name.split(" (")[0])[1]
+
+
+def _in_layers(node: GraphNode, layers: set[int]) -> bool:
+    layer = name_layer(node)
+    return layer is None or layer in layers
+
+
+def _layer_set(graph: Graph, layers: Sequence[int] | None) -> set[int] | None:
+    """``layers=`` as a set of layers of the pass, negative ones counted from ``n_layer``."""
+    if layers is None:
+        return None
+    if isinstance(layers, (int, str)):
+        raise TypeError(f"layers: a list of layers, e.g. [3] or [-1], got {layers!r}")
+    asked = [int(x) for x in layers]
+    n = graph.n_layer
+    if n == 0:  # no layered node: nothing for the filter to keep or drop
+        return set(asked)
+    bad = [x for x in asked if not -n <= x < n]
+    if bad:
+        raise TapError(
+            f"layers {bad}: the model's layers are 0..{n - 1} (negative layers count from the end: "
+            f"-1 is layer {n - 1}, -{n} is layer 0)"
+        )
+    return {x % n for x in asked}
+
+
 def _missing_message(graph: Graph, names: NamesFilter, layers) -> str:
     asked = names if isinstance(names, str) else ("a predicate" if callable(names) else ", ".join(names))
     lay = f" at layers {sorted(layers)}" if layers is not None else ""
@@ -483,12 +550,9 @@ def _missing_message(graph: Graph, names: NamesFilter, layers) -> str:
             "FLASH_ATTN_EXT node (unnamed; its output is kqv_out-<il>), so kq, kq_soft_max and kqv do not "
             "exist; make the context with flash_attn='off' to tap them"
         )
-    layered = sorted({n.layer for n in graph.nodes if n.layer is not None})
-    if layers is not None and layered and not set(layers) & set(layered):
-        msg += f"; the model's layers are {layered[0]}..{layered[-1]}"
     return (
         f"{msg}. Sites of this pass: {', '.join(graph.sites())}. Inputs: "
-        f"{', '.join(sorted({i.site for i in graph.inputs}))}. See ctx.graph_nodes() for every node."
+        f"{', '.join(graph.input_names())}. See ctx.graph_nodes() for every node."
     )
 
 
@@ -503,7 +567,10 @@ def resolve(
     Args:
         graph: The listing (:meth:`Context.graph_nodes`).
         names: A :data:`NamesFilter`.
-        layers: Keep only these layers of layered nodes (unlayered names that match stay).
+        layers: Keep only these layers of layered nodes (unlayered names that match stay). A
+            view's name is layered by the name it carries (``cache_k_l3 (view)`` is layer 3,
+            :func:`name_layer`); negative layers count from the pass's :attr:`Graph.n_layer`,
+            as Python indexes do (``-1``: the last layer).
         which: For a name that several nodes carry: None (the last in graph order), an index
             among them (negative counts from the end), an op name (``"MUL_MAT"``), or ``"all"``
             (every node of the name but views, which hold their source's data).
@@ -513,16 +580,17 @@ def resolve(
 
     Raises:
         TapError: Nothing matches (the message lists the sites and inputs the pass has, and says
-            when flash attention hides the one asked for), or ``which`` fits no node of a name.
-        TypeError: ``names`` is not a name, glob, list or predicate.
+            when flash attention hides the one asked for), a layer the pass does not have, or
+            ``which`` fits no node of a name.
+        TypeError: ``names`` is not a name, glob, list or predicate, or ``layers`` not a list.
     """
     match = _matcher(names)
-    lay = None if layers is None else {int(x) for x in layers}
+    lay = _layer_set(graph, layers)
     picked: dict[str, GraphNode | list[GraphNode]] = {}
     for n in [*graph.nodes, *graph.inputs]:
         if n.name in picked or not match(n):
             continue
-        if lay is not None and n.layer is not None and n.layer not in lay:
+        if lay is not None and not _in_layers(n, lay):
             continue
         same = graph.named(n.name)
         if n.kind == "input":  # each leaf of that name is its own data (iSWA: two KQ masks)

@@ -1,5 +1,5 @@
-"""The taps of one context (:class:`Taps`): the C state's want table from the active capture
-and patches, the decode hooks, and the trampoline C calls for a patch."""
+"""The taps of one context (:class:`Taps`): the C state's want table from the active capture,
+patches and pass counters, the decode hooks, and the trampoline C calls for a patch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 from .._handle import view
 from .._lib import ffi, lib
 from ..errors import CaptureLimitError, TapError
-from ._graph import _NUMPY, GraphNode, _n_dims, _op_name, _type_name
+from ._graph import _NUMPY, Graph, GraphNode, _n_dims, _op_name, _type_name
 from ._rows import TapInfo, _Call, _plan_ubatches, _rows_along, _token_axis
 
 if TYPE_CHECKING:
@@ -43,14 +43,36 @@ class Taps:
         self._ring = ffi.new("pyl_tap_call[]", 1)  # patches only: the current call
         self._handle = ffi.new_handle(self)
         state.handle = self._handle
+        state.cur_pass = -1  # no pass yet (ffi.new zeroed it); never armed before this
         self.want_nodes: dict[tuple[int, int], GraphNode] = {}  # (want, occurrence) -> node
         self.want_patches: dict[tuple[int, int], list[Patch]] = {}
         self.error: BaseException | None = None
+        self.counting: Graph | None = None  # a PassCounter counts here: the listing whose first node starts a pass
+        self.n_counters = 0
+        self._passes_before = 0  # passes and asks counted before the C counters were last reset
+        self._asked_before = 0
 
     @property
     def armed(self) -> bool:
-        """Whether a capture or a patch is active."""
-        return self.capture is not None or bool(self.patches)
+        """Whether a capture, a patch or a pass counter is active."""
+        return self.capture is not None or bool(self.patches) or self.n_counters > 0
+
+    def passes(self) -> tuple[int, int]:
+        """Forward passes begun and graph nodes asked about while armed, since the taps were
+        made (the C state's ``cur_pass`` and ``n_asked``, across the resets of captures)."""
+        s = self.state
+        return self._passes_before + int(s.cur_pass) + 1, self._asked_before + int(s.n_asked)
+
+    def count(self, graph: Graph | None, on: bool) -> None:
+        """Start (``on``, with the context's listing) or stop one pass counter: armed with no
+        want, the C callback still counts each pass where the graph's first node comes again
+        (``cur_pass``)."""
+        self.n_counters = max(0, self.n_counters + (1 if on else -1))
+        if on:
+            self.counting = graph
+        elif self.n_counters == 0:
+            self.counting = None
+        self.rearm()
 
     def ctx(self) -> Context:
         """The context (raises TapError once it is gone)."""
@@ -79,6 +101,7 @@ class Taps:
         for p in self.patches:
             graph = graph or p.graph
             sources.append((p.nodes, lib.PYL_TAP_PATCH, p))
+        graph = graph or self.counting  # a counter alone: no want, passes counted all the same
         # one want per name; per occurrence its mode bits, its node and the patches there
         by_name: dict[str, dict[int, list]] = {}
         for nodes, bit, patch in sources:
@@ -134,6 +157,8 @@ class Taps:
     def reset_counters(self) -> None:
         """Start counting calls, passes and records from zero (a new capture, or the first patch)."""
         s = self.state
+        passes, asked = self.passes()  # kept for the pass counters
+        self._passes_before, self._asked_before = passes, asked
         s.n_records = s.n_calls = s.n_calls_total = 0
         s.arena_used = s.arena_need = 0
         s.cur_pass = -1
@@ -144,6 +169,9 @@ class Taps:
 
     def before_call(self, batch) -> None:
         """A Context.decode is about to run: note its batch, and a new call in C."""
+        if self.capture is None and not self.patches:  # pass counters only: no rows to know
+            lib.pyl_taps_begin_call(self.state, 0, 0, 0, 0)
+            return
         n = len(batch)
         tokens = batch.token[:n].copy() if batch._token is not None else None
         nsid = batch.n_seq_id
@@ -169,10 +197,11 @@ class Taps:
         if err is not None:
             return err
         if code == lib.PYL_TAPERR_ARENA:
+            n = self._n_visible_records()
             return CaptureLimitError(
                 f"capture: {name} did not fit: the copies need {int(s.arena_need):,} bytes, max_bytes is "
-                f"{int(s.arena_cap):,} ({int(s.n_records)} tensors copied before it); raise max_bytes, or "
-                "capture fewer nodes or layers"
+                f"{int(s.arena_cap):,} ({n} record{'s' if n != 1 else ''} captured before it); raise "
+                "max_bytes, or capture fewer nodes or layers"
             )
         if code in (lib.PYL_TAPERR_RECORDS, lib.PYL_TAPERR_CALLS):
             what = "tensor copies" if code == lib.PYL_TAPERR_RECORDS else "decode calls"
@@ -183,6 +212,17 @@ class Taps:
                 "the listing had another op): tap it with which='all'"
             )
         return TapError(f"taps: failure {code} at {name}")
+
+    def _n_visible_records(self) -> int:
+        """Records the capture shows (``cap.records``): the automatic ``inp_tokens`` / ``inp_pos``
+        copies left out, as the capture leaves them out."""
+        s, cap = self.state, self.capture
+        auto = {i.name.encode() for i in cap.auto_inputs} if cap is not None else set()
+        n = 0
+        for i in range(int(s.n_records)):
+            r = s.records[i]
+            n += not (r.flags & lib.PYL_TAPREC_INPUT and ffi.string(r.name) in auto)
+        return n
 
     def current_call(self) -> tuple[int, _Call | None]:
         """The running decode call: its index (counted from when the taps were armed) and batch."""
