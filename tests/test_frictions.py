@@ -360,8 +360,8 @@ def test_generate_speculative_takes_a_counter_on_the_taps(model):
         list(s)
         by_rows = s.stats.passes_by_rows()
         assert by_rows and all(p == [-(-rows // 4)] * len(p) for rows, p in by_rows.items()), by_rows
-    with _taps_ctx(model) as other, pytest.raises(ValueError, match="does not count ctx's passes"):
-        pl.generate_speculative(other, prompt, 4, passes=pc)
+        with _taps_ctx(model) as other, pytest.raises(ValueError, match="does not count ctx's passes"):
+            pl.generate_speculative(other, prompt, 4, passes=pc)  # counting, but another context's
 
 
 def test_plots_draw_the_captured_data(model):
@@ -392,6 +392,12 @@ def test_plots_draw_the_captured_data(model):
     img = np.asarray(plot_mask(cap).axes[0].images[0].get_array())
     assert img.shape == (14, 14) and np.array_equal(img, np.isfinite(mask[:, :14]))
     assert img[:7, 7:].sum() == 0 and img[7:, :7].sum() == 0 and img.sum() == 2 * 28  # two causal triangles
+    with _taps_ctx(model) as ctx:  # a finite bias in the mask (as ALiBi's) is a cell seen: patched in
+        with ctx.patch("attn_inp_kq_mask", lambda m, info: np.where(np.isinf(m), m, -5.0)):
+            with ctx.capture("attn_inp_kq_mask") as biased:
+                ctx.decode(_cat(model))
+    assert (biased["attn_inp_kq_mask"][:, :7] == -5).sum() == 28
+    assert np.asarray(plot_mask(biased).axes[0].images[0].get_array()).sum() == 28
     fig = plot_residual_norms(cap)
     lines = fig.axes[0].lines
     assert len(lines) == 14 and list(lines[0].get_xdata()) == list(range(30))

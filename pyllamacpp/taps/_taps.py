@@ -43,7 +43,6 @@ class Taps:
         self._ring = ffi.new("pyl_tap_call[]", 1)  # patches only: the current call
         self._handle = ffi.new_handle(self)
         state.handle = self._handle
-        state.cur_pass = -1  # no pass yet (ffi.new zeroed it); never armed before this
         self.want_nodes: dict[tuple[int, int], GraphNode] = {}  # (want, occurrence) -> node
         self.want_patches: dict[tuple[int, int], list[Patch]] = {}
         self.error: BaseException | None = None
@@ -58,8 +57,9 @@ class Taps:
         return self.capture is not None or bool(self.patches) or self.n_counters > 0
 
     def passes(self) -> tuple[int, int]:
-        """Forward passes begun and graph nodes asked about while armed, since the taps were
-        made (the C state's ``cur_pass`` and ``n_asked``, across the resets of captures)."""
+        """Forward passes begun and graph nodes asked about while armed (the C state's
+        ``cur_pass`` and ``n_asked``, summed across the resets of captures): running counts,
+        meaningful as differences (what a :class:`~pyllamacpp.PassCounter` reads)."""
         s = self.state
         return self._passes_before + int(s.cur_pass) + 1, self._asked_before + int(s.n_asked)
 
