@@ -29,13 +29,19 @@ def read_control_vector(path: str | os.PathLike, strength: float = 1.0) -> dict[
         Layer -> float32 ``(n_embd,)`` vector.
 
     Raises:
-        ValueError: A tensor that is not ``direction.<il>`` with ``il >= 1``, not F32, not 1-D,
-            or of another length than the others.
+        ValueError: Not a GGUF file (the message names it and says what gguf's reader found), or
+            a tensor that is not ``direction.<il>`` with ``il >= 1``, not F32, not 1-D, or of
+            another length than the others.
         OSError: The file cannot be read.
     """
     import gguf
 
-    reader = gguf.GGUFReader(os.fspath(path))
+    try:
+        reader = gguf.GGUFReader(os.fspath(path))
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - gguf's reader raises ValueError, IndexError... without the file
+        raise ValueError(f"{path}: not a GGUF file that gguf can read ({e})") from e
     out: dict[int, np.ndarray] = {}
     n_embd = None
     for t in reader.tensors:

@@ -66,6 +66,7 @@ __all__ = [
     "NgramDraft",
     "PassCounter",
     "Speculation",
+    "SpeculativeComparison",
     "SpeculativeStats",
     "check_vocab",
     "compare_speculative",
@@ -1240,6 +1241,59 @@ def generate_speculative(
     return Speculation(ctx, toks, n_predict, draft, sampler, seq_id, n_draft, passes, hist)
 
 
+class SpeculativeComparison(dict):
+    """What :func:`compare_speculative` measured: a JSON-ready dict (its keys are described
+    there) that prints as a short report.
+
+    ``print(c)`` (or ``c.report()``) gives both sides' speeds, the speed-up, whether the tokens
+    are the same, and the draft's figures; ``c["speedup"]``, ``c["speculative"]["stats"]`` and
+    the other keys read the numbers; ``json.dumps(c)`` writes them all.
+    """
+
+    def report(self) -> str:
+        """The comparison in a few lines of text.
+
+        Returns:
+            The report, without a trailing newline.
+        """
+        pl, sp, st = self["plain"], self["speculative"], self["speculative"]["stats"]
+
+        def runs(side: dict) -> str:
+            return " ".join(f"{t:.3f}" for t in side["runs_s"])
+
+        n = self["n_tokens"]
+        same = (
+            "the same tokens on both sides"
+            if self["same_tokens"]
+            else f"the sides differ from token {self['first_difference']} on"
+        )
+        lines = [
+            f"plain generate:       {pl['tokens_per_s']:8.1f} tokens/s  (runs: {runs(pl)} s)",
+            f"generate_speculative: {sp['tokens_per_s']:8.1f} tokens/s  (runs: {runs(sp)} s)",
+            f"speed-up: {self['speedup']:.2f}x wall time (pairs {' '.join(f'{x:.2f}' for x in self['speedups'])}), "
+            f"{self['speedup_cpu']:.2f}x this thread's CPU time",
+            f"{n} tokens per run, {self['repeat']} run(s) per side, n_draft {self['n_draft']}: {same}",
+        ]
+        acc = st["acceptance_rate"]
+        draft = (
+            f"draft (last run): {st['n_rounds']} verifies, {st['n_drafted']} tokens drafted, {st['n_accepted']} "
+            f"accepted ({'-' if acc is None else f'{acc:.0%}'}), "
+            f"{st['tokens_per_round'] or 0:.2f} tokens per verify"
+        )
+        if st["passes_per_verify"] is not None:
+            draft += f", {st['passes_per_verify']:.2f} forward passes per verify"
+        return "\n".join([*lines, draft])
+
+    def __str__(self) -> str:
+        return self.report()
+
+    def __repr__(self) -> str:
+        return (
+            f"<SpeculativeComparison {self['speedup']:.2f}x, {self['n_tokens']} tokens, "
+            f"same_tokens={self['same_tokens']}>"
+        )
+
+
 def compare_speculative(
     ctx: Context,
     tokens: npt.ArrayLike,
@@ -1251,7 +1305,7 @@ def compare_speculative(
     repeat: int = 3,
     seq_id: int = 0,
     passes: PassCounter | None = None,
-) -> dict[str, Any]:
+) -> SpeculativeComparison:
     """Plain :func:`pyllamacpp.generate` against :func:`generate_speculative`, in one context, alternating.
 
     Each run clears ``seq_id`` first and the draft too (:meth:`Draft.reset`: a draft model
@@ -1275,6 +1329,7 @@ def compare_speculative(
         passes: A :class:`PassCounter` installed in ``ctx``.
 
     Returns:
+        A ``SpeculativeComparison``: a dict that prints as a report (``print(c)``), of
         ``plain`` and ``speculative`` (``tokens_per_s``: the median over runs, ``runs_s`` and
         ``runs_cpu_s`` per run, and for the speculative side ``stats``, the last run's
         :meth:`SpeculativeStats.report`), ``speedup`` (the median over pairs of the speculative
@@ -1339,26 +1394,28 @@ def compare_speculative(
     def ratios(d: dict[str, list[float]]) -> list[float]:
         return [(len(b) / s) / (len(a) / p) for p, s in zip(d["plain"], d["speculative"])]
 
-    return {
-        "plain": {
-            "tokens_per_s": len(a) / statistics.median(wall["plain"]),
-            "runs_s": wall["plain"],
-            "runs_cpu_s": cpu["plain"],
-        },
-        "speculative": {
-            "tokens_per_s": len(b) / statistics.median(wall["speculative"]),
-            "runs_s": wall["speculative"],
-            "runs_cpu_s": cpu["speculative"],
-            "stats": stats.report(),
-        },
-        "speedup": statistics.median(ratios(wall)),
-        "speedups": ratios(wall),
-        "speedup_cpu": statistics.median(ratios(cpu)),
-        "speedups_cpu": ratios(cpu),
-        "same_tokens": diff is None,
-        "first_difference": diff,
-        "n_tokens": len(b),
-        "tokens": {"plain": a, "speculative": b},
-        "n_draft": int(n_draft),
-        "repeat": int(repeat),
-    }
+    return SpeculativeComparison(
+        {
+            "plain": {
+                "tokens_per_s": len(a) / statistics.median(wall["plain"]),
+                "runs_s": wall["plain"],
+                "runs_cpu_s": cpu["plain"],
+            },
+            "speculative": {
+                "tokens_per_s": len(b) / statistics.median(wall["speculative"]),
+                "runs_s": wall["speculative"],
+                "runs_cpu_s": cpu["speculative"],
+                "stats": stats.report(),
+            },
+            "speedup": statistics.median(ratios(wall)),
+            "speedups": ratios(wall),
+            "speedup_cpu": statistics.median(ratios(cpu)),
+            "speedups_cpu": ratios(cpu),
+            "same_tokens": diff is None,
+            "first_difference": diff,
+            "n_tokens": len(b),
+            "tokens": {"plain": a, "speculative": b},
+            "n_draft": int(n_draft),
+            "repeat": int(repeat),
+        }
+    )

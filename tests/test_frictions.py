@@ -430,3 +430,67 @@ def test_plots_say_when_matplotlib_is_missing(model, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_mpl)
     with pytest.raises(ImportError, match="need matplotlib, which is not installed"):
         plot_mask(cap)
+
+
+def test_a_file_that_is_not_a_gguf_is_named_in_the_error(model, tmp_path):
+    from pyllamacpp.cvec import read_control_vector, write_control_vector
+
+    bad = tmp_path / "direction.bin"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match=r"direction\.bin: not a GGUF file that gguf can read \(GGUF magic invalid\)"):
+        read_control_vector(bad)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with _taps_ctx(model) as ctx, pytest.raises(ValueError, match=r"empty\.gguf: not a GGUF file"):
+        ctx.control_vector(empty)  # through Context.control_vector too
+    with pytest.raises(FileNotFoundError):
+        read_control_vector(tmp_path / "missing.gguf")
+    good = tmp_path / "v.gguf"
+    write_control_vector(good, {2: np.arange(576, dtype=np.float32)})
+    assert set(read_control_vector(good)) == {2}
+
+
+def test_compare_speculative_prints_a_report(model):
+    """A dict (the keys the tests and the docs read, JSON-ready) whose str is a short report."""
+    from pyllamacpp.speculative import SpeculativeComparison
+
+    with _taps_ctx(model) as ctx:
+        prompt = model.tokenize("one two three four one two three four one two three")
+        c = pl.compare_speculative(ctx, prompt, 12, pl.NgramDraft(), n_draft=4, repeat=1)
+    assert isinstance(c, dict) and json.loads(json.dumps(c)) == json.loads(json.dumps(dict(c)))
+    text = str(c)
+    assert text == c.report() and len(text.splitlines()) == 5, text
+    st = c["speculative"]["stats"]
+    assert f"plain generate:       {c['plain']['tokens_per_s']:8.1f} tokens/s" in text, text
+    assert f"speed-up: {c['speedup']:.2f}x wall time (pairs {c['speedups'][0]:.2f})" in text, text
+    assert f"), {c['speedup_cpu']:.2f}x this thread's CPU time" in text, text
+    assert f"{st['n_rounds']} verifies, {st['n_drafted']} tokens drafted, {st['n_accepted']} accepted" in text
+    assert ("the same tokens on both sides" in text) == c["same_tokens"], text
+    assert repr(c) == f"<SpeculativeComparison {c['speedup']:.2f}x, 12 tokens, same_tokens={c['same_tokens']}>"
+    differ = SpeculativeComparison({**c, "same_tokens": False, "first_difference": 5})
+    assert "the sides differ from token 5 on" in str(differ)
+
+
+def test_kvprobe_loads_a_seq_file_too(model, tmp_path, capsys):
+    """``load:`` reads a ``save_seq_state`` file (by its magic) as well as a sequence dump: the
+    tokens stored in it are the sequence's history, so ``gen`` continues as after ``text``."""
+    from pyllamacpp.cli import main
+
+    seq = tmp_path / "cat.seq"
+    toks = model.tokenize("The cat sat on the mat.")
+    with model.context(n_ctx=256, n_threads=1, n_threads_batch=1) as ctx:
+        ctx.prefill(toks)
+        ctx.save_seq_state(seq, 0, toks)
+
+    def ops(spec):
+        assert main(["kvprobe", "-t", "1", "-c", "256", "--ops", spec, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert "error" not in data, data
+        return data["ops"]
+
+    direct = ops("text:0:The cat sat on the mat.;gen:0:3")
+    got = ops(f"load:0:{seq};show:0;gen:0:3;save:0:{tmp_path / 'd.bin'};clear;load:0:{tmp_path / 'd.bin'}")
+    assert "(a seq file holding 7 token ids), pos 0..6" in got[0]["did"], got[0]
+    assert got[0]["bytes"] == seq.stat().st_size and got[1]["cells"] == 7
+    assert got[2]["tokens"] == direct[1]["tokens"]
+    assert "(a sequence dump), pos 0..9" in got[5]["did"], got[5]

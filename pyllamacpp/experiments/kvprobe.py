@@ -5,7 +5,9 @@ Ops, separated by ';' (each reports what it did):
   tokens:SEQ:ID,ID,..  decode these token ids after what SEQ holds
   gen:SEQ:N            greedy-generate N tokens into SEQ
   save:SEQ:FILE        write llama_state_seq_get_data_ext bytes of SEQ to FILE (+ FILE.json sidecar)
-  load:SEQ:FILE        llama_state_seq_set_data_ext FILE into SEQ
+  load:SEQ:FILE        load FILE into SEQ: a sequence dump (save:'s, llama_state_seq_set_data_ext)
+                       or a seq file (Context.save_seq_state's, llama_state_seq_load_file),
+                       told apart by their magic
   cp:SRC:DST           llama_memory_seq_cp
   rm:SEQ[:P0:P1]       llama_memory_seq_rm (positions [P0, P1), -1 = open end)
   keep:SEQ             llama_memory_seq_keep
@@ -136,6 +138,15 @@ def parse_ops(spec: str, n_seq_max: int) -> list[Op]:
     return ops
 
 
+def _is_seq_file(path: Path) -> bool:
+    """Whether the file starts with ``LLAMA_STATE_SEQ_MAGIC`` ('ggsq', a seq file)."""
+    from .._lib import lib
+
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return len(head) == 4 and int.from_bytes(head, "little") == lib.LLAMA_STATE_SEQ_MAGIC
+
+
 def _seq(text: str, n_seq_max: int) -> int:
     s = int(text)
     if not 0 <= s < n_seq_max:
@@ -228,15 +239,22 @@ class Probe:
             info["did"] = f"seq {seq}: wrote {n:,} bytes to {path} (+ {path.name}.json)"
         elif name == "load":
             seq, path = a
-            n = ctx.set_seq_state(seq, np.fromfile(path, dtype=np.uint8))
             from ..state import read_sidecar
 
             side = read_sidecar(path) or {}
-            self.history[seq] = list(side.get("tokens") or [])
+            if _is_seq_file(path):  # llama_state_seq_save_file's: a header and its tokens, then the dump
+                stored = ctx.load_seq_state(path, seq)
+                n, what = path.stat().st_size, f"a seq file holding {stored.size} token ids"
+                self.history[seq] = stored.tolist() or list(side.get("tokens") or [])
+            else:  # a sequence dump (or a StateError saying what the file is)
+                n = ctx.set_seq_state(seq, np.fromfile(path, dtype=np.uint8))
+                what = "a sequence dump"
+                self.history[seq] = list(side.get("tokens") or [])
             self.fresh = None
             info["bytes"] = n
             info["did"] = (
-                f"seq {seq}: loaded {n:,} bytes from {path}, pos {mem.seq_pos_min(seq)}..{mem.seq_pos_max(seq)}"
+                f"seq {seq}: loaded {n:,} bytes from {path} ({what}), "
+                f"pos {mem.seq_pos_min(seq)}..{mem.seq_pos_max(seq)}"
             )
         elif name == "cp":
             src, dst = a
