@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 from .._cpu import default_n_threads
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ..model import Model
 
 _T = TypeVar("_T")
@@ -155,6 +157,26 @@ def load_model(args: argparse.Namespace) -> Model:
     from ..model import Model
 
     return Model(args.model, n_gpu_layers=args.n_gpu_layers)
+
+
+PROMPT_TEXT = "The cat sat on the mat. The dog lay by the door and watched the rain. "
+
+
+def prompt_tokens(model: Model, n: int) -> np.ndarray:
+    """``n`` token ids of ordinary text for an experiment's batches: :data:`PROMPT_TEXT`'s
+    tokens repeated (the same ids for every command that plans a shape).
+
+    Args:
+        model: The model whose tokenizer makes them.
+        n: How many (at least 1 is returned).
+
+    Returns:
+        An int32 array of ``max(n, 1)`` ids.
+    """
+    import numpy as np
+
+    base = model.tokenize(PROMPT_TEXT)
+    return np.resize(base, max(n, 1)).astype(np.int32)
 
 
 def median_time(fn: Callable[[], object], repeat: int) -> float:

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .common import add_model_flags, context_kwargs, load_model, progress, subcommand
-from .splits import N_PAD, PlanError, add_plan_flags, layout_rows, pad, shape_from_args
+from .common import add_model_flags, context_kwargs, load_model, progress, prompt_tokens, subcommand
+from .ubatch_plan import N_PAD, PlanError, add_plan_flags, layout_rows, pad, per_seq, shape_from_args
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -535,7 +535,6 @@ def run_mask(
     from ..batch import Batch
     from ..context import Context
     from ..state import parse
-    from .trace import _prompt_tokens
 
     n_seqs = len(tokens)
     past = list(past)
@@ -556,7 +555,7 @@ def run_mask(
         parts = _parts_by_first_use(graph, model, "attn_inp_kq_mask")
         kparts = {p: k for k, p in _parts_by_first_use(graph, model, "attn_inp_k_idxs").items()}
         rows = batch_rows(tokens, past, n_shared=n_shared, layout=layout, couple=couple)
-        toks = _prompt_tokens(model, n_shared + max(p + t for p, t in zip(past, tokens)))
+        toks = prompt_tokens(model, n_shared + max(p + t for p, t in zip(past, tokens)))
         _fill(ctx, model, toks, past, n_shared, n_seqs)
         state = parse(np.asarray(ctx.state()), model=model)
         n_stream_kv = 1 if unified else ctx.n_seq_max
@@ -854,10 +853,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--mode: the engine picks its split (llama_kv_cache::init_batch); --mode is split-plan's")
     n_seqs = shape["n_seqs"]
     try:
-        from .splits import _per_seq
-
-        tokens = _per_seq(shape["tokens"], n_seqs, "--tokens")
-        past = _per_seq(shape["n_past"], n_seqs, "--past")
+        tokens = per_seq(shape["tokens"], n_seqs, "--tokens")
+        past = per_seq(shape["n_past"], n_seqs, "--past")
     except PlanError as e:
         raise ValueError(str(e)) from None
     if any(t <= 0 for t in tokens) or any(p < 0 for p in past) or args.shared < 0:

@@ -24,10 +24,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from .common import add_model_flags, context_kwargs, load_model, progress, subcommand
-from .splits import PlanError, add_plan_flags, plan, shape_from_args
+from .common import add_model_flags, context_kwargs, load_model, progress, prompt_tokens, subcommand
+from .ubatch_plan import PlanError, add_plan_flags, plan, shape_from_args
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -225,11 +223,6 @@ def compare(pl: dict, engine: list[dict]) -> list[str]:
     return bad
 
 
-def _prompt_tokens(model, n: int) -> np.ndarray:
-    base = model.tokenize("The cat sat on the mat. The dog lay by the door and watched the rain. ")
-    return np.resize(base, max(n, 1)).astype(np.int32)
-
-
 def trace(model: Model, shape: dict, *, tracer: EvalTrace | None = None, **ctx_kw: Any) -> dict:
     """Plan ``shape``, run it on ``model`` with a tracing context, and compare.
 
@@ -238,7 +231,7 @@ def trace(model: Model, shape: dict, *, tracer: EvalTrace | None = None, **ctx_k
 
     Args:
         model: The :class:`~pyllamacpp.Model`.
-        shape: Keywords of :func:`~pyllamacpp.experiments.splits.plan` (the batch's shape).
+        shape: Keywords of :func:`~pyllamacpp.experiments.ubatch_plan.plan` (the batch's shape).
         tracer: The :class:`EvalTrace` to use; None: a new one.
         **ctx_kw: :class:`~pyllamacpp.Context` keywords.
 
@@ -284,7 +277,7 @@ def trace(model: Model, shape: dict, *, tracer: EvalTrace | None = None, **ctx_k
         ):
             if planned != real:
                 bad.append(f"context: {what} planner {planned} engine {real}")
-        tokens = _prompt_tokens(model, max(a + b for a, b in zip(p.tokens, p.n_past)))
+        tokens = prompt_tokens(model, max(a + b for a, b in zip(p.tokens, p.n_past)))
         for s, n in enumerate(p.n_past):  # untraced: one sequence after the other
             if n:
                 ctx.prefill(tokens[:n], seq_id=s, start_pos=0)
@@ -370,7 +363,7 @@ def print_report(data: dict) -> None:
         data: What :func:`run` returned.
     """
     from .common import print_table
-    from .splits import summary_line
+    from .ubatch_plan import summary_line
 
     pl = data["plan"]
     print(f"model {data.get('model', '?')}")

@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from ..model import Model
     from ._capture import Capture
 
 _MASK = "attn_inp_kq_mask"
 
 
-def _figure(**kw: Any):
+def _figure(**kw: Any) -> Figure:
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -113,7 +115,7 @@ def plot_attention(
     call: int | None = None,
     cells: int | None = None,
     model: Model | None = None,
-):
+) -> Figure:
     """The attention probabilities of one layer (``kq_soft_max-<layer>``): one image per head,
     a row per query row of the batch, a column per KV cell.
 
@@ -181,7 +183,7 @@ def plot_mask(
     call: int | None = None,
     cells: int | None = None,
     model: Model | None = None,
-):
+) -> Figure:
     """The KQ mask (the input ``attn_inp_kq_mask``): which KV cells each query row may see.
 
     The image is ``np.isfinite(mask)``: 1 where the mask holds a finite value (0, or an ALiBi
@@ -234,7 +236,7 @@ def plot_residual_norms(
     call: int | None = None,
     log: bool = False,
     model: Model | None = None,
-):
+) -> Figure:
     """The residual stream's L2 norm per layer: one line per batch row, the layers on the x axis.
 
     Each line is ``np.linalg.norm(cap.get((site, layer))[row], axis=-1)`` over the captured
