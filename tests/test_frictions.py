@@ -494,3 +494,25 @@ def test_kvprobe_loads_a_seq_file_too(model, tmp_path, capsys):
     assert got[0]["bytes"] == seq.stat().st_size and got[1]["cells"] == 7
     assert got[2]["tokens"] == direct[1]["tokens"]
     assert "(a sequence dump), pos 0..9" in got[5]["did"], got[5]
+
+
+def test_experiments_import_only_the_shared_modules_and_the_package():
+    """No experiment reaches into another's module: relative imports inside
+    ``pyllamacpp.experiments`` name only the shared ``common`` and ``ubatch_plan`` (splits
+    re-exports the planner's names for older code, which is its only import of them)."""
+    import ast
+    import pkgutil
+
+    import pyllamacpp.experiments as ex
+
+    shared = {"common", "ubatch_plan"}
+    found = {}
+    for m in pkgutil.iter_modules(ex.__path__):
+        path = f"{ex.__path__[0]}/{m.name}.py"
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module not in shared:
+                    found.setdefault(m.name, []).append(node.module or ", ".join(a.name for a in node.names))
+    assert not found, found
