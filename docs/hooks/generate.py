@@ -4,6 +4,9 @@
 - ``reference/api/*.md``: one mkdocstrings block per public name (``__all__`` of each package).
 - ``assets/kv/*.png``: the KV walk-through's figures, drawn with matplotlib from a real dump of the
   default model made during the build (``kvwalk.py`` beside this file).
+- ``assets/taps/*.png``: the taps guide's pictures, drawn by ``pyllamacpp.taps``' plotting helpers
+  from the capture the guide's code block makes (``taps_figures``).
+- ``assets/experiments/*``: what the commands of ``EXPERIMENT_OUTPUTS`` write with ``-o``.
 
 Generated files live only in the build (``File.generated``): nothing is written under docs/.
 """
@@ -140,7 +143,9 @@ def api_pages() -> dict[str, str]:
         "# `pyllamacpp.experiments`",
         "",
         "Each module is one `pyllamacpp` subcommand: `run(args)` returns the data, "
-        "`print_report` prints it, `plot` draws it where the command has `-o`.",
+        "`print_report` prints it, `plot` draws it where the command has `-o`; but `common` "
+        "(the commands' shared flags, model loading, progress and output) and `ubatch_plan` "
+        "(llama.cpp's batch split, replayed), which several commands share.",
         "",
     ]
     for mod in experiment_modules():
@@ -237,6 +242,32 @@ def experiment_outputs(tmp: str) -> dict[str, bytes]:
     return out
 
 
+def taps_figures() -> dict[str, bytes]:
+    """The taps guide's pictures (docs/guide/taps.md, "Pictures"), by file name: the guide's
+    capture of "The cat sat on the mat." on the default model, drawn by ``pyllamacpp.taps``."""
+    import io
+
+    import pyllamacpp as pl
+    from pyllamacpp.taps import plot_attention, plot_mask, plot_residual_norms
+
+    out = {}
+    with pl.Model() as model, model.context(n_ctx=512, flash_attn="off", n_threads=1, n_threads_batch=1) as ctx:
+        batch = pl.Batch(64, 1, model=model)
+        batch.add_sequence(model.tokenize("The cat sat on the mat."), 0, 0, logits="last")
+        with ctx.capture("l_out", "kq_soft_max", "attn_inp_kq_mask") as pic:
+            ctx.decode(batch)
+        figures = {
+            "attention.png": plot_attention(pic, 5, head=3),
+            "mask.png": plot_mask(pic),
+            "residual-norms.png": plot_residual_norms(pic, log=True),
+        }
+        for name, fig in figures.items():  # labelled while the model lives
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+            out[name] = buf.getvalue()
+    return out
+
+
 def on_files(files, config):
     files.append(File.generated(config, "reference/cli.md", content=cli_page()))
     for path, text in api_pages().items():
@@ -244,6 +275,8 @@ def on_files(files, config):
     kvwalk = _kvwalk()
     for name, png in kvwalk.figures(kvwalk.run()).items():
         files.append(File.generated(config, f"assets/kv/{name}", content=png))
+    for name, png in taps_figures().items():
+        files.append(File.generated(config, f"assets/taps/{name}", content=png))
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
