@@ -84,6 +84,28 @@ def test_an_output_lora_moves_the_logits_as_numpy_predicts(files):
         ctx.set_loras({})
 
 
+def test_applied_restores_the_adapters_own_former_scale(files):
+    """An adapter at 0.5, ``applied(ctx, 1.0)``: inside at 1.0, afterwards at 0.5 again (not taken
+    off), with the 0.5 logits bit for bit."""
+
+    def logits(ctx):
+        ctx.memory.clear()
+        ctx.prefill(TOKENS)
+        return ctx.logits().copy()
+
+    with pl.Model(files["base"]) as m, m.context(n_ctx=64, n_threads=1, n_threads_batch=1) as ctx:
+        one = pl.LoraAdapter(m, files["out1"])
+        base = logits(ctx)
+        ctx.set_lora(one, 0.5)
+        half = logits(ctx)
+        with one.applied(ctx, 1.0) as same:
+            assert same is one and ctx.loras == {one: 1.0}
+            full = logits(ctx)
+        assert ctx.loras == {one: 0.5}
+        assert np.array_equal(logits(ctx), half)
+        assert not np.array_equal(full, half) and not np.array_equal(half, base)
+
+
 def test_layer_and_embedding_loras_change_the_logits_and_come_off_exactly(files):
     with pl.Model(files["base"]) as m, m.context(n_ctx=64, n_threads=2) as ctx:
         ctx.prefill(TOKENS)

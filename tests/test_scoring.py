@@ -183,11 +183,13 @@ def test_perplexity_against_direct_recomputation(model, text_tokens, n_batch):
     assert lines[1] == f"Final estimate: PPL = {r.ppl:.4f} +/- {r.ppl_err:.5f}"
 
 
-def test_perplexity_bos_replaces_each_chunks_first_token(model, text_tokens, monkeypatch):
-    # the default model adds no BOS: take the branch of one that does, and check it against the definition
+@pytest.mark.parametrize("n_batch", [128, 32], ids=["2 chunks per batch", "2 batches per chunk"])
+def test_perplexity_bos_replaces_each_chunks_first_token(model, text_tokens, monkeypatch, n_batch):
+    # the default model adds no BOS: take the branch of one that does, and check it against the definition;
+    # with 2 batches per chunk only the first starts with BOS; the second (from position 32) keeps its token
     monkeypatch.setattr(scoring, "_check_vocab_flags", lambda m: True)
-    r = scoring.perplexity(model, text_tokens, 64, 128, n_chunks=2, **OFF)
-    assert r.add_bos
+    r = scoring.perplexity(model, text_tokens, 64, n_batch, n_chunks=2, **OFF)
+    assert r.add_bos and r.n_batch == min(n_batch, 128)
     ref = direct_perplexity(model, text_tokens, 64, 2, bos=model.bos)
     plain = direct_perplexity(model, text_tokens, 64, 2)
     assert np.max(np.abs(r.nll - ref)) < 2e-6
@@ -272,6 +274,89 @@ def test_kl_divergence_of_another_cache_type_is_not(model, base_file):
             scoring.kl_divergence(m, path, **T)
 
 
+def sem(v) -> float:
+    """The standard error of the mean, numpy's way: llama-perplexity's ``mean_and_uncertainty``
+    (``sqrt((mean(v^2) - mean(v)^2) / (count - 1))``) in other words."""
+    v = np.asarray(v, np.float64)
+    return float(np.std(v, ddof=1) / math.sqrt(v.size))
+
+
+def kl_figures(nll, nll_base, kld, p_diff, same) -> dict[str, float]:
+    """Every figure of llama-perplexity's KL divergence statistics, from per-token values with numpy
+    (more than 10 of them: below that llama-perplexity gives no uncertainties). Where a figure
+    divides by 0 (values all alike), what the package gives: a correlation of nan, an RMS error of 0."""
+    nll, nll_base = np.asarray(nll, np.float64), np.asarray(nll_base, np.float64)
+    kld, p_diff, same = np.asarray(kld, np.float64), np.asarray(p_diff, np.float64), np.asarray(same, np.float64)
+    ppl, ppl_b = math.exp(nll.mean()), math.exp(nll_base.mean())
+    rms = math.sqrt(float(np.mean(p_diff**2)))
+    s_q, s_b = sem(nll), sem(nll_base)
+    return {
+        "ppl": ppl,
+        "ppl_err": ppl * s_q,
+        "ppl_base": ppl_b,
+        "ppl_base_err": ppl_b * s_b,
+        "cor": float(np.corrcoef(nll, nll_base)[0, 1]) if s_q * s_b > 0 else math.nan,
+        "ln_ratio": float(nll.mean() - nll_base.mean()),
+        "ln_ratio_err": sem(nll - nll_base),
+        "ratio": ppl / ppl_b,
+        "ratio_err": ppl / ppl_b * sem(nll - nll_base),
+        "diff": ppl - ppl_b,
+        # sqrt((ppl s_q)^2 + (ppl_b s_b)^2 - 2 ppl ppl_b cov): the standard error of the per-token differences
+        "diff_err": sem(ppl * nll - ppl_b * nll_base),
+        "kld": float(kld.mean()),
+        "kld_err": sem(kld),
+        "kld_max": float(kld.max()),
+        "kld_median": float(np.median(kld)),
+        "kld_min": float(kld.min()),
+        "p_diff": float(p_diff.mean()),
+        "p_diff_err": sem(p_diff),
+        "p_diff_max": float(p_diff.max()),
+        "p_diff_median": float(np.median(p_diff)),
+        "p_diff_min": float(p_diff.min()),
+        "rms_p_diff": rms,
+        "rms_p_diff_err": 0.5 / rms * sem(p_diff**2) if rms > 0 else 0.0,
+        "same_top": float(same.mean()),
+        "same_top_err": sem(same),
+    }
+
+
+def test_kl_divergence_figures_against_numpy_over_the_per_token_values(model, text_tokens, base_file):
+    """A quantized cache against the f16 base: every figure and percentile, and each chunk's row of
+    the table, recomputed with numpy from the per-token values: KL divergence, Δp and top-1 from
+    the result, nll from the same run's perplexity (the same chunks and batches), nll_base from
+    the stored rows. Percentiles as perplexity.cpp's ``percentile`` (linear between the two
+    nearest ranks of ``fraction * (count - 1)``): numpy's ``method="linear"``."""
+    path, _ = base_file
+    q4 = {"type_k": "q4_0", "type_v": "q4_0", "flash_attn": "on", **T}
+    k = scoring.kl_divergence(model, path, 128, **q4)
+    nll = scoring.perplexity(model, text_tokens, 64, 128, n_chunks=4, **q4).nll.ravel()
+    b = scoring.BaseLogits(path)
+    targets = np.asarray(b.tokens).reshape(4, 64)[:, 33:]  # rows 32..62 predict tokens 33..63
+    nll_base = -np.concatenate([b.log_probs(c)[np.arange(31), targets[c]] for c in range(4)]).astype(np.float64)
+    kv, pv, same = k.kld_values, k.p_diff_values, k.same_top_values
+    assert k.count == kv.size == nll.size == 124 and k.kld > 1e-3 and 0 < k.same_top < 1
+    assert np.allclose(pv, np.exp(-nll) - np.exp(-nll_base), atol=1e-5)  # the per-token values agree
+    # float32 terms summed in double there and here, float32 nll against float64: measured within 2e-6
+    # of each other; an uncertainty over count instead of count - 1 is 4e-3 off
+    for name, v in kl_figures(nll, nll_base, kv, pv, same).items():
+        assert math.isclose(getattr(k, name), v, rel_tol=1e-5, abs_tol=1e-9), (name, getattr(k, name), v)
+    for got, values, qs in (
+        (k.kld_percentiles, kv, scoring.KLD_PERCENTILES),
+        (k.p_diff_percentiles, pv, scoring.P_DIFF_PERCENTILES),
+    ):
+        assert list(got) == list(qs)
+        for q in qs:
+            ref = float(np.percentile(values.astype(np.float64), q, method="linear"))
+            assert math.isclose(got[q], ref, rel_tol=1e-5, abs_tol=1e-7), (q, got[q], ref)
+    # each chunk's row of the table: the figures over the chunks so far
+    assert len(k.chunks) == 4
+    for i, row in enumerate(k.chunks):
+        n = 31 * (i + 1)
+        f = kl_figures(nll[:n], nll_base[:n], kv[:n], pv[:n], same[:n])
+        for name, got in row.items():
+            assert math.isclose(got, f[name], rel_tol=1e-5, abs_tol=1e-9), (i, name, got, f[name])
+
+
 # -- complete(logprobs=k) --------------------------------------------------------------------------
 def test_complete_logprobs_like_llama_cpp_python(model):
     prompt = "The capital of France is"
@@ -307,6 +392,28 @@ def test_complete_logprobs_like_llama_cpp_python(model):
         assert model.complete(prompt, 2, ctx=ctx).logprobs is None
         with pytest.raises(ValueError, match="logprobs"):
             model.complete(prompt, 2, ctx=ctx, logprobs=-1)
+
+
+def test_complete_logprobs_are_exactly_the_logits_top_k(model):
+    """``logprobs=k`` gives each token's ``k`` most likely alternatives, no more: the top-k of the
+    logits it was sampled from (replayed as generation decodes them), most likely first."""
+    prompt, k = "The capital of France is", 5
+    with model.context(n_ctx=128, **T) as ctx:
+        lp = model.complete(prompt, 6, ctx=ctx, logprobs=k).logprobs
+    assert lp is not None and len(lp["token_ids"]) == 6
+    with model.context(n_ctx=128, **T) as ctx:
+        pos = ctx.prefill(model.tokenize(prompt))
+        one = Batch(1, 1, model=model)
+        for i, (tok, top) in enumerate(zip(lp["token_ids"], lp["top_logprobs"])):
+            ref = ref_log_softmax(ctx.logits(-1))
+            ids = np.argsort(-ref, kind="stable")[:k]
+            want = {model.token_to_bytes(int(t)).decode("utf-8", "ignore"): float(ref[t]) for t in ids}
+            assert len(want) == k and tok == ids[0]  # k distinct texts; greedy: the token is the first
+            assert list(top) == list(want), i
+            assert max(abs(top[t] - want[t]) for t in want) < 2e-6
+            one.clear()
+            one.add(tok, pos + i, 0, True)
+            ctx.decode(one)
 
 
 # -- the CLI ---------------------------------------------------------------------------------------

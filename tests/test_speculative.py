@@ -157,6 +157,18 @@ def test_ngram_draft_lookup():
         NgramDraft(1, 5)
 
 
+def test_ngram_draft_thresholds_are_inclusive():
+    """As common/ngram-cache.cpp's try_draft: an n-gram qualifies when it was seen exactly
+    ``min_samples`` times, and its follower when it makes exactly ``min_percent`` percent."""
+    h = [4, 1, 4, 1, 4, 2, 4, 3, 4]  # 4 was followed 4 times: by 1 twice (50%), 2 once, 3 once
+    assert NgramDraft(1, 1, min_samples=(2,), min_percent=(50,)).draft(h, 1) == [1]
+    assert NgramDraft(1, 1, min_samples=(2,), min_percent=(51,)).draft(h, 1) == []
+    assert NgramDraft(1, 1, min_samples=(4,), min_percent=(50,)).draft(h, 1) == [1]  # seen 4 times: enough
+    assert NgramDraft(1, 1, min_samples=(5,), min_percent=(50,)).draft(h, 1) == []
+    # the defaults: a 2-gram's follower needs 50% (llama.cpp's lax threshold): (4, 5) -> 1 in 2 of 4
+    assert NgramDraft(2, 2).draft([4, 5, 1, 4, 5, 1, 4, 5, 2, 4, 5, 3, 4, 5], 1) == [1]
+
+
 # -- forward passes per verify: the seed's claim --------------------------------------------------
 def test_five_token_draft_under_ub4_is_two_passes(model):
     """The seed: verifying a five-token draft (six rows with the last token) under -ub 4 costs two passes."""
@@ -235,6 +247,44 @@ def test_abort_leaves_the_round_undone(tiny):
             next(s)
         assert got == plain[:3] and _held(ctx) == prompt.size + 2
         assert list(pl.generate(ctx, [got[-1]], 8)) == plain[3:11]
+
+
+class RoundsDraft(Draft):
+    """Proposes the given tokens, one list per round, then nothing."""
+
+    def __init__(self, rounds):
+        self.rounds, self.i = [list(r) for r in rounds], 0
+
+    def draft(self, history, n_max):
+        d = self.rounds[self.i] if self.i < len(self.rounds) else []
+        self.i += 1
+        return d[:n_max]
+
+
+@pytest.mark.parametrize("arch", ["mamba", "lfm2"])
+def test_abort_after_a_restore_replays_the_kept_tokens(tiny, arch):
+    """Recurrent and hybrid memory: a half-wrong draft restores the checkpoint and leaves the kept
+    tokens to be decoded again at the front of the next verify batch; that decode aborted, the
+    sequence is restored again and the kept tokens replayed: it holds the prompt and the first
+    token (42 positions), not only what the checkpoint held (40), in the state plain decodes give."""
+    with pl.Model(tiny[arch]) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = _repetitive(seed=2)
+        plain = list(pl.generate(ctx, prompt, 20))
+        ctx.memory.seq_rm(0)
+        wrong = (plain[1] + 1) % 64
+        s = generate_speculative(ctx, prompt, 20, RoundsDraft([[plain[0], wrong], plain[2:4]]), n_draft=2)
+        got = [next(s), next(s)]  # the first round: plain[0] accepted, then plain[1] sampled for `wrong`
+        assert s.stats.n_restores == 1 and s.stats.n_accepted == 1 and s.stats.n_replayed == 0
+        ctx.abort()
+        with pytest.raises(pl.DecodeAborted):
+            next(s)  # the second round's verify: the two kept tokens replayed, then plain[1] and the draft
+        assert got == plain[:2] and _held(ctx) == prompt.size + 1 == 42
+        # these tiny models repeat a token whatever the state: compare the next logits instead
+        ctx.prefill([got[-1]])
+        after = ctx.logits().copy()
+        ctx.memory.seq_rm(0)
+        ctx.prefill([*prompt.tolist(), *plain[:2]])
+        assert np.abs(after - ctx.logits()).max() < 1e-5
 
 
 def test_ctx_full_ends_as_generate(tiny):

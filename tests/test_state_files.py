@@ -221,6 +221,23 @@ def test_check_state_file_says_what_is_wrong_with_numbers(files, tmp_path):
         ctx.check_state_file(seq, kind="seq")
 
 
+def test_load_seq_state_checks_the_file_against_max_tokens(files):
+    """A 7-token file with ``max_tokens=3`` is refused by the package before llama.cpp reads it
+    (llama.cpp's own refusal, "token count ... exceeded capacity", clears the sequence), and the
+    sequence keeps what it held; ``max_tokens=7`` is room enough."""
+    ctx, seq, _ = files
+    toks = ctx.model.tokenize(PROMPT).tolist()
+    assert len(toks) == 7 and ctx.n_ctx == 256
+    before = ctx.seq_state(0).data.tobytes()
+    with pytest.raises(
+        pl.StateError, match="is not a seq file this context can load: it holds 7 tokens, more than max_tokens=3"
+    ):
+        ctx.load_seq_state(seq, 0, max_tokens=3)
+    assert ctx.seq_state(0).data.tobytes() == before and ctx.memory.seq_pos_max(0) == 6
+    assert ctx.load_seq_state(seq, 0, max_tokens=7).tolist() == toks
+    assert ctx.seq_state(0).data.tobytes() == before
+
+
 def test_a_state_cut_after_its_k_records_is_refused(files, tmp_path):
     # it reads as a cache without V (has_v=False), byte for byte: the checks know this one has V
     ctx, seq, _ = files

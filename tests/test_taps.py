@@ -447,3 +447,77 @@ def test_the_listing_has_the_contexts_kv_streams(model):
     assert cap.records[0].op == "SET_ROWS" and cap.records[0].shape == (1024, 192)  # both streams' cells
     with _ctx(model, n_ctx=1024, n_seq_max=2, kv_unified=True) as uni:
         assert [n.name for n in uni.graph_nodes() if n.op == "SET_ROWS"][0] == "cache_k_l0 (view)"
+
+
+# -- behaviours held against planted bugs (issue 28)
+
+
+def test_a_site_is_the_last_node_of_its_name_and_which_counts_from_the_end(model):
+    """``Qcur-0`` names a MUL_MAT, a RESHAPE and a ROPE: a site means the last (the ROPE, what
+    attention reads); ``which=`` an index among them, negative from the end."""
+    with _ctx(model) as ctx:
+        g = ctx.graph_nodes()
+        assert [n.op for n in pl.taps.resolve(g, "Qcur", layers=[0])] == ["ROPE"]
+        for which, op in ((-1, "ROPE"), (-2, "RESHAPE"), (-3, "MUL_MAT"), (0, "MUL_MAT"), (2, "ROPE")):
+            assert [n.op for n in pl.taps.resolve(g, "Qcur-0", which=which)] == [op], which
+        with pytest.raises(TapError, match=r"which=-4: Qcur-0 names 3 node\(s\)"):
+            pl.taps.resolve(g, "Qcur-0", which=-4)
+        with ctx.capture("Qcur", layers=[0]) as plain:
+            ctx.decode(_batch(model, (0, A)))
+        ctx.memory.clear()
+        with ctx.capture("Qcur", layers=[0], which=-1) as last:
+            ctx.decode(_batch(model, (0, A)))
+    # the op of the tensor C copied, not the listing's: the ROPE, both ways
+    assert [(r.name, r.op, r.occurrence) for r in plain.records] == [("Qcur-0", "ROPE", 2)]
+    assert [(r.name, r.op, r.occurrence) for r in last.records] == [("Qcur-0", "ROPE", 2)]
+    assert np.array_equal(plain["Qcur", 0], last["Qcur", 0])
+
+
+def test_rows_of_several_calls_are_joined_in_call_then_ubatch_order(model):
+    """The prompt's two ubatches and three one-token steps: ``cap[site, layer]`` is the records'
+    data end to end in (call, ubatch) order, value for value, and so is one sequence's view."""
+    with _ctx(model, n_ubatch=4, n_batch=64) as ctx:
+        with ctx.capture("l_out", layers=[3]) as cap:
+            list(pl.generate(ctx, model.tokenize(A), 4, pl.Sampler(model).greedy()))
+    recs = [r for r in cap.records if r.name == "l_out-3"]
+    assert [(r.call, r.ubatch, r.rows.tolist()) for r in recs] == [
+        (0, 0, [0, 1, 2, 3]),
+        (0, 1, [4, 5, 6]),
+        (1, 0, [0]),
+        (2, 0, [0]),
+        (3, 0, [0]),
+    ]
+    want = np.concatenate([r.data for r in sorted(recs, key=lambda r: (r.call, r.ubatch))])
+    assert want.shape == (10, 576) and len({row.tobytes() for row in want}) == 10  # ten different rows
+    assert np.array_equal(cap["l_out", 3], want)
+    assert np.array_equal(cap.rows(seq_id=0)["l_out", 3], want)
+    assert np.array_equal(cap.get(("l_out", 3), call=0), want[:7])
+
+
+def test_a_patch_that_raised_is_called_again_on_the_next_decode_in_the_block(model):
+    """A failure disarms the taps for the rest of that decode only: in the same ``with`` block the
+    next decode calls the patch again, and what it writes reaches the logits."""
+    vec = np.random.default_rng(2).normal(0, 0.5, 576).astype(np.float32)
+    with _ctx(model) as ctx:
+        ctx.decode(_batch(model, (0, A)))
+        base = ctx.logits().copy()
+        ctx.memory.clear()
+        calls = []
+
+        def once(x, info):
+            calls.append(info.call)
+            if len(calls) == 1:
+                raise ZeroDivisionError("the first call")
+            return x + vec
+
+        with ctx.patch("l_out", once, layers=[10]) as p:
+            with pytest.raises(ZeroDivisionError, match="the first call"):
+                ctx.decode(_batch(model, (0, A)))
+            assert ctx.memory.seq_pos_max(0) == -1  # the failed ubatch is gone
+            ctx.decode(_batch(model, (0, A)))
+            assert p.n_calls == 2 and calls == [0, 1]
+            patched = ctx.logits().copy()
+        ctx.memory.clear()
+        with ctx.patch("l_out", lambda x, info: x + vec, layers=[10]):
+            ctx.decode(_batch(model, (0, A)))
+        assert np.array_equal(patched, ctx.logits()) and not np.array_equal(patched, base)
