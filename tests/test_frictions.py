@@ -516,3 +516,67 @@ def test_experiments_import_only_the_shared_modules_and_the_package():
                 if node.module not in shared:
                     found.setdefault(m.name, []).append(node.module or ", ".join(a.name for a in node.names))
     assert not found, found
+
+
+def test_the_source_folder_error_is_the_one_troubleshooting_quotes(tmp_path):
+    """Python run in a clone's root after a plain install: ``import pyllamacpp`` succeeds (the
+    compiled parts load on first use) and ``pl.Model()`` raises the ImportError that the
+    troubleshooting page quotes, word for word, with the command it names. The clone is a copy of
+    the package's sources without its compiled files; an editable install's import hook (this
+    checkout's, when there is one) is taken out of the child, as a plain install has none."""
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    clone = tmp_path / "clone"
+    shutil.copytree(
+        root / "pyllamacpp",
+        clone / "pyllamacpp",
+        ignore=shutil.ignore_patterns("*.so", "*.pyd", "_libs", "__pycache__", "_build_info.json"),
+    )
+    shutil.copy(root / "pyproject.toml", clone / "pyproject.toml")
+    code = (
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__]\n"
+        "import pyllamacpp as pl\n"
+        "assert pl.__file__.startswith(sys.argv[1]), pl.__file__\n"
+        "print('imported')\n"
+        "try:\n"
+        "    pl.Model()\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(clone)], cwd=clone, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    said = r.stdout.splitlines()
+    assert said[0] == "imported", r.stdout
+    page = (root / "docs/guide/troubleshooting.md").read_text()
+    quoted = page.split("```text\n", 1)[1].split("\n```", 1)[0]
+    got = " ".join(said[1].replace(str(clone / "pyllamacpp"), "/path/to/clone/pyllamacpp").split())
+    assert got == " ".join(quoted.removeprefix("ImportError: ").split()), (got, quoted)
+    assert "`pip install -e .`" in got and "`pip install -e .`" in page
+
+
+def test_the_docs_extra_has_what_the_site_build_needs():
+    """``pip install ".[docs]"`` then ``mkdocs serve``: the extra holds every mkdocs requirement
+    the test extra builds the site with (the same pins), and matplotlib for the build's figures."""
+    import re
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml on Python 3.10 needs tomli")
+    extras = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+
+    def name(req: str) -> str:
+        return re.split(r"[<>=!~; \[]", req, maxsplit=1)[0]
+
+    site = {r for r in extras["test"] if name(r).startswith(("mkdocs", "pymdown"))}
+    assert {name(r) for r in site} == {"mkdocs", "mkdocs-material", "mkdocstrings-python", "pymdown-extensions"}
+    assert site <= set(extras["docs"]), sorted(site - set(extras["docs"]))
+    assert {name(r) for r in extras["docs"]} - {name(r) for r in site} == {"matplotlib"}
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert 'pip install -v ".[docs]"' in readme and "mkdocs serve" in readme
