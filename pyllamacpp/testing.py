@@ -61,6 +61,7 @@ def make_model(
     seed: int = 0,
     dtype: str = "f32",
     tie_embeddings: bool = True,
+    split_max_tensors: int = 0,
     **arch_specific: Any,
 ) -> Path:
     """Write a random-weight GGUF of ``arch`` to ``path`` (atomically) and return the path.
@@ -85,6 +86,9 @@ def make_model(
         tie_embeddings: True: no ``output.weight``, the output projection is ``token_embd.weight``
             (llama.cpp's ``TENSOR_DUPLICATED`` fallback); False: an ``output.weight`` of its own
             (not for ``gemma2``, which always ties them).
+        split_max_tensors: More than 0: a split model of at most that many tensors per file
+            (``<stem>-00001-of-0000N.gguf`` beside ``path``, as llama-gguf-split names them; written
+            in place, not atomically); the first file's path is returned.
         **arch_specific: by arch, in llama.cpp's hparams names:
 
             - attention archs: ``rope_freq_base``, ``norm_rms_eps``;
@@ -273,7 +277,8 @@ def make_model(
     path.parent.mkdir(parents=True, exist_ok=True)
     # a unique name beside the target; created by the writer, so it gets the umask's permissions
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    writer = gguf.GGUFWriter(tmp, arch)
+    split = split_max_tensors > 0
+    writer = gguf.GGUFWriter(path if split else tmp, arch, split_max_tensors=split_max_tensors)
     try:
         for key, (value, vtype, *sub) in kv.items():
             writer.add_key_value(key, value, vtype, sub[0] if sub else None)
@@ -282,7 +287,10 @@ def make_model(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
+        shards = writer.format_shard_names(path) if split else []
         writer.close()
+        if split:
+            return shards[0]
         os.replace(tmp, path)
     except BaseException:
         writer.close()
@@ -376,6 +384,7 @@ def make_lora(
     seed: int = 0,
     std: float = _STD,
     alora_invocation_tokens: Any = None,
+    metadata: dict[str, str] | None = None,
 ) -> Path:
     """Write a LoRA adapter GGUF for the model at ``base`` to ``path`` (atomically).
 
@@ -403,6 +412,7 @@ def make_lora(
         std: standard deviation of random factors.
         alora_invocation_tokens: token ids for ``adapter.alora.invocation_tokens`` (an activated
             LoRA, which llama.cpp's server applies only after these tokens); None writes no key.
+        metadata: more string keys and values to write (``{"general.description": ""}``).
 
     Returns:
         ``path`` as a ``Path``.
@@ -455,6 +465,8 @@ def make_lora(
         writer.add_string("general.name", f"pyllamacpp synthetic LoRA for {Path(base).name}")
         if alpha is not None:
             writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
+        for key, value in (metadata or {}).items():
+            writer.add_key_value(key, value, gguf.GGUFValueType.STRING)  # add_string drops ""
         if alora_invocation_tokens is not None:
             toks = [int(t) for t in alora_invocation_tokens]
             writer.add_key_value(

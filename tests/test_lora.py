@@ -287,3 +287,52 @@ def test_a_lora_on_the_default_model(model, tmp_path):
         ctx.prefill(toks)
         assert np.array_equal(ctx.logits(), base)
     ad.close()
+
+
+def test_the_tied_embedding_check_reads_every_file_of_a_split_model(tmp_path):
+    """A split model: output.weight is looked for in each file (here it is in the second), and a
+    tied split model, which has none in any, is refused an embedding LoRA."""
+    import gguf
+
+    untied = make_model(tmp_path / "u.gguf", n_layer=2, n_embd=N_EMBD, n_head=4, n_vocab=N_VOCAB,
+                        tie_embeddings=False, split_max_tensors=2)  # fmt: skip
+    tied = make_model(tmp_path / "t.gguf", n_layer=2, n_embd=N_EMBD, n_head=4, n_vocab=N_VOCAB, split_max_tensors=2)
+    first = {t.name for t in gguf.GGUFReader(untied).tensors}
+    assert "output.weight" not in first and "token_embd.weight" in first  # the check must read on
+    plain = make_model(tmp_path / "plain.gguf", n_layer=2, n_embd=N_EMBD, n_head=4, n_vocab=N_VOCAB)
+    embd = make_lora(tmp_path / "e.gguf", plain, ["token_embd.weight"])
+    with pl.Model(untied) as m:
+        assert int(m.meta("split.count")) == len(list(tmp_path.glob("u-*-of-*.gguf"))) > 1
+        ad = pl.LoraAdapter(m, embd)  # its output.weight is its own: accepted
+        with m.context(n_ctx=64, n_threads=2) as ctx, ad.applied(ctx, 1.0):
+            ctx.prefill(TOKENS)
+            assert np.isfinite(ctx.logits()).all()
+        ad.close()
+    with pl.Model(tied) as m, pytest.raises(ValueError, match="no output.weight"):
+        pl.LoraAdapter(m, embd)
+
+
+def test_the_default_scale_is_one(files):
+    """``applied(ctx)``, ``set_lora(ad)`` and ``lora.set_lora(ctx, ad)`` without a scale: 1.0, as
+    llama.cpp's --lora applies an adapter."""
+    from pyllamacpp import lora
+
+    with pl.Model(files["base"]) as m, m.context(n_ctx=64, n_threads=2) as ctx:
+        ad = pl.LoraAdapter(m, files["attn"])
+        with ad.applied(ctx):
+            assert ctx.loras == {ad: 1.0}
+        assert ctx.loras == {}
+        ctx.set_lora(ad)
+        assert ctx.loras == {ad: 1.0}
+        ctx.set_loras({})
+        lora.set_lora(ctx, ad)
+        assert lora.applied(ctx) == {ad: 1.0}
+
+
+def test_meta_tells_an_empty_value_from_a_missing_key(files, tmp_path):
+    p = make_lora(tmp_path / "m.gguf", files["base"], ["output.weight"], metadata={"general.description": ""})
+    with pl.Model(files["base"]) as m:
+        ad = pl.LoraAdapter(m, p)
+        assert ad.meta("general.description") == ""
+        assert ad.meta("no.such.key") is None
+        assert ad.metadata["general.description"] == ""
