@@ -99,7 +99,9 @@ class PassCounter:
     (``ctx.capture`` raises ``TapError``), and the counter must outlive it.
 
     Either way no Python runs per node: a Python callback would run about 1,100 times per pass on
-    the default model and slow the decodes it counts.
+    the default model and slow the decodes it counts. (A counter on the taps needs the graph's
+    first node: the listing ``ctx.graph_nodes()`` makes with probe decodes in a throwaway
+    context, once per model and parameters, as a capture does.)
 
     Attributes:
         n_passes: Passes seen so far.

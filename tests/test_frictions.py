@@ -8,6 +8,12 @@
 
 The commands run as real child processes, from a temporary folder (the installed package is
 imported, not the source folder).
+
+Issue 29 (the taps, speculative and state-file guides, tried as a new user), at the end: what
+``layers=`` keeps (views, negative layers), the capture limit's count, one naming of the inputs,
+a pass counter on the taps, the plots, a control-vector file that is not a GGUF, the printable
+``compare_speculative``, kvprobe loading a seq file, experiments importing only shared modules,
+the docs extra, and the source-folder error that the troubleshooting page quotes.
 """
 
 from __future__ import annotations
