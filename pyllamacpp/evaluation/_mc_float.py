@@ -69,6 +69,11 @@ def expf(x: np.ndarray) -> np.ndarray:
         float32 ``expf(x)``, bit for bit as glibc (2.27 and later) computes it.
     """
     xd = x.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):  # -inf gives nan here, and 0 below
+        return _expf(x, xd)
+
+
+def _expf(x: np.ndarray, xd: np.ndarray) -> np.ndarray:
     kd = _INV_LN2_N * xd + _SHIFT  # round(x * 32 / ln 2) in the low bits
     ki = kd.view(np.uint64)
     kd = kd - _SHIFT
