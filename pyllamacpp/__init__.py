@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # the lazy names below, as mypy should see them
     from .speculative import NgramDraft as NgramDraft
     from .speculative import PassCounter as PassCounter
     from .speculative import Speculation as Speculation
+    from .speculative import SpeculativeComparison as SpeculativeComparison
     from .speculative import SpeculativeStats as SpeculativeStats
     from .speculative import compare_speculative as compare_speculative
     from .speculative import generate_speculative as generate_speculative
@@ -108,6 +109,7 @@ _LAZY = {
     "compare_speculative": ".speculative",
     "Speculation": ".speculative",
     "SpeculativeStats": ".speculative",
+    "SpeculativeComparison": ".speculative",
     "Draft": ".speculative",
     "NgramDraft": ".speculative",
     "ModelDraft": ".speculative",

@@ -61,7 +61,7 @@ def _shadowing_source_tree() -> str | None:
     try:
         from importlib.metadata import distribution
 
-        dist = distribution("pyllamacpp")
+        dist = distribution("pyllamacpp-cffi")  # the distribution name, not the import name
         url = json.loads(dist.read_text("direct_url.json") or "{}")
         if url.get("dir_info", {}).get("editable") and url.get("url") == pkg.parent.as_uri():
             return None  # this tree's own editable install: its extension lives elsewhere, a build problem

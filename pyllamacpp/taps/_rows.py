@@ -249,7 +249,7 @@ class _Splitting:
 def _plan_ubatches(ctx: Context | _Splitting, call: _Call) -> list[np.ndarray]:
     """Batch indices per ubatch, as llama.cpp's batch allocator splits this call's batch
     (``llama_kv_cache::init_batch`` and the recurrent / hybrid memories' equivalents)."""
-    from ..experiments.splits import BatchAllocr, PlanError, split_all
+    from ..experiments.ubatch_plan import BatchAllocr, PlanError, split_all
 
     f = ctx if isinstance(ctx, _Splitting) else _Splitting.of(ctx)
     all_out = call.outputs is not None and bool(call.outputs.all())
