@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # the lazy names below, as mypy should see them
     from .context_state import SeqState as SeqState
     from .context_state import StateBuffer as StateBuffer
     from .context_state import StateFlags as StateFlags
+    from .evaluation import Loglikelihood as Loglikelihood
+    from .evaluation import loglikelihood as loglikelihood
     from .generation import Generation as Generation
     from .generation import generate as generate
     from .generation import generate_parallel as generate_parallel
@@ -65,8 +67,6 @@ if TYPE_CHECKING:  # the lazy names below, as mypy should see them
     from .speculative import compare_speculative as compare_speculative
     from .speculative import generate_speculative as generate_speculative
     from .speculative import layer_skip_gguf as layer_skip_gguf
-    from .evaluation import Loglikelihood as Loglikelihood
-    from .evaluation import loglikelihood as loglikelihood
     from .text import Completion as Completion
     from .text import Detokenizer as Detokenizer
     from .text import TextStream as TextStream
@@ -119,7 +119,19 @@ _LAZY = {
     "Loglikelihood": ".evaluation",
 }
 # public subpackages and modules, also imported on first access (``pyllamacpp.state.parse``)
-_SUBMODULES = ("state", "testing", "models", "experiments", "rpc", "cli", "scoring", "speculative", "taps", "cvec", "evaluation")
+_SUBMODULES = (
+    "state",
+    "testing",
+    "models",
+    "experiments",
+    "rpc",
+    "cli",
+    "scoring",
+    "speculative",
+    "taps",
+    "cvec",
+    "evaluation",
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -561,7 +561,9 @@ def test_the_source_folder_error_is_the_one_troubleshooting_quotes(tmp_path):
     import sysconfig
 
     site = sysconfig.get_paths()["purelib"]  # where the installed package's extension is
-    got = said[1].replace(str(clone / "pyllamacpp"), "/path/to/clone/pyllamacpp").replace(site, "/path/to/site-packages")
+    got = (
+        said[1].replace(str(clone / "pyllamacpp"), "/path/to/clone/pyllamacpp").replace(site, "/path/to/site-packages")
+    )
     got = " ".join(got.split())
     assert got == " ".join(quoted.removeprefix("ImportError: ").split()), (got, quoted)
     assert "`pip install -e .`" in got and "`pip install -e .`" in page
