@@ -336,3 +336,13 @@ def test_meta_tells_an_empty_value_from_a_missing_key(files, tmp_path):
         assert ad.meta("general.description") == ""
         assert ad.meta("no.such.key") is None
         assert ad.metadata["general.description"] == ""
+
+
+def test_a_file_that_is_not_a_gguf_is_llama_cpps_refusal(files, tmp_path):
+    """The tied-embedding check reads the file with gguf first; a file gguf cannot read is left to
+    llama_adapter_lora_init, whose refusal is the ModelLoadError."""
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all" * 8)
+    with pl.Model(files["base"]) as m, pytest.raises(pl.ModelLoadError) as e:
+        pl.LoraAdapter(m, junk)
+    assert e.value.func == "llama_adapter_lora_init"
