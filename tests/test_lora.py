@@ -346,3 +346,30 @@ def test_a_file_that_is_not_a_gguf_is_llama_cpps_refusal(files, tmp_path):
     with pl.Model(files["base"]) as m, pytest.raises(pl.ModelLoadError) as e:
         pl.LoraAdapter(m, junk)
     assert e.value.func == "llama_adapter_lora_init"
+
+
+def test_set_lora_while_another_thread_decodes_is_refused_at_once(files):
+    """The context's lock held by another thread (a decode in progress): set_lora raises at once
+    rather than waiting for it (llama_set_adapters_lora would change the graph under the decode)."""
+    import threading
+    import time
+
+    with pl.Model(files["base"]) as m, m.context(n_ctx=64, n_threads=2) as ctx:
+        ad = pl.LoraAdapter(m, files["attn"])
+        held, done = threading.Event(), threading.Event()
+
+        def decoding():
+            with ctx._lock:
+                held.set()
+                done.wait(2.0)
+
+        t = threading.Thread(target=decoding)
+        t.start()
+        held.wait()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="another thread"):
+            ctx.set_lora(ad, 1.0)
+        assert time.monotonic() - t0 < 1.0
+        done.set()
+        t.join()
+        assert ctx.loras == {}
