@@ -76,12 +76,14 @@ int main(int argc, char **argv) {
         std::mt19937 rng(1);
         for (int i = 0; i < 3; ++i) printf("%lu ", (unsigned long)rng());
         std::uniform_int_distribution<size_t> a(7, 7 + 4294967294ull), b(0, 4294967295ull), c(3, 10000000000ull);
+        std::uniform_int_distribution<size_t> d(0, 3221225471ull);  // a quarter of the draws rejected
         for (int i = 0; i < 3; ++i) {  // one statement each: argument evaluation order is unspecified
             size_t x = a(rng);
             size_t y = b(rng);
             size_t z = c(rng);
             printf("%zu %zu %zu ", x, y, z);
         }
+        for (int i = 0; i < 20; ++i) printf("%zu ", d(rng));
         printf("\n");
     }
 }
@@ -113,6 +115,7 @@ def test_task_selection_is_libstdcxx(select_exe, n, k):
             R.uniform_int(rng, 0, 4294967295),
             R.uniform_int(rng, 3, 10**10),
         ]
+    mine += [R.uniform_int(rng, 0, 3221225471) for _ in range(20)]
     assert [int(v) for v in raw.split()] == mine
 
 
@@ -140,6 +143,8 @@ def test_expf_is_glibcs_bit_for_bit():
             -rng.random(30000, dtype=np.float32) * np.float32(2),
             -rng.random(10000, dtype=np.float32) * np.float32(1e-4),
             np.array([0.0, -0.0, -np.inf, -87.33654, -103.97207, -103.97208, -1e-45], np.float32),
+            # the one float in [-103.97, 0] where r = z - kd without glibc's FMA rounds the result the other way
+            np.array([float.fromhex("-0x1.f8cbb2p+5")], np.float32),
         ]
     ).astype(np.float32)
     ref = np.array([f(float(v)) for v in x], np.float32)
@@ -401,14 +406,15 @@ def test_near_ties_are_decided_in_llama_perplexitys_float_arithmetic(model, monk
 WG = (
     "0,The trophy did not fit in the suitcase because the _ was too big for it.,trophy,suitcase,1\n"
     "1,The cat chased the _.,dog,mouse,2\n"
-    "2,Anna thanked Maria because _ had helped her move the heavy boxes upstairs.,Anna,Maria,2\n\n"
+    "2,Anna thanked Maria because _ had helped her move the heavy boxes upstairs.,Anna,Maria,2\n"
+    "3,The cat chased the _ away.,dog,mouse,2\n\n"  # 3 tokens after the shared part: not skipped either
 )
 
 
 def test_winogrande_partial_scores_as_winogrande_score(model):
     r = mc.winogrande(model, WG, **ON)
     tasks, _ = mc.read_winogrande(WG)
-    assert len(r.tasks) == 3 and all(t.exact for t in r.tasks)
+    assert len(r.tasks) == 4 and all(t.exact for t in r.tasks)
     with model.context(n_ctx=256, **ON) as ctx:
         for t in r.tasks:
             w = tasks[t.task]
@@ -425,8 +431,9 @@ def test_winogrande_partial_scores_as_winogrande_score(model):
                 if k == 1 and not skip:  # the FIXME: the second choice's first row is the first sentence's last
                     vals[0] = lps[0][len(seqs[0]) - 1, s[cp]]
                 ref.append(np.mean(vals))
-            assert skip == (t.task != 1)
-            assert np.max(np.abs(np.array(t.scores) - ref)) < 2e-4, (t, ref)
+            assert skip == (t.task in (0, 2))
+            # float sums of 49,152 terms there: within n_vocab * 2^-24 of the exact sums
+            assert np.max(np.abs(np.array(t.scores) - ref)) < F.tie_margin(model.n_vocab) / 2, (t, ref)
             assert t.pred == (0 if t.scores[0] > t.scores[1] else 1) and t.gold == (w.answer - 1,)
     line = r.report().split("\n")[0]
     s1, s2 = r.tasks[0].scores
@@ -437,13 +444,14 @@ def test_winogrande_partial_scores_as_winogrande_score(model):
 def test_winogrande_selection_and_final_score(model):
     lines = [f"{i},{'AB'[i % 2]} met _ today.,{'xyzw'[i % 4]},{'pqrs'[i % 3]},{1 + i % 2}" for i in range(110)]
     text = "\n".join(lines) + "\n\n"
-    r = mc.winogrande(model, text, 104, **T)
-    assert [t.task for t in r.tasks] == R.pick_without_replacement(110, 104)
-    p = np.float32(r.n_correct) / np.float32(104)
-    sigma = np.float32(100 * math.sqrt(float(p * (1 - p) / np.float32(103))))
-    want = f"Final Winogrande score(104 tasks): {float(np.float32(100) * p):.4f} +/- {float(sigma):.4f}\n"
+    r = mc.winogrande(model, text, 100, **T)  # the final score from 100 tasks on, as there
+    assert [t.task for t in r.tasks] == R.pick_without_replacement(110, 100)
+    p = np.float32(r.n_correct) / np.float32(100)
+    sigma = np.float32(100 * math.sqrt(float(p * (1 - p) / np.float32(99))))
+    want = f"Final Winogrande score(100 tasks): {float(np.float32(100) * p):.4f} +/- {float(sigma):.4f}\n"
     assert r.report().endswith("\n\n" + want)
     assert r.stderr == pytest.approx(float(sigma) / 100, rel=1e-5)
+    assert "Final" not in mc.winogrande(model, text, 99, **T).report()
 
 
 def test_multiple_choice_scores_and_final_lines(model):
@@ -528,7 +536,7 @@ def test_cli_modes_print_the_api_report(model, tmp_path):
     r = cli("--winogrande", "-f", str(w), "-t", "1", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["n_tasks"] == 3 and d["skipped"] == [[1, "failed to find comma separators in <no,comma>"]]
+    assert d["n_tasks"] == 4 and d["skipped"] == [[1, "failed to find comma separators in <no,comma>"]]
     assert "winogrande: line 1 skipped: failed to find comma separators" in r.stderr
 
 

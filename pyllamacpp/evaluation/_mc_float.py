@@ -117,24 +117,9 @@ def logf(x: float | np.floating) -> np.float32:
         return np.float32(np.log(np.float64(x)))
 
 
-def eval_logprobs(row: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """``compute_logprobs`` of one row: ``x[t] - max - logf(sum_p)``, the sum in float.
-
-    Args:
-        row: float32 ``(n_vocab,)`` logits.
-        targets: Tokens whose log-probability to return.
-
-    Returns:
-        float32 log-probabilities, one per target.
-    """
-    m = row.max()
-    d = row - m
-    sum_p = np.cumsum(expf(d), dtype=np.float32)[-1]  # one term after the other, in float
-    return (d[targets] - logf(sum_p)).astype(np.float32)
-
-
 def eval_rows(rows: np.ndarray, targets: np.ndarray, chunk: int = 16) -> np.ndarray:
-    """:func:`eval_logprobs` of each row for its own target, several rows at a time.
+    """``compute_logprobs`` of each row for its own target: ``x[t] - max - logf(sum_p)``, ``sum_p``
+    the float sum of ``expf(x - max)`` one term after the other; several rows at a time.
 
     Args:
         rows: float32 ``(n, n_vocab)`` logits.
