@@ -1,0 +1,250 @@
+"""pyllamacpp.evaluation on the real library and the default model: the loglikelihood engine
+against each request decoded on its own (bit for bit below flash attention's 64-row tile), the
+trie's counts, lm-eval's tokenization at the boundary, bad input, Ctrl-C, progress; and, where
+lm-eval is installed, the lm-evaluation-harness backend run by lm-eval itself on local tasks."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+
+import pyllamacpp as pl
+from pyllamacpp.batch import Batch
+from pyllamacpp.evaluation._engine import encode_pair
+from pyllamacpp.scoring import log_softmax
+
+T = {"n_threads": 1, "n_threads_batch": 1}  # the machine is shared: one thread each
+HEADER = (
+    "The following are questions with their answers.\n\n"
+    "Question: What is 12 plus 7?\nAnswer: 19\n\n"
+    "Question: What is the capital of Italy?\nAnswer: Rome\n\n"
+)
+QUESTIONS = {
+    "What is the capital of France?": [" Paris", " Berlin", " Madrid", " the city of Lyon"],
+    "What is the capital of Spain?": [" Paris", " Madrid", " Lisbon", " Rome"],
+    "What is 20 plus 5?": [" 25", " 24", " 35", " twenty-five"],
+    "How many legs has a spider?": [" eight", " six", " four", " ten legs"],
+}
+
+
+def few_shot() -> list[tuple[str, str]]:
+    reqs = [(f"{HEADER}Question: {q}\nAnswer:", c) for q, cs in QUESTIONS.items() for c in cs]
+    # a duplicate, a context with a trailing space, and a continuation that extends another
+    return [*reqs, reqs[0], (f"{HEADER}Question: What is 20 plus 5?\nAnswer: ", "25"), (reqs[0][0], " Paris is")]
+
+
+def alone(model, pairs, n_batch=63, **kw):
+    """Each ``(tokens, n_context)`` decoded on its own (memory cleared: cells from 0), logits at
+    the continuation's rows: ``[(logprobs, greedy flags)]``."""
+    longest = max(s.size for s, _ in pairs)
+    out = []
+    with model.context(n_ctx=longest, n_batch=n_batch, n_ubatch=n_batch, **{**T, **kw}) as ctx:
+        batch = Batch(n_batch, 1, model=model)
+        for seq, c in pairs:
+            ctx.memory.clear()
+            feed, lps, greedy = seq[:-1], [], []
+            for b0 in range(0, feed.size, n_batch):
+                j = np.arange(b0, min(b0 + n_batch, feed.size))
+                mask = j >= c - 1
+                batch.clear()
+                batch.add_sequence(feed[j], 0, b0, logits=mask)
+                ctx.decode(batch)
+                if mask.any():
+                    t = seq[j[mask] + 1]
+                    r = log_softmax(ctx.logits_all(), t, argmax=True, n_threads=1)
+                    lps.append(r.target)
+                    greedy.append(r.argmax == t)
+            out.append((np.concatenate(lps), np.concatenate(greedy)))
+    return out
+
+
+def pairs_of(model, reqs):
+    out = []
+    for c, x in reqs:
+        ct, xt = encode_pair(model, c, x)
+        out.append((np.concatenate([ct, xt]), int(ct.size)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    reqs = few_shot()
+    return reqs, alone(model, pairs_of(model, reqs))
+
+
+@pytest.mark.parametrize("n_seq_max", [1, 3, 16])
+def test_each_request_equals_it_decoded_alone_bit_for_bit(model, reference, n_seq_max):
+    reqs, ref = reference
+    res = pl.loglikelihood(model, reqs, n_seq_max=n_seq_max, **T)
+    assert len(res) == len(reqs)
+    for r, (lps, greedy) in zip(res, ref):
+        assert np.array_equal(r.logprobs, lps)  # exact: same kernel, cells in the same order
+        assert r.logprob == float(lps.sum()) and r.is_greedy == bool(greedy.all())
+        assert r.n_tokens == lps.size == r.tokens.size
+    assert res[0].logprob > res[1].logprob  # Paris over Berlin after "capital of France"
+    assert res.n_seq == min(n_seq_max, res.n_nodes) and res.n_epochs == 0 and res.n_redecoded == 0
+
+
+def test_epochs_when_the_cells_run_out_keep_the_results(model, reference):
+    reqs, ref = reference
+    longest = max(s.size - 1 for s, _ in pairs_of(model, reqs))
+    res = pl.loglikelihood(model, reqs, n_ctx=longest + 8, n_seq_max=4, **T)
+    assert res.n_epochs >= 2 and res.n_redecoded > 0  # the header decoded again in each epoch
+    for r, (lps, _) in zip(res, ref):
+        assert np.array_equal(r.logprobs, lps)
+
+
+def test_a_continuation_scored_against_another_prefix_would_be_seen(model, reference):
+    # the comparison above is sharp enough: the same endings after another question differ by far
+    # more than 0 (they would, if the trie mixed up two branches of one node)
+    reqs, ref = reference
+    swapped = [(reqs[4][0], x) for _, x in reqs[:4]]  # France's endings after Spain's question
+    other = alone(model, pairs_of(model, swapped))
+    diffs = [abs(float(a[0].sum() - b[0].sum())) for a, b in zip(other, ref[:4])]
+    assert min(diffs) > 0.01, diffs
+    res = pl.loglikelihood(model, reqs + swapped, n_seq_max=16, **T)
+    for r, (lps, _) in zip(res[len(reqs) :], other):
+        assert np.array_equal(r.logprobs, lps)
+
+
+def test_counts_sharing_and_results(model):
+    reqs = few_shot()
+    res = pl.loglikelihood(model, reqs, **T)
+    pairs = pairs_of(model, reqs)
+    # the duplicate, and "Answer: " + "25" (its space moved: " 25"'s tokens) are scored once
+    assert res.n_requests == len(reqs) and res.n_unique == len(reqs) - 2
+    assert res[len(QUESTIONS) * 4] is res[0]
+    assert np.array_equal(res[-2].logprobs, res[8].logprobs) and res[-2].n_bytes == 2 and res[8].n_bytes == 3
+    assert res.n_unshared == sum(s.size - 1 for s, _ in pairs)
+    # each distinct token position decoded once: the trie's tokens, less each leaf's last
+    uniq = {(s.tobytes(), c): (s, c) for s, c in pairs}
+    prefixes = {tuple(s[: i + 1]) for s, _ in uniq.values() for i in range(s.size)}
+    leaves = {tuple(s) for s, _ in uniq.values()} - {p[:-1] for p in prefixes}
+    assert res.n_decoded == len(prefixes) - len(leaves)
+    assert res.n_decoded < res.n_unshared / 5  # the header once, not 19 times
+    # one row per distinct prefix that predicts a continuation token
+    rows = {tuple(s[: i + 1]) for s, c in uniq.values() for i in range(c - 1, s.size - 1)}
+    assert res.n_outputs == len(rows)
+    # room for all of it in one batch: the slots join the nodes they share, all in one decode
+    one = pl.loglikelihood(model, reqs, n_batch=res.n_decoded, n_seq_max=16, **T)
+    assert one.n_decodes == 1 and one.n_decoded == res.n_decoded
+    r = res[3]
+    assert r.n_bytes == len(" the city of Lyon") and r.n_tokens == len(model.tokenize(" the city of Lyon", False))
+    assert res[-2].n_bytes == 2  # "25" as given; the space moved from the context is not counted
+    assert list(res[0]) == [res[0].logprob, res[0].is_greedy]  # lm-eval's (logprob, is_greedy)
+    # tokens in, the same result
+    tok = pl.loglikelihood(model, [(pairs[0][0][: pairs[0][1]], pairs[0][0][pairs[0][1] :])], **T)
+    assert np.array_equal(tok[0].logprobs, res[0].logprobs)
+    assert tok[0].n_bytes == len(" Paris")
+
+
+def test_tokenization_at_the_boundary_is_lm_evals(model):
+    model_mod = pytest.importorskip("lm_eval.api.model")
+
+    class Tok(model_mod.TemplateLM):
+        def __init__(self):
+            super().__init__()
+
+        eot_token_id = property(lambda self: model.eos)
+
+        def tok_encode(self, string, add_special_tokens=None, **kw):
+            return model.tokenize(string).tolist()
+
+        loglikelihood_rolling = generate_until = _loglikelihood_tokens = None
+
+    Tok.__abstractmethods__ = frozenset()
+    lm = Tok()
+    for c, x in [
+        ("Question: 2+2?\nAnswer:", " 4"),
+        ("Question: 2+2?\nAnswer: ", "4"),  # the space moves to the continuation
+        ("Answer:  ", " four"),
+        ("The word is un", "believable"),  # a merge across the boundary
+        ("x", "\n\nnext"),
+    ]:
+        ctx, cont = encode_pair(model, c, x)
+        want = lm._encode_pair(c, x)
+        assert (ctx.tolist(), cont.tolist()) == (list(want[0]), list(want[1])), (c, x)
+    # the empty context: the prefix token (BOS here), as lm-eval's loglikelihood does
+    ctx, cont = encode_pair(model, "", "Hello")
+    assert ctx.tolist() == [model.bos] and cont.tolist() == model.tokenize("Hello", False).tolist()
+
+
+def test_bad_input_is_refused_before_any_decode(model):
+    with model.context(n_ctx=128, n_seq_max=2, kv_unified=True, **T) as ctx:
+        ctx.prefill(model.tokenize("kept"), 0)
+        bad = [
+            ([("a context", "")], ValueError, "continuation is empty"),
+            ([(" ", "x")], ValueError, "context has no tokens"),  # all of it moved to the continuation
+            ([([1, 2], [])], ValueError, "continuation.* no tokens"),
+            ([([], [5])], ValueError, "context has no tokens"),
+            ([([1, 2], [10**6])], ValueError, "outside the vocabulary"),
+            ([("a", [5])], TypeError, "must both be str or both token ids"),
+            (["just a string"], TypeError, "not a \\(context, continuation\\) pair"),
+            ("a, b", TypeError, "list of"),
+            ([("word " * 300, " end")], ValueError, r"needs 30\d tokens .*, \d+ more than n_ctx=256"),
+        ]
+        for reqs, exc, match in bad:
+            with pytest.raises(exc, match=match):
+                pl.loglikelihood(ctx, reqs)
+            assert ctx.memory.seq_pos_max(0) == 1  # nothing was decoded, nothing cleared
+        with pytest.raises(ValueError, match="for a Model"):
+            pl.loglikelihood(ctx, [("a", " b")], n_batch=8)
+    with pytest.raises(TypeError, match="Model or a Context"):
+        pl.loglikelihood("model.gguf", [("a", " b")])
+    n = model.n_ctx_train
+    with pytest.raises(ValueError, match=f"more than n_ctx_train={n}"):
+        pl.loglikelihood(model, [(list(range(5, n + 6)), [7])])
+    with pytest.raises(ValueError, match=r"needs 9 tokens .* 1 more than n_ctx=8"):
+        pl.loglikelihood(model, [(list(range(5, 14)), [7])], n_ctx=8)
+
+
+def test_a_context_of_the_callers(model, reference):
+    reqs, ref = reference
+    with model.context(n_ctx=512, n_batch=63, n_ubatch=63, n_seq_max=5, kv_unified=True, **T) as ctx:
+        res = pl.loglikelihood(ctx, reqs)
+        assert res.n_seq == 4  # the fifth sequence is the graveyard
+        assert all(ctx.memory.seq_pos_max(s) == -1 for s in range(5))  # cleared after
+        for r, (lps, _) in zip(res, ref):
+            assert np.array_equal(r.logprobs, lps)
+    # one stream per sequence: one slot, cells freed as branches end (not bit-exact then)
+    with model.context(n_ctx=512, n_batch=63, n_ubatch=63, n_seq_max=2, **T) as ctx:
+        res = pl.loglikelihood(ctx, reqs)
+        assert res.n_seq == 1
+        for r, (lps, _) in zip(res, ref):
+            assert np.allclose(r.logprobs, lps, atol=1.5)
+        assert [r.logprob for r in res[:4]].index(max(r.logprob for r in res[:4])) == 0
+
+
+def test_ctrl_c_keeps_what_was_scored(model):
+    reqs = few_shot()
+    with model.context(n_ctx=512, n_batch=20, n_ubatch=20, n_seq_max=3, kv_unified=True, **T) as ctx:
+        real, calls = ctx.decode, []
+
+        def decode(batch):
+            calls.append(len(batch))
+            if len(calls) == 4:
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C between two decodes
+            real(batch)
+
+        ctx.decode = decode
+        with pytest.raises(KeyboardInterrupt) as e:
+            pl.loglikelihood(ctx, reqs)
+        del ctx.decode
+        part = e.value.results
+        assert len(part) == len(reqs)
+        done = [i for i, r in enumerate(part) if r is not None]
+        assert 0 < len(done) < len(reqs)
+        full = pl.loglikelihood(ctx, reqs)
+        for i in done:
+            assert np.array_equal(part[i].logprobs, full[i].logprobs)
+        assert all(ctx.memory.seq_pos_max(s) == -1 for s in range(3))
+
+
+def test_progress_bar_on_stderr(model, capsys):
+    reqs = few_shot()[:4]
+    pl.loglikelihood(model, reqs, progress=True, **T)
+    assert "loglikelihood" in capsys.readouterr().err
+    pl.loglikelihood(model, reqs, **T)  # a short list: no bar
+    assert capsys.readouterr().err == ""
