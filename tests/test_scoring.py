@@ -461,11 +461,11 @@ def test_cli_perplexity_and_kl_divergence(model, tmp_path):
     assert "(default: 512)" in h.stdout and "--kl-divergence-base" in h.stdout
 
 
-def test_cli_kv_types(tmp_path):
+def test_cli_kv_types(tmp_path, model):
     out = tmp_path / "kv.png"
     r = cli(
         "kv-types", "--types", "f16,q8_0", "-c", "64", "-b", "128", "--chunks", "2", "-p", "16", "-n", "4",
-        "--kv-ctx", "256", "-r", "1", "-t", "1", "--json", "-o", str(out),
+        "--kv-ctx", "256", "-r", "1", "-t", "1", "--hellaswag-tasks", "3", "--json", "-o", str(out),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
@@ -481,6 +481,18 @@ def test_cli_kv_types(tmp_path):
     assert f16["prefill_tps"] > 0 and f16["decode_tps"] > 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "kv-types: " in r.stderr  # progress
+    # the HellaSwag column: llama-perplexity's acc_norm of each cache type, and the picks f16 made
+    from pyllamacpp.evaluation import hellaswag
+
+    api = {
+        t: hellaswag(model, None, 3, n_ctx=64, n_batch=128, type_k=t, type_v=t, flash_attn="on", **T)
+        for t in ("f16", "q8_0")
+    }
+    for t, row in rows.items():
+        assert row["hellaswag"] == api[t].accuracy and row["hellaswag_tasks"] == 3
+        assert row["hellaswag_interval"] == list(api[t].interval)
+    same = np.mean([a.pred == b.pred for a, b in zip(api["f16"].tasks, api["q8_0"].tasks)])
+    assert f16["hellaswag_same_pick"] == 1.0 and q8["hellaswag_same_pick"] == same
 
 
 # -- opt-in: against llama.cpp's own llama-perplexity ----------------------------------------------
@@ -591,3 +603,59 @@ def test_base_file_and_kl_divergence_both_ways_with_llama_perplexity(model_path,
         # vectorized one here) rounds a token's float nll differently now and then (1 ulp, ~1e-6)
         unit = 10.0 ** -len(n.group(1).split(".")[1])
         assert abs(float(n.group(1)) - float(o.group(1))) <= 1.01 * unit, (key, n.group(1), o.group(1))
+
+
+# -- opt-in: llama-perplexity's multiple-choice modes, on the task files shipped -------------------
+def mc_native_and_ours(args: list[str], name: str) -> tuple[str, str]:
+    """``(llama-perplexity's text, ours)`` for one multiple-choice run: its stdout without the
+    progress dots, with the final lines it writes to stderr put where ours prints them (before
+    ``main``'s blank line); ours is the stdout of ``pyllamacpp perplexity``."""
+    r = subprocess.run([str(llama_perplexity()), *args], capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ours = run_ours(args)
+    out = "".join(line for line in r.stdout.splitlines(keepends=True) if not re.fullmatch(r"\.*done\n", line))
+    finals = re.findall(r"(?:Final Winogrande score|Final result|Random chance)[^\n]*\n", r.stderr)
+    native = out[:-1] + "".join(finals) + out[-1:]
+    (BUILD / f"compare-{name}.txt").write_text(f"llama-perplexity:\n{native}\n\npyllamacpp perplexity:\n{ours}\n")
+    return native, ours
+
+
+@slow
+@pytest.mark.parametrize(
+    "extra",
+    [["--hellaswag-tasks", "40"], ["--hellaswag-tasks", "12", "-np", "8", "-b", "64", "-fa", "off"]],
+    ids=["40 tasks, one per batch", "2 tasks per batch, 64 tokens per decode, -fa off"],
+)
+def test_hellaswag_same_as_llama_perplexity(model_path, extra):
+    from pyllamacpp.evaluation.multiple_choice import sample_path
+
+    args = ["-m", str(model_path), "-f", str(sample_path("hellaswag")), "--hellaswag", *extra, "-t", "2"]
+    native, ours = mc_native_and_ours(args, "hellaswag-" + "-".join(a.strip("-") for a in extra))
+    assert native.startswith("\ntask\tacc_norm\t95% confidence interval\n1\t")
+    assert ours == native
+
+
+@slow
+def test_winogrande_same_as_llama_perplexity(model_path, tmp_path):
+    from pyllamacpp.evaluation.multiple_choice import sample_path
+
+    common = ["-m", str(model_path), "--winogrande", "-t", "2"]
+    native, ours = mc_native_and_ours([*common, "-f", str(sample_path("winogrande"))], "winogrande")
+    assert native.count("\n") == 40 + 2 and ours == native  # every score, to its 6 decimals
+    # 120 tasks (the 40 three times), 100 picked at random: the selection and the final score
+    lines = sample_path("winogrande").read_text().splitlines()[:40]
+    many = tmp_path / "many.csv"
+    many.write_text("\n".join(lines * 3) + "\n\n")
+    native, ours = mc_native_and_ours([*common, "-f", str(many), "--winogrande-tasks", "100"], "winogrande-100")
+    assert "Final Winogrande score(100 tasks): " in native and ours == native
+
+
+@slow
+@pytest.mark.parametrize("extra", [[], ["--multiple-choice-tasks", "10"]], ids=["all tasks", "10 picked"])
+def test_multiple_choice_same_as_llama_perplexity(model_path, extra):
+    from pyllamacpp.evaluation.multiple_choice import sample_path
+
+    args = ["-m", str(model_path), "-f", str(sample_path("multiple-choice")), "--multiple-choice", *extra, "-t", "2"]
+    native, ours = mc_native_and_ours(args, "multiple-choice" + ("-10" if extra else ""))
+    assert "Final result: " in native and "Random chance: " in native
+    assert ours == native

@@ -6,8 +6,11 @@ the bytes one token takes (``Model.kv_bytes_per_token``); the perplexity of the 
 llama-perplexity computes it (``-c`` tokens per chunk, the second half scored); the KL divergence
 against the f16 cache's logits and the top-1 agreement, on llama-perplexity's definitions (the f16
 run writes the base logits, every type is read against them, f16 itself included: its row shows the
-floor that the base's 16-bit storage leaves); and the speed of a -p token prefill and of -n
-single-token decodes after it (medians of -r runs, the types taken in turn in each run).
+floor that the base's 16-bit storage leaves); the HellaSwag score (acc_norm) as ``llama-perplexity
+--hellaswag`` computes it, on --hellaswag-tasks tasks of --hellaswag-file (default: the 40 shipped,
+pyllamacpp/data/hellaswag.txt), with the share of tasks whose pick is f16's; and the speed of a -p
+token prefill and of -n single-token decodes after it (medians of -r runs, the types taken in turn
+in each run).
 
 A quantized V cache needs flash attention (llama.cpp refuses the context otherwise), so -fa is on by
 default, for every type alike. The text defaults to the shipped public-domain Shakespeare excerpt
@@ -56,6 +59,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("-fa", "--flash-attn", choices=["on", "auto", "off"], default="on", help="flash_attn_type")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="n_gpu_layers")
     p.add_argument("--kv-ctx", type=int, default=4096, help="cells of the context whose KV buffer is reported")
+    p.add_argument(
+        "--hellaswag-file", type=Path, default=None, help="HellaSwag tasks (default: the 40 shipped with the package)"
+    )
+    p.add_argument("--hellaswag-tasks", type=int, default=40, help="HellaSwag tasks per type (0: no HellaSwag column)")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill tokens of the speed test")
     p.add_argument("-n", "--n-gen", type=int, default=64, help="single-token decodes after the prefill")
     p.add_argument("-r", "--repeat", type=int, default=3, help="speed runs per type (median)")
@@ -122,8 +129,9 @@ def run(args: argparse.Namespace) -> dict:
     Per type: a context of ``--kv-ctx`` cells (``llama_init_from_model``) for the KV buffer and the
     speed (``llama_decode`` of ``-p`` tokens, then ``-n`` single tokens; the types in turn, ``-r``
     times); then
-    :func:`pyllamacpp.scoring.perplexity` (f16, writing the base logits) and
-    :func:`pyllamacpp.scoring.kl_divergence` against them (every type).
+    :func:`pyllamacpp.scoring.perplexity` (f16, writing the base logits),
+    :func:`pyllamacpp.scoring.kl_divergence` against them (every type) and
+    :func:`pyllamacpp.evaluation.hellaswag` (``-c`` tokens per sequence, ``-b``; every type).
 
     Args:
         args: The parsed flags of :func:`add_parser`.
@@ -132,18 +140,27 @@ def run(args: argparse.Namespace) -> dict:
         ``model``, ``text``, ``n_tokens``, the settings, and ``rows``: per type ``type``,
         ``kv_mib``, ``kv_ctx``, ``bytes_per_token``, ``ppl``, ``ppl_err``, ``kld``, ``kld_err``,
         ``kld_99``, ``kld_max``, ``same_top``, ``same_top_err``, ``rms_p_diff``, ``ln_ratio``,
-        ``prefill_tps``, ``decode_tps``.
+        ``prefill_tps``, ``decode_tps``, and with ``--hellaswag-tasks`` above 0 ``hellaswag`` (the
+        accuracy, a fraction), ``hellaswag_interval`` (its Wilson 95% interval), ``hellaswag_tasks``
+        and ``hellaswag_same_pick`` (the share of tasks whose ending picked is f16's).
 
     Raises:
-        ValueError: An unknown cache type, a text too short for two chunks.
+        ValueError: An unknown cache type, a text too short for two chunks, a HellaSwag file in the
+            wrong format or a negative task count.
         ModelLoadError: The model cannot be loaded.
         ContextError: llama.cpp refuses a context (a quantized V cache with -fa off).
         DecodeError: A decode failed.
     """
+    from ..evaluation.multiple_choice import hellaswag, read_hellaswag, sample_path
     from ..model import Model
     from ..params import ggml_type
     from ..scoring import kl_divergence, perplexity, sample_text_path
 
+    if args.hellaswag_tasks < 0:
+        raise ValueError(f"--hellaswag-tasks must be 0 (none) or more, not {args.hellaswag_tasks}")
+    hs_path = args.hellaswag_file or sample_path("hellaswag")
+    if args.hellaswag_tasks:
+        read_hellaswag(hs_path)  # a file in the wrong format fails here, before any work
     types = [t.strip() for t in str(args.types).split(",") if t.strip()]
     for t in types:
         ggml_type(t, "cache type")  # an unknown name fails here, before any work
@@ -163,6 +180,7 @@ def run(args: argparse.Namespace) -> dict:
         "kv_ctx": args.kv_ctx,
         "n_prompt": args.n_prompt,
         "n_gen": args.n_gen,
+        "hellaswag_file": hs_path.name if args.hellaswag_tasks else None,
         "rows": [],
     }
     try:
@@ -190,6 +208,21 @@ def run(args: argparse.Namespace) -> dict:
                     )
                     out["n_chunk"] = ref.n_chunk
                 k = kl_divergence(model, base, args.batch_size, **kw)
+                hs: dict[str, Any] = {}
+                if args.hellaswag_tasks:
+                    h = hellaswag(
+                        model, hs_path, args.hellaswag_tasks, n_ctx=args.ctx_size, n_batch=args.batch_size, **kw
+                    )
+                    picks = [r.pred for r in h.tasks]
+                    if t == "f16":
+                        ref_picks = picks
+                    same = sum(a == b for a, b in zip(picks, ref_picks)) / len(picks)
+                    hs = dict(
+                        hellaswag=h.accuracy,
+                        hellaswag_interval=h.interval,
+                        hellaswag_tasks=h.n_tasks,
+                        hellaswag_same_pick=same,
+                    )
                 out["rows"].append(
                     {
                         "type": t,
@@ -205,6 +238,7 @@ def run(args: argparse.Namespace) -> dict:
                         "same_top_err": k.same_top_err,
                         "rms_p_diff": k.rms_p_diff,
                         "ln_ratio": k.ln_ratio,
+                        **hs,
                     }
                 )
     finally:
@@ -231,9 +265,14 @@ def print_report(data: dict) -> None:
             ppl_pm=f"{r['ppl']:.4f} ± {r['ppl_err']:.4f}",
             same_top_pct=100 * r["same_top"],
             rms_pct=100 * r["rms_p_diff"],
+            hs_pct=100 * r["hellaswag"] if "hellaswag" in r else None,
+            hs_same_pct=100 * r["hellaswag_same_pick"] if "hellaswag" in r else None,
         )
         for r in data["rows"]
     ]
+    hs_cols = (
+        [("hs_pct", "HellaSwag %", ".2f"), ("hs_same_pct", "same pick %", ".1f")] if data.get("hellaswag_file") else []
+    )
     print_table(
         rows,
         [
@@ -245,11 +284,20 @@ def print_report(data: dict) -> None:
             ("kld_99", "99% KLD", ".6f"),
             ("same_top_pct", "same top %", ".3f"),
             ("rms_pct", "RMS Δp %", ".3f"),
+            *hs_cols,
             ("prefill_tps", "prefill t/s", ".1f"),
             ("decode_tps", "decode t/s", ".1f"),
         ],
     )
     print("KL divergence and top-1 agreement against the f16 cache's logits (the f16 row: the base's 16-bit floor)")
+    if data.get("hellaswag_file"):
+        r0 = data["rows"][0]
+        lo, hi = r0["hellaswag_interval"]
+        print(
+            f"HellaSwag: acc_norm on {r0['hellaswag_tasks']} tasks of {data['hellaswag_file']}, as llama-perplexity "
+            f"--hellaswag (f16's 95% interval {100 * lo:.1f}-{100 * hi:.1f} %); same pick: the tasks whose ending "
+            "picked is f16's"
+        )
 
 
 def plot(data: dict, path: str | os.PathLike) -> None:
