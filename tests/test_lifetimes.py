@@ -150,3 +150,43 @@ def test_a_live_child_keeps_its_parent_and_a_closed_parent_frees_nothing_early(m
     s.close()
     gc.collect()
     assert mh() is None
+
+
+class _Link:
+    """What a handle asks an rpc.Link before freeing: whether the server is gone."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def must_leak(self):
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    ("answer", "freed"), [(False, True), (True, False), (RuntimeError("link state unknown"), False)]
+)
+def test_a_handle_on_a_gone_server_is_left_unfreed_and_in_doubt_too(answer, freed):
+    """A server gone (or a link that cannot say): the destructor is dropped, never run (freeing
+    would go through the network); a live link frees; a dependent follows its own link."""
+    from pyllamacpp._handle import Handle
+    from pyllamacpp._lib import ffi
+
+    calls: list[str] = []
+    parent = Handle(ffi.new("int *"), lambda p: calls.append("parent"), rpc=_Link(answer))
+    child = Handle(ffi.new("int *"), lambda p: calls.append("child"), deps=(parent,), rpc=_Link(False))
+    parent.__del__()  # as inside a cycle: the parent's finalizer first
+    assert calls == (["child", "parent"] if freed else ["child"])
+    child.__del__()
+    assert calls.count("child") == 1  # once
+
+
+def test_a_view_of_a_null_pointer_is_refused():
+    from pyllamacpp._handle import view
+    from pyllamacpp._lib import ffi
+
+    with pytest.raises(ValueError, match="NULL"):
+        view(ffi.NULL, (4,), "float32", None)
+    buf = ffi.new("float[]", [1.0, 2.0])
+    assert view(buf, (2,), "float32", buf).tolist() == [1.0, 2.0]
