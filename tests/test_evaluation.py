@@ -248,3 +248,224 @@ def test_progress_bar_on_stderr(model, capsys):
     assert "loglikelihood" in capsys.readouterr().err
     pl.loglikelihood(model, reqs, **T)  # a short list: no bar
     assert capsys.readouterr().err == ""
+
+
+# -- the lm-evaluation-harness backend ------------------------------------------------------------
+TRAIN = [
+    ("What is the capital of Italy?", ["Rome", "Paris", "Oslo", "Cairo"], 0),
+    ("What is 12 plus 7?", ["18", "19", "21", "17"], 1),
+    ("What is the opposite of hot?", ["warm", "wet", "cold", "big"], 2),
+]
+TEST = [
+    ("What is the capital of France?", ["Berlin", "Paris", "Madrid", "Lyon"], 1),
+    ("What is the capital of Spain?", ["Madrid", "Rome", "Lisbon", "Paris"], 0),
+    ("What is 20 plus 5?", ["24", "35", "25", "52"], 2),
+    ("What is the opposite of up?", ["left", "down", "over", "high"], 1),
+    ("What is the plural of mouse?", ["mouses", "mice", "meese", "mousen"], 1),
+    ("What is the capital of Japan?", ["Kyoto", "Osaka", "Tokyo", "Seoul"], 2),
+    ("How many legs has a spider?", ["six", "four", "ten", "eight"], 3),
+    ("What colour is the sky on a clear day?", ["green", "blue", "red", "black"], 1),
+]
+GEN = [
+    ("What is the capital of France?", "Paris"),
+    ("What is 2 plus 2?", "4"),
+    ("What is the opposite of up?", "down"),
+    ("What colour is grass?", "green"),
+]
+GEN_PREFIX = "Question: What is the capital of Italy?\\nAnswer: Rome\\n\\n"
+
+
+def write_tasks(d) -> None:
+    """Two lm-eval tasks over local JSON lines (no network): a 3-shot multiple choice (the same
+    header before every question: ``first_n``) and a generation task."""
+    import json
+
+    for name, rows in (
+        ("train", [{"question": q, "choices": c, "answer": a} for q, c, a in TRAIN]),
+        ("test", [{"question": q, "choices": c, "answer": a} for q, c, a in TEST]),
+        ("gen", [{"question": q, "answer": a} for q, a in GEN]),
+    ):
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "pyl_mc.yaml").write_text(
+        f"""task: pyl_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    train: {d}/train.jsonl
+    test: {d}/test.jsonl
+training_split: train
+test_split: test
+fewshot_split: train
+num_fewshot: 3
+fewshot_config:
+  sampler: first_n
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: choices
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+    )
+    (d / "pyl_gen.yaml").write_text(
+        f"""task: pyl_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {d}/gen.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "{GEN_PREFIX}Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: " {{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+    )
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+
+def generate_alone(model, prompt: str, n: int, until: list[str], n_batch: int = 63) -> str:
+    """One prompt generated greedily in a context of its own (the unshared reference)."""
+    toks = model.tokenize(prompt, True, True)
+    with model.context(n_ctx=toks.size + n, n_batch=n_batch, n_ubatch=n_batch, **T) as ctx:
+        d = pl.Detokenizer(model)
+        text = "".join(d.feed(t) for t in pl.generate(ctx, toks, n)) + d.flush()
+    for t in until:
+        text = text.split(t)[0]
+    return text
+
+
+def test_lm_eval_scores_local_tasks_as_each_request_alone(model, tmp_path, offline):
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    write_tasks(tmp_path)
+    lm = PyllamacppLM(model=model, n_ctx=512, n_threads=1)
+    out = lm_eval.simple_evaluate(
+        model=lm, tasks=["pyl_mc", "pyl_gen"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True
+    )
+    res, samples = out["results"], out["samples"]
+    # multiple choice: lm-eval's (logprob, is_greedy) per request are each request decoded alone
+    acc, acc_norm, stats = [], [], lm.last_stats
+    mc = sorted(samples["pyl_mc"], key=lambda s: s["doc_id"])
+    assert len(mc) == len(TEST)
+    for s in mc:
+        fit = [lm._fit(*encode_pair(model, c, x, parse_special=True)) for c, x in s["arguments"]]
+        ref = alone(model, [(np.concatenate([ct, xt]), ct.size) for ct, xt in fit])
+        ref = [(float(lps.sum()), bool(g.all())) for lps, g in ref]
+        assert [tuple(r) for r in s["filtered_resps"]] == ref
+        assert s["arguments"][0][0].startswith("Question: What is the capital of Italy?\nAnswer: Rome\n\n")
+        lls = np.array([lp for lp, _ in ref])
+        lens = np.array([len(c) for c in s["doc"]["choices"]], float)
+        acc.append(float(np.argmax(lls) == s["target"]))
+        acc_norm.append(float(np.argmax(lls / lens) == s["target"]))
+    assert res["pyl_mc"]["acc,none"] == pytest.approx(np.mean(acc))
+    assert res["pyl_mc"]["acc_norm,none"] == pytest.approx(np.mean(acc_norm))
+    assert res["pyl_mc"]["acc,none"] >= 0.5  # a small model still knows most of these
+    assert stats["n_requests"] == 4 * len(TEST) and stats["n_decoded"] < stats["n_unshared"] / 3
+    # generation: each prompt generated on its own gives the same text, hence the same metric
+    gen = sorted(samples["pyl_gen"], key=lambda s: s["doc_id"])
+    hits = []
+    for s in gen:
+        (prompt, kw) = s["arguments"][0]
+        text = generate_alone(model, prompt, kw["max_gen_toks"], kw["until"])
+        assert s["filtered_resps"][0] == text
+        hits.append(float(text.strip() == s["target"].strip()))
+    assert res["pyl_gen"]["exact_match,none"] == pytest.approx(np.mean(hits))
+
+
+def test_lm_eval_rolling_windows(model):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    text = pl.scoring.sample_text()[:600]
+    toks = model.tokenize(text, False)
+    lm = PyllamacppLM(model=model, n_ctx=512, n_threads=1)
+
+    def req(s):
+        return Instance(request_type="loglikelihood_rolling", doc={}, arguments=(s,), idx=0)
+
+    (one,) = lm.loglikelihood_rolling([req(text)])  # one window: pl.score of BOS + the text
+    s = pl.score(model, np.concatenate([[lm.prefix_token_id], toks]), n_batch=63, **T)
+    assert one == float(s.logprobs.sum())
+    short = PyllamacppLM(model=model, n_ctx=48, n_threads=1)
+    (many,) = short.loglikelihood_rolling([req(text)])  # windows of 48: each window alone
+    import lm_eval.utils as u
+
+    wins = list(map(u.make_disjoint_window, u.get_rolling_token_windows(toks.tolist(), lm.prefix_token_id, 48, 1)))
+    assert len(wins) > 2 and sum(len(p) for _, p in wins) == toks.size
+    ref = alone(model, [(np.array(c + p, np.int32), len(c)) for c, p in wins])
+    assert many == pytest.approx(sum(float(lps.sum()) for lps, _ in ref), abs=1e-9)
+    assert short.last_stats["n_requests"] == len(wins)
+
+
+def test_lm_eval_by_name_and_from_the_command_line(model_path, tmp_path, offline, capsys):
+    pytest.importorskip("lm_eval")
+    import json
+
+    from lm_eval.api.registry import get_model
+
+    from pyllamacpp import cli
+    from pyllamacpp.evaluation._cli import lm_eval_argv
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    assert get_model("pyllamacpp") is PyllamacppLM
+    lm = PyllamacppLM.create_from_arg_string(
+        f"model={model_path},n_ctx=256,n_seq_max=4,flash_attn=on", {"batch_size": 1}
+    )
+    assert (lm.n_ctx, lm.n_seq_max, lm.ctx_kwargs) == (256, 4, {"flash_attn": "on"})
+    with pytest.raises(TypeError):
+        PyllamacppLM(model=lm.model, no_such_param=1)
+    assert lm_eval_argv(["--tasks", "x"]) == ["lm-eval", "run", "--model", "pyllamacpp", "--tasks", "x"]
+    assert lm_eval_argv(["ls", "tasks"]) == ["lm-eval", "ls", "tasks"]
+    assert lm_eval_argv(["--model", "hf"]) == ["lm-eval", "run", "--model", "hf"]
+    write_tasks(tmp_path)
+    rc = cli.main(
+        ["lm-eval", "--model_args", f"model={model_path},n_ctx=256,n_threads=1", "--tasks", "pyl_gen",
+         "--include_path", str(tmp_path), "--output_path", str(tmp_path / "out"), "--limit", "2"]
+    )  # fmt: skip
+    assert rc == 0
+    files = list((tmp_path / "out").rglob("results_*.json"))
+    assert files and json.loads(files[0].read_text())["config"]["model"] == "pyllamacpp"
+    assert cli.main(["lm-eval", "--help"]) == 0
+    assert "--model_args" in capsys.readouterr().out
+
+
+def test_lm_eval_subcommand_without_lm_eval(monkeypatch, capsys):
+    import sys
+
+    from pyllamacpp import cli
+
+    monkeypatch.setitem(sys.modules, "lm_eval.__main__", None)  # import fails as if not installed
+    assert cli.main(["lm-eval", "--tasks", "x"]) == 2
+    assert 'pip install "pyllamacpp-cffi[eval]"' in capsys.readouterr().err
+
+
+def test_the_parser_does_not_import_lm_eval():
+    import subprocess
+    import sys
+
+    code = "import sys; from pyllamacpp.cli import build_parser; build_parser(); print('lm_eval' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
+    assert out.stdout.strip() == "False"
