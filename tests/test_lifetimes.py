@@ -190,3 +190,18 @@ def test_a_view_of_a_null_pointer_is_refused():
         view(ffi.NULL, (4,), "float32", None)
     buf = ffi.new("float[]", [1.0, 2.0])
     assert view(buf, (2,), "float32", buf).tolist() == [1.0, 2.0]
+
+
+def test_a_freed_child_leaves_its_parent(model_path):
+    """A context freed the ordinary way takes its freeing off the model's: a model that makes
+    contexts one after another holds nothing of the ones gone."""
+    import gc
+
+    import pyllamacpp as pl
+
+    with pl.Model(model_path) as m:
+        for _ in range(3):
+            with m.context(n_ctx=64, n_threads=1):
+                assert len(m._h._node.dependents) == 1
+            gc.collect()
+        assert m._h._node.dependents == {}
