@@ -1,6 +1,6 @@
 """``pyllamacpp perplexity``: :func:`pyllamacpp.scoring.perplexity` and
 :func:`~pyllamacpp.scoring.kl_divergence`, and llama-perplexity's multiple-choice modes
-(:mod:`pyllamacpp.evaluation.multiple_choice`), from the command line, printed as llama-perplexity
+(:mod:`pyllamacpp.evaluation.llama_perplexity`), from the command line, printed as llama-perplexity
 prints them. Kept apart from scoring.py so that building the CLI's parser loads no compiled
 extension."""
 
@@ -195,7 +195,7 @@ def _cmd_multiple_choice(args: Any, mode: str, kw: dict, say: Any) -> int:
     import json
 
     from .evaluation import _mc_data
-    from .evaluation.multiple_choice import hellaswag, multiple_choice, winogrande
+    from .evaluation.llama_perplexity import hellaswag, multiple_choice, winogrande
     from .model import Model
 
     flag = mode.replace("_", "-")

@@ -1,4 +1,4 @@
-"""llama-perplexity's multiple-choice modes (pyllamacpp.evaluation.multiple_choice): task selection
+"""llama-perplexity's multiple-choice modes (pyllamacpp.evaluation.llama_perplexity): task selection
 against libstdc++ itself (a C++ program compiled here), glibc's expf and the float sums against C,
 the three readers and the binary writer, the scores against each ending decoded alone, the
 printed lines, the packing, the refusals, the CLI (and issue #29: progress and results on one
@@ -29,7 +29,7 @@ from pyllamacpp import scoring
 from pyllamacpp.evaluation import _mc_float as F
 from pyllamacpp.evaluation import _mc_random as R
 
-mc = importlib.import_module("pyllamacpp.evaluation.multiple_choice")
+mc = importlib.import_module("pyllamacpp.evaluation.llama_perplexity")
 T = {"n_threads": 1, "n_threads_batch": 1}  # the machine is shared
 # Against each ending decoded alone: flash attention on and ubatches of 32 tokens. At this pin, with
 # flash attention off (any ubatch) or ubatches of 64 tokens and more, llama.cpp gives some sequences of
@@ -509,9 +509,8 @@ def test_the_package_names(model):
     ev = pl.evaluation
     assert ev.hellaswag is mc.hellaswag and ev.winogrande is mc.winogrande
     assert ev.MultipleChoiceResult is mc.MultipleChoiceResult
-    # the function and this module share a name: calling either scores
     r = ev.multiple_choice(model, None, 2, **T)
-    assert r.n_tasks == 2 and mc(model, None, 2, **T).report() == r.report()
+    assert r.n_tasks == 2 and mc.multiple_choice(model, None, 2, **T).report() == r.report()
 
 
 # -- the command line ----------------------------------------------------------------------------
@@ -595,3 +594,16 @@ def test_progress_and_results_do_not_interleave_on_a_terminal(tmp_path):
     shown, piped = _pty_run(args, False, True)  # results to a pipe, progress on the terminal
     assert re.fullmatch(r"(\[\d\]\d+\.\d{4},){3}\nFinal estimate: PPL = \S+ \+/- \S+\n", piped)
     assert "\r\x1b[Kperplexity: chunk 3/3\n" in shown and "perplexity: chunk 1/3\n" not in shown
+
+
+def test_the_package_names_are_the_functions_whatever_was_imported_first():
+    """``pl.evaluation.multiple_choice`` is the function even after the module that defines it was
+    imported (it is ``llama_perplexity``, so no module shadows the function's name)."""
+    import types
+
+    import pyllamacpp as pl
+    import pyllamacpp.evaluation.llama_perplexity as lp
+
+    for name in ("hellaswag", "winogrande", "multiple_choice"):
+        f = getattr(pl.evaluation, name)
+        assert not isinstance(f, types.ModuleType) and f is getattr(lp, name)

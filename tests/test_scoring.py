@@ -627,7 +627,7 @@ def mc_native_and_ours(args: list[str], name: str) -> tuple[str, str]:
     ids=["40 tasks, one per batch", "2 tasks per batch, 64 tokens per decode, -fa off"],
 )
 def test_hellaswag_same_as_llama_perplexity(model_path, extra):
-    from pyllamacpp.evaluation.multiple_choice import sample_path
+    from pyllamacpp.evaluation.llama_perplexity import sample_path
 
     args = ["-m", str(model_path), "-f", str(sample_path("hellaswag")), "--hellaswag", *extra, "-t", "2"]
     native, ours = mc_native_and_ours(args, "hellaswag-" + "-".join(a.strip("-") for a in extra))
@@ -637,7 +637,7 @@ def test_hellaswag_same_as_llama_perplexity(model_path, extra):
 
 @slow
 def test_winogrande_same_as_llama_perplexity(model_path, tmp_path):
-    from pyllamacpp.evaluation.multiple_choice import sample_path
+    from pyllamacpp.evaluation.llama_perplexity import sample_path
 
     common = ["-m", str(model_path), "--winogrande", "-t", "2"]
     native, ours = mc_native_and_ours([*common, "-f", str(sample_path("winogrande"))], "winogrande")
@@ -653,7 +653,7 @@ def test_winogrande_same_as_llama_perplexity(model_path, tmp_path):
 @slow
 @pytest.mark.parametrize("extra", [[], ["--multiple-choice-tasks", "10"]], ids=["all tasks", "10 picked"])
 def test_multiple_choice_same_as_llama_perplexity(model_path, extra):
-    from pyllamacpp.evaluation.multiple_choice import sample_path
+    from pyllamacpp.evaluation.llama_perplexity import sample_path
 
     args = ["-m", str(model_path), "-f", str(sample_path("multiple-choice")), "--multiple-choice", *extra, "-t", "2"]
     native, ours = mc_native_and_ours(args, "multiple-choice" + ("-10" if extra else ""))

@@ -14,19 +14,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._engine import Loglikelihood as Loglikelihood
     from ._engine import loglikelihood as loglikelihood
-    from .multiple_choice import MultipleChoiceResult as MultipleChoiceResult
-    from .multiple_choice import hellaswag as hellaswag
-    from .multiple_choice import multiple_choice as multiple_choice
-    from .multiple_choice import winogrande as winogrande
+    from .llama_perplexity import MultipleChoiceResult as MultipleChoiceResult
+    from .llama_perplexity import hellaswag as hellaswag
+    from .llama_perplexity import multiple_choice as multiple_choice
+    from .llama_perplexity import winogrande as winogrande
 
 # name -> module that defines it; imported on first access (PEP 562)
 _LAZY = {
     "loglikelihood": "._engine",
     "Loglikelihood": "._engine",
-    "hellaswag": ".multiple_choice",
-    "winogrande": ".multiple_choice",
-    "multiple_choice": ".multiple_choice",
-    "MultipleChoiceResult": ".multiple_choice",
+    "hellaswag": ".llama_perplexity",
+    "winogrande": ".llama_perplexity",
+    "multiple_choice": ".llama_perplexity",
+    "MultipleChoiceResult": ".llama_perplexity",
 }
 
 __all__ = sorted(_LAZY)

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
         ContextError: llama.cpp refuses a context (a quantized V cache with -fa off).
         DecodeError: A decode failed.
     """
-    from ..evaluation.multiple_choice import hellaswag, read_hellaswag, sample_path
+    from ..evaluation.llama_perplexity import hellaswag, read_hellaswag, sample_path
     from ..model import Model
     from ..params import ggml_type
     from ..scoring import kl_divergence, perplexity, sample_text_path

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import pyllamacpp as pl
-from pyllamacpp.evaluation.multiple_choice import hellaswag, sample_path
+from pyllamacpp.evaluation.llama_perplexity import hellaswag, sample_path
 
 ROOT = Path(__file__).resolve().parents[2]
 _STAMP = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) I hellaswag_score : calculating", re.M)

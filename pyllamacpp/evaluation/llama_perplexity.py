@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -803,15 +801,3 @@ def multiple_choice(
     finally:
         if own:
             ctx.close()
-
-
-class _CallableModule(types.ModuleType):
-    """This module under the name of its function: once the module is imported, the package's
-    ``multiple_choice`` attribute may be the module, not the function of the same name; calling
-    it still runs the function."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> MultipleChoiceResult:
-        return multiple_choice(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
