@@ -205,3 +205,20 @@ def test_a_freed_child_leaves_its_parent(model_path):
                 assert len(m._h._node.dependents) == 1
             gc.collect()
         assert m._h._node.dependents == {}
+
+
+def test_a_local_handle_frees_its_pointer_when_it_goes():
+    """No RPC link: the destructor runs when the handle goes, dependents first."""
+    import gc
+
+    from pyllamacpp._handle import Handle
+    from pyllamacpp._lib import ffi
+
+    calls: list[str] = []
+    parent = Handle(ffi.new("int *"), lambda p: calls.append("parent"))
+    child = Handle(ffi.new("int *"), lambda p: calls.append("child"), deps=(parent,))
+    del parent
+    assert calls == []  # the child holds its parent
+    del child
+    gc.collect()
+    assert calls == ["child", "parent"]
