@@ -370,6 +370,7 @@ class _Walk:
         self.next_leaf = 0
         self.used = 0  # cells taken in this epoch (all of them stay taken until it ends)
         self.live: set[_Node] = set()  # nodes with cells in this epoch
+        self.reserved: set[_Node] = set()  # nodes the paths in flight still have to feed
         self.batch = Batch(self.n_batch, max(1, n_seq), model=ctx.model)
         self.on_scored: Any = None  # called with each node whose last token's log-prob is known
         self.n_scored = self.n_scored_at_epoch = 0  # nodes scored (a guard: every epoch scores some)
@@ -406,17 +407,27 @@ class _Walk:
         for node in self.live:
             node.n_dec, node.owner, node.holders = 0, -1, set()
         self.live.clear()
+        self.reserved.clear()
         self.held = [0] * len(self.held)
         self.used = 0
         self.stats.n_epochs += 1
 
     def _assign(self) -> None:
         """Give the free slots the next leaves in depth-first order, each to the free slot that
-        holds the most of its path."""
+        holds the most of its path, while the epoch's cells hold what the paths in flight still
+        need (so no path is cut by the end of an epoch and decoded again)."""
         free = [s for s in range(len(self.paths)) if self._done(s)]
         new: dict[int, list[_Node]] = {}
+        self.reserved = {n for n in self.reserved if n.n_dec < n.n_feed}
+        owed = sum(n.n_feed - n.n_dec for n in self.reserved)  # cells the paths in flight will take
         while free and self.next_leaf < len(self.leaves):
             path = _path(self.leaves[self.next_leaf])
+            more = [n for n in path if n.n_dec < n.n_feed and n not in self.reserved]
+            need = sum(n.n_feed - n.n_dec for n in more)
+            if self.used + owed + need > self.n_ctx:
+                break  # the next epoch's
+            owed += need
+            self.reserved.update(more)
             best, best_k = free[0], -1
             for s in free:
                 k = _shared(self.paths[s], self.held[s], path)
@@ -594,7 +605,12 @@ class _Walk:
         while True:
             self._assign()
             if all(p is None for p in self.paths):
-                return  # every slot idle after _assign: no leaf is left
+                if self.next_leaf >= len(self.leaves):
+                    return
+                if self.used == 0:  # cannot be: every path fits in n_ctx (checked before the walk)
+                    raise AssertionError("a path does not fit in an empty epoch")
+                self._new_epoch()  # the next leaf does not fit in the cells left
+                continue
             segs = self._fill()
             if not segs:
                 if all(self._done(s) for s in range(len(self.paths))):
