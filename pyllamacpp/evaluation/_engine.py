@@ -26,12 +26,13 @@ Cells, epochs and exactness: the cells a slot lets go of are not freed but moved
 sequence, a graveyard nobody reads (``seq_cp`` to it, then ``seq_rm``), so that no cell is free
 again before the cache is full: llama.cpp then places every new token above all the cells taken
 before it, and each sequence's cells stay in position order, as they are when the request is
-decoded alone. When the ``n_ctx`` cells are all taken the memory is cleared (a new epoch) and the
-paths in flight start again from their first node not yet scored (``n_redecoded`` counts those
-tokens); the slots fill each batch in order, so the first one always finishes its path within an
-epoch. So the cache never holds more than ``n_ctx`` cells and never fills. The last token of a
-leaf is not decoded (it predicts nothing), as lm-eval's own backends feed
-``(context + continuation)[:-1]``.
+decoded alone. A leaf is taken only while the epoch's cells hold what every path in flight still
+needs; when the next one does not fit, the walk finishes what it has, clears the memory (a new
+epoch) and goes on, decoding again the shared nodes the next leaves need (the header:
+``n_redecoded`` counts those tokens). So the cache never holds more than ``n_ctx`` cells and never
+fills. The last token of a leaf is not decoded (it predicts nothing), as lm-eval's own backends
+feed ``(context + continuation)[:-1]``. With flash attention off, attention is computed over every
+cell of the epoch (flash attention skips the masked ones): keep it on, or ``n_ctx`` small.
 
 On the CPU backend with flash attention on (llama.cpp's default there), each request's
 log-probabilities are then bit-identical to the same request decoded alone in a context of the
@@ -135,8 +136,8 @@ class Loglikelihoods(list):
             minus the last token, per request), what lm-eval's per-request backends decode.
         n_decodes: ``llama_decode`` calls.
         n_outputs: Rows with logits.
-        n_redecoded: Tokens decoded again, in a new epoch, for the paths in flight when the
-            cells ran out (their rows are not computed twice).
+        n_redecoded: Tokens decoded again in a new epoch: shared nodes the next leaves need after
+            the memory was cleared (their rows are not computed twice).
         n_epochs: Times the ``n_ctx`` cells were all taken and the memory cleared.
         n_nodes: Trie nodes (the root excluded).
         n_seq: Sequences (slots) used.
