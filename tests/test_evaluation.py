@@ -217,7 +217,16 @@ def test_a_context_of_the_callers(model, reference):
         assert [r.logprob for r in res[:4]].index(max(r.logprob for r in res[:4])) == 0
 
 
-def test_ctrl_c_keeps_what_was_scored(model):
+@pytest.fixture
+def sigint_raises():
+    """Python's own SIGINT handler for the test: a job started in a shell's background inherits
+    SIGINT ignored, and Ctrl-C would then raise nothing."""
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, prev)
+
+
+def test_ctrl_c_keeps_what_was_scored(model, sigint_raises):
     reqs = few_shot()
     with model.context(n_ctx=512, n_batch=20, n_ubatch=20, n_seq_max=3, kv_unified=True, **T) as ctx:
         real, calls = ctx.decode, []
