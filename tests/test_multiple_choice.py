@@ -607,3 +607,16 @@ def test_the_package_names_are_the_functions_whatever_was_imported_first():
     for name in ("hellaswag", "winogrande", "multiple_choice"):
         f = getattr(pl.evaluation, name)
         assert not isinstance(f, types.ModuleType) and f is getattr(lp, name)
+
+
+def test_the_shipped_multiple_choice_file_is_built_from_text_into_the_cache(tmp_path, monkeypatch):
+    """The package ships the questions as JSON lines; the binary file is written once into
+    ``$PYLLAMACPP_CACHE/data`` and read from there."""
+    monkeypatch.setenv("PYLLAMACPP_CACHE", str(tmp_path))
+    assert not list(DATA.glob("*.bin"))
+    p = mc.sample_path("multiple-choice")
+    assert p.parent == tmp_path / "data" and p.suffix == ".bin"
+    first = p.stat().st_mtime_ns
+    assert mc.sample_path("multiple-choice") == p and p.stat().st_mtime_ns == first  # written once
+    assert len(mc.read_multiple_choice(p)) == 40
+    assert not list((tmp_path / "data").glob(".*.tmp"))

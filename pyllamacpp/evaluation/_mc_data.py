@@ -34,7 +34,7 @@ __all__ = [
     "sample_path",
 ]
 
-_SAMPLES = {"hellaswag": "hellaswag.txt", "winogrande": "winogrande.csv", "multiple-choice": "multiple_choice.bin"}
+_SAMPLES = {"hellaswag": "hellaswag.txt", "winogrande": "winogrande.csv", "multiple-choice": "multiple_choice.jsonl"}
 
 
 def sample_path(mode: str) -> Path:
@@ -52,7 +52,35 @@ def sample_path(mode: str) -> Path:
     """
     if mode not in _SAMPLES:
         raise ValueError(f"mode must be one of {sorted(_SAMPLES)}, not {mode!r}")
-    return Path(__file__).resolve().parent.parent / "data" / _SAMPLES[mode]
+    path = Path(__file__).resolve().parent.parent / "data" / _SAMPLES[mode]
+    return _binary_of(path) if mode == "multiple-choice" else path
+
+
+def _binary_of(jsonl: Path) -> Path:
+    """The binary file of the shipped multiple-choice questions (JSON lines, so that the package
+    ships text only), written once into the cache (``$PYLLAMACPP_CACHE/data``), named by the
+    source's hash, atomically."""
+    import hashlib
+    import json
+    import uuid
+
+    from .._fetch import cache_dir
+
+    raw = jsonl.read_bytes()
+    out = cache_dir() / "data" / f"multiple_choice-{hashlib.sha256(raw).hexdigest()[:16]}.bin"
+    if not out.is_file():
+        tasks = [
+            MultipleChoiceTask(d["question"], tuple(d["answers"]), tuple(d["labels"]))
+            for d in map(json.loads, raw.decode().splitlines())
+        ]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            write_multiple_choice(tasks, tmp)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return out
 
 
 def _read(data: str | bytes | os.PathLike) -> bytes:
