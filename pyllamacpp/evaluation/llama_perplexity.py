@@ -546,12 +546,7 @@ def hellaswag(
         result = MultipleChoiceResult("hellaswag", [], len(tasks), ctx.n_ctx, ctx.n_batch, ctx.n_seq_max)
         n_threads = ctx.params.n_threads_batch or 1
         margin = F.tie_margin(model.n_vocab)
-        pieces: list[str] = []
-
-        def say(text: str) -> None:
-            pieces.append(text)
-            if on_text is not None:
-                on_text(text)
+        say = _Transcript(on_text)
 
         n_correct = 0
 
@@ -569,11 +564,28 @@ def hellaswag(
         stats = [0, 0]
         _decode_groups(ctx, model, preps, groups, False, _in_order(finish), stats)
         say("\n")
-        result.text = "".join(pieces)
+        result.text = say.text
         return _finish_run(result, stats, t0)
     finally:
         if own:
             ctx.close()
+
+
+class _Transcript:
+    """The lines a run prints, kept in order and handed to ``on_text`` as they come."""
+
+    def __init__(self, on_text: Callable[[str], None] | None) -> None:
+        self.pieces: list[str] = []
+        self.on_text = on_text
+
+    def __call__(self, text: str) -> None:
+        self.pieces.append(text)
+        if self.on_text is not None:
+            self.on_text(text)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 def _in_order(fn: Callable[[int, np.ndarray], None]) -> Callable[[int, np.ndarray], None]:
@@ -654,12 +666,7 @@ def winogrande(
         groups = _groups(preps, ctx.n_ctx, max_seq, 2)
         result = MultipleChoiceResult("winogrande", [], len(tasks), ctx.n_ctx, ctx.n_batch, ctx.n_seq_max)
         result.skipped = skipped
-        pieces: list[str] = []
-
-        def say(text: str) -> None:
-            pieces.append(text)
-            if on_text is not None:
-                on_text(text)
+        say = _Transcript(on_text)
 
         n_correct = 0
 
@@ -681,7 +688,7 @@ def winogrande(
             p32 = np.float32(n_correct) / np.float32(n_done)
             sigma = np.float32(100.0 * math.sqrt(float(p32 * (np.float32(1) - p32) / np.float32(n_done - 1))))
             say(f"Final Winogrande score({n_done} tasks): {float(np.float32(100) * p32):.4f} +/- {float(sigma):.4f}\n")
-        result.text = "".join(pieces)
+        result.text = say.text
         return _finish_run(result, stats, t0)
     finally:
         if own:
@@ -761,12 +768,7 @@ def multiple_choice(
         result = MultipleChoiceResult("multiple-choice", [], n_available, ctx.n_ctx, ctx.n_batch, ctx.n_seq_max)
         n_threads = ctx.params.n_threads_batch or 1
         margin = F.tie_margin(model.n_vocab)
-        pieces: list[str] = []
-
-        def say(text: str) -> None:
-            pieces.append(text)
-            if on_text is not None:
-                on_text(text)
+        say = _Transcript(on_text)
 
         n_correct = 0
 
@@ -796,7 +798,7 @@ def multiple_choice(
             lines.append(f"{head}: {F.c_format(p100, '.4')} +/- {F.c_format(s100, '.4')}\n")
         for text in lines:
             say(text)
-        result.text = "".join(pieces)
+        result.text = say.text
         return _finish_run(result, stats, t0)
     finally:
         if own:
