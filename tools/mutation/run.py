@@ -3,6 +3,7 @@
     python tools/mutation/run.py lora                 # a target from tools/mutation/targets.toml
     python tools/mutation/run.py --list               # the targets
     python tools/mutation/run.py lora --report-only   # the last run's report again
+    python tools/mutation/run.py taps --sample 150    # a random sample (the kill rate with its 95 % interval)
 
 cosmic-ray mutates the module's file in place, runs the test command, and puts the file back, one
 mutant at a time. It works here on a copy (``build/mutation/<target>/``): the package's Python
@@ -14,7 +15,8 @@ interpreters import the mutated copy too. The working tree is never touched.
 The report: mutants killed, survived and timed out per target, and each survivor as a diff. A
 survivor is a behaviour no test holds, or an equivalent mutant (one that changes nothing a test
 could see): name it in ``targets.toml``'s ``equivalent`` list (its line, operator and, where one line has
-several mutants, ``to``: text of the mutated line) with the reason, and the report
+several mutants, ``to``: text of the mutated line; or ``function`` instead of ``line``, which
+survives the module being split) with the reason, and the report
 counts the kill rate over the others.
 
 Needs ``pip install cosmic-ray`` (not a test dependency: too slow for CI on 2 cores).
@@ -54,21 +56,28 @@ def _compiled_dir() -> Path:
     return Path(spec.origin).parent
 
 
-def _copy_tree(work: Path) -> None:
+def _copy_tree(work: Path) -> str:
+    """The committed tree (HEAD's ``pyllamacpp/`` and ``tests/``, not the working files, so that an
+    edit in progress is never mutated and the report names the commit it is of). Returns HEAD."""
     if work.exists():
         shutil.rmtree(work)
     src = work / "src"
-    shutil.copytree(ROOT / "pyllamacpp", src / "pyllamacpp", ignore=shutil.ignore_patterns("__pycache__"))
+    src.mkdir(parents=True)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True, capture_output=True, text=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD", "pyllamacpp", "tests"],
+                             check=True, capture_output=True)  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(work)], input=archive.stdout, check=True)
+    (work / "pyllamacpp").rename(src / "pyllamacpp")
     for f in _compiled_dir().iterdir():  # the extension, its libraries (_libs/), the build's records
         dst = src / "pyllamacpp" / f.name
         if f.is_dir() and f.name != "__pycache__" and not dst.exists():
             shutil.copytree(f, dst, symlinks=True)
         elif f.is_file() and f.suffix != ".py" and not dst.exists():
             shutil.copy2(f, dst)
-    shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("vendor", "docs", "mkdocs.yml", "pyproject.toml", "README.md"):
         (work / name).symlink_to(ROOT / name)
     (src / "sitecustomize.py").write_text(SITECUSTOMIZE.format(root=str(ROOT)))
+    return head.stdout.strip()
 
 
 def _config(work: Path, target: dict, timeout: float) -> Path:
@@ -88,23 +97,41 @@ def _config(work: Path, target: dict, timeout: float) -> Path:
     return cfg
 
 
-def _report(work: Path, name: str, target: dict) -> dict:
+def _wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson's score interval for k of n: the kill rate of a sample, as an estimate of the module's."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def _report(work: Path, name: str, target: dict, commit: str) -> dict:
     db = sqlite3.connect(work / "session.sqlite")
     rows = db.execute(
         "SELECT m.module_path, m.operator_name, m.start_pos_row, m.definition_name, r.test_outcome, r.diff "
-        "FROM mutation_specs m JOIN work_results r ON m.job_id = r.job_id WHERE r.output IS NOT 'annotation'"
+        "FROM mutation_specs m JOIN work_results r ON m.job_id = r.job_id "
+        "WHERE r.output IS NOT 'annotation' AND r.output IS NOT 'outside' AND r.output IS NOT 'unsampled'"
     ).fetchall()
-    (n_annotation,) = db.execute("SELECT count(*) FROM work_results WHERE output = 'annotation'").fetchone()
+    n_skipped = dict(db.execute("SELECT output, count(*) FROM work_results WHERE output IN "
+                                "('annotation', 'outside', 'unsampled') GROUP BY output").fetchall())  # fmt: skip
+    n_annotation = n_skipped.get("annotation", 0)
+    (n_pending,) = db.execute(
+        "SELECT count(*) FROM work_items WHERE job_id NOT IN (SELECT job_id FROM work_results)"
+    ).fetchone()
     named = target.get("equivalent", [])
 
-    def is_equivalent(line: int, op: str, diff: str | None) -> bool:
+    def is_equivalent(line: int, op: str, where: str, diff: str | None) -> bool:
         plus = "\n".join(ln for ln in (diff or "").splitlines() if ln.startswith("+") and not ln.startswith("+++"))
-        return any(e["line"] == line and e["operator"] == op and e.get("to", "") in plus for e in named)
+        # by line, or by function (which survives the module being split or edited above it)
+        return any((e.get("line") == line or e.get("function") == where) and e["operator"] == op
+                   and e.get("to", "") in plus for e in named)  # fmt: skip
 
     killed = survived = timeouts = equiv = 0
     survivors = []
     for module, op, line, where, outcome, diff in rows:
-        if is_equivalent(line, op, diff):
+        if is_equivalent(line, op, where, diff):
             equiv += 1
         elif (outcome or "").lower() == "killed":
             killed += 1
@@ -115,11 +142,17 @@ def _report(work: Path, name: str, target: dict) -> dict:
             timeouts += 1  # an incompetent mutant or a hang: counted as killed by the timeout
     judged = killed + survived + timeouts
     rate = (killed + timeouts) / judged if judged else 0.0
+    lo, hi = _wilson(killed + timeouts, judged)
+    sampled = n_skipped.get("unsampled", 0)
+    scope = f", {n_skipped['outside']} outside the target's functions" if n_skipped.get("outside") else ""
     print(
-        f"{name}: {len(rows)} mutants, {killed} killed, {timeouts} timed out, {survived} survived, "
-        f"{equiv} equivalent named in targets.toml, {n_annotation} in annotations (skipped): kill rate "
+        f"{name} (at {commit[:10]}): {len(rows)} mutants, {killed} killed, {timeouts} timed out, {survived} survived, "
+        f"{equiv} equivalent named in targets.toml, {n_annotation} in annotations (skipped){scope}: kill rate "
         f"{rate:.1%} of the non-equivalent"
-    )
+        + (f" (a random sample of {len(rows) + n_pending} of the {len(rows) + n_pending + sampled} in scope; "
+           f"95 % interval {lo:.1%} to {hi:.1%})" if sampled else "")
+        + (f"; {n_pending} not run yet" if n_pending else "")
+    )  # fmt: skip
     for module, line, where, op, diff in sorted(survivors):
         print(f"\n-- survived: {module}:{line} in {where} ({op})")
         changed = [ln for ln in (diff or "").splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
@@ -132,6 +165,10 @@ def _report(work: Path, name: str, target: dict) -> dict:
         "survived": survived,
         "equivalent": equiv,
         "kill_rate": rate,
+        "interval_95": [lo, hi],
+        "commit": commit,
+        "not_run": n_pending,
+        "skipped": n_skipped,
     }
 
 
@@ -141,6 +178,10 @@ def main() -> int:
     ap.add_argument("--list", action="store_true", help="list the targets")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant's test run")
     ap.add_argument("--report-only", action="store_true", help="print the last run's report")
+    ap.add_argument("--sample", type=int, help="run a random sample of this many mutants (default: the target's "
+                    "`sample`, or all)")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
+    ap.add_argument("--resume", action="store_true", help="go on with the last run's session (after a stop)")
     args = ap.parse_args()
     targets = tomllib.loads(TARGETS.read_text())["target"]
     if args.list or not args.target:
@@ -149,21 +190,28 @@ def main() -> int:
         return 0
     target = targets[args.target]
     work = ROOT / "build" / "mutation" / args.target
+    session = work / "session.sqlite"
+    cfg = work / "cosmic-ray.toml"
     if not args.report_only:
         if shutil.which("cosmic-ray") is None:
             sys.exit("cosmic-ray is not installed: pip install cosmic-ray")
-        _copy_tree(work)
-        cfg = _config(work, target, args.timeout)
-        session = work / "session.sqlite"
         t0 = time.perf_counter()
-        subprocess.run(["cosmic-ray", "init", str(cfg), str(session)], check=True, cwd=work)
-        subprocess.run(["cr-filter-pragma", str(session)], check=True, cwd=work)  # "# pragma: no mutate"
-        skip = Path(__file__).with_name("skip_annotations.py")
-        subprocess.run([sys.executable, str(skip), str(session)], check=True, cwd=work)
-        subprocess.run(["cosmic-ray", "baseline", str(cfg)], check=True, cwd=work)
+        if not (args.resume and session.exists()):
+            commit = _copy_tree(work)
+            (work / "COMMIT").write_text(commit)
+            cfg = _config(work, target, args.timeout)
+            subprocess.run(["cosmic-ray", "init", str(cfg), str(session)], check=True, cwd=work)
+            subprocess.run(["cr-filter-pragma", str(session)], check=True, cwd=work)  # "# pragma: no mutate"
+            here = Path(__file__).parent
+            subprocess.run([sys.executable, str(here / "skip_annotations.py"), str(session)], check=True, cwd=work)
+            sample = args.sample if args.sample is not None else target.get("sample", 0)
+            select = [sys.executable, str(here / "select_mutants.py"), str(session), "--sample", str(sample),
+                      "--seed", str(args.seed), "--functions", ",".join(target.get("functions", []))]  # fmt: skip
+            subprocess.run(select, check=True, cwd=work)
+            subprocess.run(["cosmic-ray", "baseline", str(cfg)], check=True, cwd=work)
         subprocess.run(["cosmic-ray", "exec", str(cfg), str(session)], check=True, cwd=work)
         print(f"{args.target}: {time.perf_counter() - t0:.0f} s", flush=True)
-    out = _report(work, args.target, target)
+    out = _report(work, args.target, target, (work / "COMMIT").read_text() if (work / "COMMIT").exists() else "?")
     (work / "report.json").write_text(json.dumps(out, indent=1))
     return 0
 
