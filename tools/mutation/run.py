@@ -178,8 +178,9 @@ def main() -> int:
     ap.add_argument("--list", action="store_true", help="list the targets")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant's test run")
     ap.add_argument("--report-only", action="store_true", help="print the last run's report")
-    ap.add_argument("--sample", type=int, help="run a random sample of this many mutants (default: the target's "
-                    "`sample`, or all)")
+    ap.add_argument(
+        "--sample", type=int, help="run a random sample of this many mutants (default: the target's `sample`, or all)"
+    )
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
     ap.add_argument("--resume", action="store_true", help="go on with the last run's session (after a stop)")
     args = ap.parse_args()
