@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -273,6 +274,21 @@ def make_model(
 
     rng = np.random.default_rng(seed)
     wtype = np.float16 if dtype == "f16" else np.float32
+
+    def fill(writer: gguf.GGUFWriter) -> None:
+        for key, (value, vtype, *sub) in kv.items():
+            writer.add_key_value(key, value, vtype, sub[0] if sub else None)
+        for name, ne, kind in tensors:
+            writer.add_tensor(name, _weights(rng, ne, kind, wtype))
+
+    return _write_gguf(path, arch, fill, split_max_tensors)
+
+
+def _write_gguf(
+    path: str | os.PathLike, arch: str, fill: Callable[[gguf.GGUFWriter], None], split_max_tensors: int = 0
+) -> Path:
+    """Write a GGUF whose keys and tensors ``fill`` adds: into a temporary file beside ``path``,
+    renamed onto it once whole (a split model: its shards in place). Returns the first file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # a unique name beside the target; created by the writer, so it gets the umask's permissions
@@ -280,10 +296,7 @@ def make_model(
     split = split_max_tensors > 0
     writer = gguf.GGUFWriter(path if split else tmp, arch, split_max_tensors=split_max_tensors)
     try:
-        for key, (value, vtype, *sub) in kv.items():
-            writer.add_key_value(key, value, vtype, sub[0] if sub else None)
-        for name, ne, kind in tensors:
-            writer.add_tensor(name, _weights(rng, ne, kind, wtype))
+        fill(writer)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -455,11 +468,7 @@ def make_lora(
                 raise ValueError(f"{name}: A {a.shape} and B {b.shape}, expected {want[0]} and {want[1]}")
         arrays += [(f"{name}.lora_a", a), (f"{name}.lora_b", b)]
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    writer = gguf.GGUFWriter(tmp, arch)
-    try:
+    def fill(writer: gguf.GGUFWriter) -> None:
         writer.add_type("adapter")
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_string("general.name", f"pyllamacpp synthetic LoRA for {Path(base).name}")
@@ -474,13 +483,5 @@ def make_lora(
             )
         for name, arr in arrays:
             writer.add_tensor(name, arr)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+
+    return _write_gguf(path, arch, fill)
