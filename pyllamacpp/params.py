@@ -288,6 +288,13 @@ ContextParams._check = _check_context
 _ALIASES = {"flash_attn": "flash_attn_type"}
 
 
+def _check_names(cls: type, kwargs: dict[str, Any], what: str) -> None:
+    """TypeError naming the keywords that are no field of the params dataclass ``cls``."""
+    unknown = set(kwargs) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise TypeError(f"unknown {what} parameter(s): {', '.join(sorted(unknown))}")
+
+
 def context_params(params: ContextParams | None = None, **kwargs: Any) -> ContextParams:
     """A ContextParams from an optional base and keyword overrides.
 
@@ -306,9 +313,7 @@ def context_params(params: ContextParams | None = None, **kwargs: Any) -> Contex
     for alias, real in _ALIASES.items():
         if alias in kwargs:
             kwargs[real] = kwargs.pop(alias)
-    unknown = set(kwargs) - {f.name for f in dataclasses.fields(ContextParams)}
-    if unknown:
-        raise TypeError(f"unknown context parameter(s): {', '.join(sorted(unknown))}")
+    _check_names(ContextParams, kwargs, "context")
     base = params if params is not None else ContextParams()
     return dataclasses.replace(base, **kwargs)
 
@@ -331,7 +336,5 @@ def model_params(**kwargs: Any) -> ModelParams:
     if "use_mmap" in kwargs:
         use_mmap = kwargs.pop("use_mmap")
         kwargs.setdefault("load_mode", lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE)
-    unknown = set(kwargs) - {f.name for f in dataclasses.fields(ModelParams)}
-    if unknown:
-        raise TypeError(f"unknown model parameter(s): {', '.join(sorted(unknown))}")
+    _check_names(ModelParams, kwargs, "model")
     return ModelParams(**kwargs)
