@@ -184,7 +184,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
     ap.add_argument("--resume", action="store_true", help="go on with the last run's session (after a stop)")
     args = ap.parse_args()
-    targets = tomllib.loads(TARGETS.read_text())["target"]
+    # HEAD's list, as the tree mutated is HEAD's (a target edited in the working tree may name files not committed)
+    committed = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:tools/mutation/targets.toml"],
+                               capture_output=True, text=True)  # fmt: skip
+    text = committed.stdout if committed.returncode == 0 and not args.report_only else TARGETS.read_text()
+    targets = tomllib.loads(text)["target"]
     if args.list or not args.target:
         for n, t in targets.items():
             print(f"{n:12} {' '.join(t['modules'])}  <-  {' '.join(t['tests'])}")
