@@ -144,3 +144,61 @@ def run_child(
     if check and child.rc != 0:
         pytest.fail(child.describe(), pytrace=False)
     return child
+
+
+# A background job (CI, `pytest &`) starts with SIGINT ignored, children inherit that, and Python
+# then installs no handler: the command runs through an exec that puts the default back first.
+WITH_SIGINT = [
+    sys.executable,
+    "-c",
+    (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execv(sys.executable, [sys.executable, '-m', 'pyllamacpp', *sys.argv[1:]])"
+    ),
+]
+
+
+def popen_command(args: list[str], **kw) -> subprocess.Popen:
+    """Start ``python -m pyllamacpp args...`` with SIGINT at its default, from the temporary folder
+    (the installed package is imported, not the source folder), in text mode.
+
+    Args:
+        args: The command's arguments.
+        **kw: More ``subprocess.Popen`` keywords (``stdout=subprocess.PIPE``...).
+
+    Returns:
+        The ``subprocess.Popen``.
+    """
+    return subprocess.Popen([*WITH_SIGINT, *args], cwd=tempfile.gettempdir(), text=True, **kw)
+
+
+class UbatchAborter:
+    """A ``cb_eval`` that counts the ubatches a context computes (one ``l_out-0`` node each) and
+    calls ``ctx.abort()`` as ubatch ``at`` starts: with no node wanted, ggml_backend_sched asks
+    about every node of the graph before computing it, so the abort lands in that ubatch.
+
+    Pass ``cb=`` as ``cb_eval`` (with ``cb_eval_user_data=ffi.NULL``) and set ``ctx``, or let
+    :meth:`context` do both.
+    """
+
+    def __init__(self):
+        from pyllamacpp import ffi
+
+        self.ctx, self.n, self.at = None, 0, None
+        self.cb = ffi.callback("bool(struct ggml_tensor *, bool, void *)", self._cb)
+
+    def _cb(self, t, ask, _):
+        from pyllamacpp import ffi
+
+        if ask and ffi.string(t.name) == b"l_out-0":
+            self.n += 1
+            if self.n == self.at:
+                self.ctx.abort()
+        return False
+
+    def context(self, model, **kw):
+        """``model.context(**kw)`` with this callback, remembered as the context to abort."""
+        from pyllamacpp import ffi
+
+        self.ctx = model.context(cb_eval=self.cb, cb_eval_user_data=ffi.NULL, **kw)
+        return self.ctx

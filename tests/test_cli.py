@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import popen_command
 
 import pyllamacpp as pl
 from pyllamacpp._cpu import default_n_threads
@@ -26,22 +27,6 @@ from pyllamacpp.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 CMD = [sys.executable, "-m", "pyllamacpp"]
-
-
-# A background job (CI, `pytest &`) starts with SIGINT ignored, children inherit that, and Python
-# then installs no handler: the command runs through an exec that puts the default back first.
-WITH_SIGINT = [
-    sys.executable,
-    "-c",
-    (
-        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-        "os.execv(sys.executable, [sys.executable, '-m', 'pyllamacpp', *sys.argv[1:]])"
-    ),
-]
-
-
-def _popen(args, **kw):
-    return subprocess.Popen([*WITH_SIGINT, *args], cwd=tempfile.gettempdir(), text=True, **kw)
 
 
 def _run(args, **kw):
@@ -112,7 +97,7 @@ def test_a_closed_pipe_ends_quietly(args, dump):
     """The reader is gone before the command writes: exit 141 (128 + SIGPIPE, as a C tool killed
     by the signal), nothing on stderr but what the command says before writing."""
     args = [str(dump) if a == "DUMP" else a for a in args]
-    proc = _popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = popen_command(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader leaves at once
     err = proc.stderr.read()
     rc = proc.wait(timeout=120)
@@ -134,7 +119,7 @@ def test_piped_into_head():
 
 def test_ctrl_c_exits_130_without_traceback_and_progress_shows_when_piped():
     """SIGINT while ubatch-sweep runs (piped: its progress comes as lines on stderr)."""
-    proc = _popen(
+    proc = popen_command(
         ["ubatch-sweep", "-c", "1024", "-p", "512", "-n", "256", "-r", "3", "-t", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -162,7 +147,7 @@ def _free_port() -> int:
 
 def test_rpc_server_ctrl_c_exits_130_without_traceback():
     port = _free_port()
-    proc = _popen(["rpc-server", "--port", str(port), "-t", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = popen_command(["rpc-server", "--port", str(port), "-t", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         for _ in range(600):  # until it listens
             try:

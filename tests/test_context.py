@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import PROMPT, run_child
+from conftest import PROMPT, UbatchAborter, run_child
 
 import pyllamacpp as pl
 from pyllamacpp import ffi, lib
@@ -260,27 +260,6 @@ def test_abort_from_another_thread(model):
         b.add_sequence(toks[:8])
         ctx.decode(b)  # usable afterwards
         assert np.isfinite(ctx.logits()).all()
-
-
-class UbatchAborter:
-    """A ``cb_eval`` that counts the ubatches a context computes (one ``l_out-0`` node each) and
-    calls ``ctx.abort()`` as ubatch ``at`` starts: with no node wanted, ggml_backend_sched asks
-    about every node of the graph before computing it, so the abort lands in that ubatch."""
-
-    def __init__(self):
-        self.ctx, self.n, self.at = None, 0, None
-        self.cb = ffi.callback("bool(struct ggml_tensor *, bool, void *)", self._cb)
-
-    def _cb(self, t, ask, _):
-        if ask and ffi.string(t.name) == b"l_out-0":
-            self.n += 1
-            if self.n == self.at:
-                self.ctx.abort()
-        return False
-
-    def context(self, model, **kw):
-        self.ctx = model.context(cb_eval=self.cb, cb_eval_user_data=ffi.NULL, **kw)
-        return self.ctx
 
 
 def test_an_abort_in_the_middle_of_a_batch_keeps_the_ubatches_before_it(model):

@@ -30,6 +30,7 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import popen_command
 
 import pyllamacpp as pl
 import pyllamacpp.context as context_module
@@ -42,26 +43,11 @@ from pyllamacpp.errors import (
     n_stream_hint,
 )
 
-# The command with SIGINT at its default, even under a job control that started us with it
-# ignored (CI, `pytest &`), as tests/test_cli.py runs it.
-WITH_SIGINT = [
-    sys.executable,
-    "-c",
-    (
-        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-        "os.execv(sys.executable, [sys.executable, '-m', 'pyllamacpp', *sys.argv[1:]])"
-    ),
-]
-
-
-def _popen(args, **kw):
-    return subprocess.Popen([*WITH_SIGINT, *args], cwd=tempfile.gettempdir(), text=True, **kw)
-
 
 def test_ctrl_c_after_the_first_row_prints_it_and_says_so():
     """A real SIGINT to a child running ubatch-sweep once its second row has begun (the progress
     line "step 2/4" on stderr): exit 130, the first row's table on stdout, "interrupted"."""
-    proc = _popen(
+    proc = popen_command(
         ["ubatch-sweep", "-t", "1", "-c", "256", "-p", "64", "-n", "16", "-r", "1", "--ubatch-list", "64,32,16"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -94,7 +80,7 @@ def _demo_run(close_after: int | None) -> tuple[float, int, str, str]:
     """``demo -n 400`` into a reader that closes its end after ``close_after`` lines (None: reads
     it all); the child's wall time, status, stdout read, stderr."""
     t0 = time.perf_counter()
-    proc = _popen(["demo", "-t", "1", "-c", "1024", "-n", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = popen_command(["demo", "-t", "1", "-c", "1024", "-n", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         if close_after is None:
             out = proc.stdout.read()
@@ -505,21 +491,27 @@ def test_kvprobe_loads_a_seq_file_too(model, tmp_path, capsys):
 def test_experiments_import_only_the_shared_modules_and_the_package():
     """No experiment reaches into another's module: relative imports inside
     ``pyllamacpp.experiments`` name only the shared ``common`` and ``ubatch_plan`` (splits
-    re-exports the planner's names for older code, which is its only import of them)."""
+    re-exports the planner's names for older code, which is its only import of them), and a
+    command's own private parts, ``_<command>_<part>`` (mask.py and ``_mask_rule``, ``_mask_run``,
+    ``_mask_report``); every module is a file (no subpackage escapes the walk)."""
     import ast
     import pkgutil
+    import re
 
     import pyllamacpp.experiments as ex
 
     shared = {"common", "ubatch_plan"}
     found = {}
     for m in pkgutil.iter_modules(ex.__path__):
+        assert not m.ispkg, f"{m.name}: a subpackage of pyllamacpp.experiments (this walk reads files only)"
+        own = m.name.lstrip("_").split("_")[0] if m.name.startswith("_") else m.name  # _mask_run: mask's
         path = f"{ex.__path__[0]}/{m.name}.py"
         with open(path) as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 1:
-                if node.module not in shared:
+                name = node.module or ""
+                if name not in shared and not re.fullmatch(rf"_{own}_\w+", name):
                     found.setdefault(m.name, []).append(node.module or ", ".join(a.name for a in node.names))
     assert not found, found
 

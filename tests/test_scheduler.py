@@ -13,7 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import run_child
+from conftest import UbatchAborter, run_child
 
 import pyllamacpp as pl
 from pyllamacpp import ffi
@@ -257,27 +257,10 @@ def test_a_full_cache_evicts_an_idle_cached_prefix_before_ending_a_request(model
         list(sched.run())
 
 
-class _UbatchAborter:
-    """A ``cb_eval`` that counts ubatches (one ``l_out-0`` node each) and calls ``ctx.abort()``
-    as ubatch ``at`` starts (ggml_backend_sched asks about every node before computing a graph
-    in which none is wanted, so the abort lands in that ubatch). As in test_context.py."""
-
-    def __init__(self):
-        self.ctx, self.n, self.at = None, 0, None
-        self.cb = ffi.callback("bool(struct ggml_tensor *, bool, void *)", self._cb)
-
-    def _cb(self, t, ask, _):
-        if ask and ffi.string(t.name) == b"l_out-0":
-            self.n += 1
-            if self.n == self.at:
-                self.ctx.abort()
-        return False
-
-
 def test_an_abort_in_the_middle_of_a_prefill_is_rolled_back(model, solo):
     # a 48-token prompt in ubatches of 16, aborted in the second: llama.cpp removes that ubatch's
     # positions and keeps the first's, which the scheduler removes; the retry gives the solo tokens
-    ab = _UbatchAborter()
+    ab = UbatchAborter()
     with _ctx(model, n_seq_max=2, n_ubatch=16, cb_eval=ab.cb, cb_eval_user_data=ffi.NULL) as ctx:
         ab.ctx = ctx
         sched = Scheduler(ctx)
