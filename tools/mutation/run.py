@@ -80,6 +80,23 @@ def _copy_tree(work: Path) -> str:
     return head.stdout.strip()
 
 
+def _refresh_tests(work: Path, target: dict) -> None:
+    """HEAD's tests into the copy, for a run of the survivors again: only if the mutated modules
+    are still what the run mutated (else its mutants are not HEAD's, and it must start afresh)."""
+    if not (work / "session.sqlite").exists():
+        sys.exit(f"no earlier run in {work}")
+    for m in target["modules"]:
+        now = subprocess.run(["git", "-C", str(ROOT), "show", f"HEAD:{m}"], capture_output=True).stdout
+        if now != (work / "src" / m).read_bytes():
+            sys.exit(f"{m} changed since the run at {(work / 'COMMIT').read_text()[:10]}: run the target afresh")
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD", "tests"],
+                             check=True, capture_output=True)  # fmt: skip
+    shutil.rmtree(work / "tests")
+    subprocess.run(["tar", "-x", "-C", str(work)], input=archive.stdout, check=True)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True, capture_output=True, text=True)
+    (work / "TESTS_COMMIT").write_text(head.stdout.strip())
+
+
 def _config(work: Path, target: dict, timeout: float) -> Path:
     tests = " ".join(target["tests"])
     k = f" -k {target['k']!r}" if target.get("k") else ""
@@ -146,7 +163,8 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
     sampled = n_skipped.get("unsampled", 0)
     scope = f", {n_skipped['outside']} outside the target's functions" if n_skipped.get("outside") else ""
     print(
-        f"{name} (at {commit[:10]}): {len(rows)} mutants, {killed} killed, {timeouts} timed out, {survived} survived, "
+        f"{name} (at {commit[:10]}{commit[40:]}): {len(rows)} mutants, {killed} killed, {timeouts} timed out, "
+        f"{survived} survived, "
         f"{equiv} equivalent named in targets.toml, {n_annotation} in annotations (skipped){scope}: kill rate "
         f"{rate:.1%} of the non-equivalent"
         + (f" (a random sample of {len(rows) + n_pending} of the {len(rows) + n_pending + sampled} in scope; "
@@ -183,6 +201,9 @@ def main() -> int:
     )
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
     ap.add_argument("--resume", action="store_true", help="go on with the last run's session (after a stop)")
+    ap.add_argument(
+        "--rerun-survivors", action="store_true", help="run the last run's survivors again against HEAD's tests"
+    )
     args = ap.parse_args()
     # HEAD's list, as the tree mutated is HEAD's (a target edited in the working tree may name files not committed)
     committed = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:tools/mutation/targets.toml"],
@@ -201,7 +222,14 @@ def main() -> int:
         if shutil.which("cosmic-ray") is None:
             sys.exit("cosmic-ray is not installed: pip install cosmic-ray")
         t0 = time.perf_counter()
-        if not (args.resume and session.exists()):
+        if args.rerun_survivors:
+            _refresh_tests(work, target)
+            db = sqlite3.connect(session)
+            n = db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'").rowcount
+            db.commit()
+            db.close()
+            print(f"{args.target}: {n} survivors to run again against the tests of HEAD", flush=True)
+        elif not (args.resume and session.exists()):
             commit = _copy_tree(work)
             (work / "COMMIT").write_text(commit)
             cfg = _config(work, target, args.timeout)
@@ -216,7 +244,10 @@ def main() -> int:
             subprocess.run(["cosmic-ray", "baseline", str(cfg)], check=True, cwd=work)
         subprocess.run(["cosmic-ray", "exec", str(cfg), str(session)], check=True, cwd=work)
         print(f"{args.target}: {time.perf_counter() - t0:.0f} s", flush=True)
-    out = _report(work, args.target, target, (work / "COMMIT").read_text() if (work / "COMMIT").exists() else "?")
+    commit = (work / "COMMIT").read_text() if (work / "COMMIT").exists() else "?"
+    if (work / "TESTS_COMMIT").exists():  # survivors run again against later tests
+        commit += f", survivors against the tests of {(work / 'TESTS_COMMIT').read_text()[:10]}"
+    out = _report(work, args.target, target, commit)
     (work / "report.json").write_text(json.dumps(out, indent=1))
     return 0
 
