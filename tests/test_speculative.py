@@ -317,6 +317,23 @@ def test_history_is_text_for_the_draft_only(tiny):
         assert list(s) == plain
 
 
+def test_stats_time_the_generation_to_its_end(tiny):
+    """``t_total`` runs from the first ``next`` to the end, exhausted or closed early, and holds the parts it times."""
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = _repetitive(seed=11)
+        s = generate_speculative(ctx, prompt, 24, NgramDraft(), n_draft=4)
+        assert s.stats.t_total == 0.0  # nothing runs before the first next
+        list(s)
+        st = s.stats
+        assert st.t_target > 0 and st.t_total >= st.t_prefill + st.t_draft + st.t_target + st.t_sample + st.t_rollback
+        assert st.tokens_per_s == st.n_tokens / st.t_total
+        ctx.memory.seq_rm(0)
+        s = generate_speculative(ctx, prompt, 24, NgramDraft(), n_draft=4)
+        next(s)
+        s.close()
+        assert s.stats.n_rounds == 1 and s.stats.t_total >= s.stats.t_prefill + s.stats.t_target > 0
+
+
 def test_compare_speculative(tiny):
     with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
         c = pl.compare_speculative(ctx, _repetitive(seed=10), 24, NgramDraft(), n_draft=4, repeat=2)
