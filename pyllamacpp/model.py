@@ -138,7 +138,7 @@ class Model(Owner):
             backend.
     """
 
-    _sha256_prefix: str  # set by Context.sidecar_facts on first use (context_state.py)
+    _sha256_prefix: str  # set by Context.sidecar_facts on first use (_state_facts.py)
 
     def __init__(
         self, path: str | os.PathLike | None = None, *, rpc: str | list[str] | None = None, **params: Any
