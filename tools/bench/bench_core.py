@@ -44,6 +44,7 @@ Workloads:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -162,6 +163,41 @@ def native_lib_path() -> Path:
     return BUILD / "native_driver.so"
 
 
+# What the benches' own C loops (build_shared) start with: llama.h and a clock in seconds.
+C_PRELUDE = r"""
+#include "llama.h"
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+
+static double now_s(clockid_t id) {
+    struct timespec ts;
+    clock_gettime(id, &ts);
+    return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
+}
+"""
+
+
+def build_shared(name: str, source: str, verbose: bool = False) -> ctypes.CDLL:
+    """C ``source``, after ``C_PRELUDE``, written to ``build/<name>.c`` and compiled into
+    ``build/<name>.so`` with the command of :func:`build_driver` (which first checks that the
+    headers are the package's own), loaded as a ``ctypes.CDLL``: a bench's own loop in C, its
+    functions declared by the caller."""
+    _, cmd = build_driver(verbose=verbose)
+    assert cmd[-7] == "-o" and cmd[-8].endswith("native_driver.c"), cmd
+    src, so = BUILD / f"{name}.c", BUILD / f"{name}.so"
+    src.write_text(C_PRELUDE + source)
+    subprocess.run([*cmd[:-8], str(src), "-shared", "-fPIC", "-o", str(so), *cmd[-5:]], check=True)
+    return ctypes.CDLL(str(so))
+
+
+def ptr_addr(p) -> int:
+    """A cffi pointer (``ctx.ptr``, ``sampler.ptr``) as an address, for a ctypes ``c_void_p``."""
+    import pyllamacpp as pl
+
+    return int(pl.ffi.cast("uintptr_t", p))
+
+
 def run_json(cmd: list[str]) -> dict:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -230,8 +266,6 @@ def native_lib():
     and a converter of cffi pointers (pl.ffi) to ctypes ones."""
     import ctypes
 
-    import pyllamacpp as pl
-
     c = ctypes
     so = c.CDLL(str(native_lib_path()))
     so.decode_in_process.restype = c.c_double
@@ -246,7 +280,7 @@ def native_lib():
     ]
     so.state_step.restype = c.c_int
     so.state_step.argtypes = [c.c_void_p, c.POINTER(c.c_double), c.POINTER(c.c_double), c.POINTER(c.c_uint)]
-    return so, lambda p: c.c_void_p(int(pl.ffi.cast("uintptr_t", p)))
+    return so, lambda p: c.c_void_p(ptr_addr(p))
 
 
 def decode_in_process(ctx, tokens, sampler, clock: DecodeClock, s: dict, pairs: int = 2) -> dict:
@@ -539,6 +573,19 @@ def llama_cpp_python_workload(model, s: dict) -> dict:
     return out
 
 
+def _decode_row(workload: str, ctx, n_prompt: int, n_dec: int, t: float, check: int) -> dict:
+    """A decode workload's result, as the native driver prints it: tokens decoded over the time."""
+    return {
+        "workload": workload,
+        "flash_attn": flash_attn_verdict(ctx),
+        "n_prompt": n_prompt,
+        "n_decoded": n_dec,
+        "t_s": t,
+        "tok_s": n_dec / t,
+        "checksum": check,
+    }
+
+
 def worker(workload: str, model_path: str, s: dict) -> dict:
     import numpy as np
 
@@ -558,16 +605,7 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
         t = time.perf_counter() - clock.calls[-1][0]
         n_dec = len(out) - 1  # every token but the last is decoded (generate's convention)
         inproc = decode_in_process(ctx, tokens, sampler, clock, s) if native_lib_path().exists() else {}
-        return {
-            "workload": workload,
-            "flash_attn": flash_attn_verdict(ctx),
-            "n_prompt": int(tokens.size),
-            "n_decoded": n_dec,
-            "t_s": t,
-            "tok_s": n_dec / t,
-            "checksum": checksum(out),
-            **inproc,
-        }
+        return {**_decode_row(workload, ctx, int(tokens.size), n_dec, t, checksum(out)), **inproc}
     if workload == "text":
         return text_workload(model, s)
     if workload == "state_fast":
@@ -614,15 +652,7 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
             lib.llama_sampler_reset(smpl)
         t, out = run(s["n_predict"])
         n_dec = len(out) - (1 if out and model.is_eog(out[-1]) else 0)
-        return {
-            "workload": workload,
-            "flash_attn": flash_attn_verdict(ctx),
-            "n_prompt": int(tokens.size),
-            "n_decoded": n_dec,
-            "t_s": t,
-            "tok_s": n_dec / t,
-            "checksum": checksum(out),
-        }
+        return _decode_row(workload, ctx, int(tokens.size), n_dec, t, checksum(out))
     if workload == "parallel":
         ctx = py_context(model, s)
         sampler = pl.Sampler.greedy()
@@ -637,15 +667,7 @@ def worker(workload: str, model_path: str, s: dict) -> dict:
         h = 0
         for r in res:
             h = (h * 31 + checksum(r.tokens)) & 0xFFFFFFFF
-        return {
-            "workload": workload,
-            "flash_attn": flash_attn_verdict(ctx),
-            "n_prompt": clock.calls[0][1],
-            "n_decoded": n_dec,
-            "t_s": t,
-            "tok_s": n_dec / t,
-            "checksum": h,
-        }
+        return _decode_row(workload, ctx, clock.calls[0][1], n_dec, t, h)
     if workload == "prefill":
         ctx = py_context(model, s)
         toks = synthetic_tokens(s["n_tokens"], model.n_vocab)

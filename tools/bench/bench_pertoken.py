@@ -71,20 +71,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import BUILD, build_driver, checksum, synthetic_tokens  # noqa: E402
+from bench_core import build_shared, checksum, ptr_addr, synthetic_tokens  # noqa: E402
 
+# after bench_core.C_PRELUDE (llama.h, now_s), which build_shared puts first
 NATIVE_SOURCE = r"""
-#include "llama.h"
-#include <stdint.h>
-#include <stdlib.h>
-#include <time.h>
-
-static double now_s(clockid_t id) {
-    struct timespec ts;
-    clock_gettime(id, &ts);
-    return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
-}
-
 // n_seq sequences from one prompt: the loop of pl.generate (n_seq 1) and pl.generate_parallel.
 // Sequence s is sampled with smpl[s] at its own output index; it ends at an end-of-generation
 // token or after n_predict tokens, its last token not decoded. detok: detokenize each sequence at
@@ -170,16 +160,8 @@ done:
 
 
 def native_pertoken_lib(verbose: bool = False) -> ctypes.CDLL:
-    """``NATIVE_SOURCE`` compiled into ``build/pertoken.so`` with the command of
-    ``bench_core.build_driver`` (which first checks that the headers are the package's own)."""
-    _, cmd = build_driver(verbose=verbose)
-    assert cmd[-7] == "-o" and cmd[-8].endswith("native_driver.c"), cmd
-    src, so = BUILD / "pertoken.c", BUILD / "pertoken.so"
-    src.write_text(NATIVE_SOURCE)
-    import subprocess
-
-    subprocess.run([*cmd[:-8], str(src), "-shared", "-fPIC", "-o", str(so), *cmd[-5:]], check=True)
-    lib = ctypes.CDLL(str(so))
+    """``NATIVE_SOURCE`` compiled into ``build/pertoken.so`` (``bench_core.build_shared``)."""
+    lib = build_shared("pertoken", NATIVE_SOURCE, verbose=verbose)
     c = ctypes
     lib.pertoken_loop.restype = c.c_double
     lib.pertoken_loop.argtypes = [
@@ -196,12 +178,6 @@ def native_pertoken_lib(verbose: bool = False) -> ctypes.CDLL:
         c.POINTER(c.c_double),
     ]
     return lib
-
-
-def _addr(p: Any) -> int:
-    import pyllamacpp as pl
-
-    return int(pl.ffi.cast("uintptr_t", p))
 
 
 class PromptClock:
@@ -305,8 +281,8 @@ def compare_step_loop(
     assert len(samplers) == n_seq
     toks = np.ascontiguousarray(prompt, dtype=np.int32)
     cprompt = toks.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-    chains = (ctypes.c_void_p * n_seq)(*[_addr(s.ptr) for s in samplers])
-    cptr = ctypes.c_void_p(_addr(ctx.ptr))
+    chains = (ctypes.c_void_p * n_seq)(*[ptr_addr(s.ptr) for s in samplers])
+    cptr = ctypes.c_void_p(ptr_addr(ctx.ptr))
     ns, nd, sm, cpu = ctypes.c_int(), ctypes.c_int(), ctypes.c_uint32(), ctypes.c_double()
     clock = PromptClock(ctx)
     unique = list({id(s): s for s in samplers}.values())
@@ -393,6 +369,34 @@ def synthetic_model(path: Path, n_layer: int, n_embd: int, n_vocab: int) -> Path
     return make_model(path, "llama", n_layer=n_layer, n_embd=n_embd, n_head=4, n_vocab=n_vocab, seed=1)
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The synthetic model's sizes (``synthetic_model``): --n-layer, --n-embd, --n-vocab."""
+    ap.add_argument("--n-layer", type=int, default=2, help="synthetic model: layers (2)")
+    ap.add_argument("--n-embd", type=int, default=256, help="synthetic model: embedding size (256)")
+    ap.add_argument("--n-vocab", type=int, default=4096, help="synthetic model: vocabulary (4096)")
+
+
+def finish(
+    rows: list[dict],
+    a: argparse.Namespace,
+    argv: list[str] | None,
+    load_before: tuple[float, float, float],
+    t_start: float,
+    *,
+    script: str,
+    unit: str = "token",
+    indent: int | None = None,
+) -> None:
+    """After the runs (also bench_scheduler.py's): the load, the command line, ``print_report``,
+    and with ``--json`` the command, the loads and the rows written there."""
+    load_after = os.getloadavg()
+    cmd = f"python tools/bench/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
+    print_report(rows, cmd, a, load_before, load_after, t_start, unit=unit)
+    if a.json:
+        out = dict(command=cmd, load_before=load_before, load_after=load_after, rows=rows)
+        Path(a.json).write_text(json.dumps(out, indent=indent))
+
+
 def print_report(
     rows: list[dict],
     cmd: str,
@@ -443,9 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--n-predict", type=int, default=256, help="generate/complete: tokens sampled (256)")
     ap.add_argument("--n-parallel", type=int, default=8, help="parallel: sequences (8)")
     ap.add_argument("--n-parallel-predict", type=int, default=64, help="parallel: tokens per sequence (64)")
-    ap.add_argument("--n-layer", type=int, default=2, help="synthetic model: layers (2)")
-    ap.add_argument("--n-embd", type=int, default=256, help="synthetic model: embedding size (256)")
-    ap.add_argument("--n-vocab", type=int, default=4096, help="synthetic model: vocabulary (4096)")
+    add_model_args(ap)
     ap.add_argument("-w", "--workloads", default="generate,complete,parallel,parallel_shared,scheduler")
     ap.add_argument("--json", metavar="PATH", help="also write the raw results here")
     a = ap.parse_args(argv)
@@ -508,12 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                     r["workload"], r["label"] = w, label
                     rows.append(r)
                     print(f"{w}: {json.dumps(r)}", file=sys.stderr, flush=True)
-    load_after = os.getloadavg()
-    cmd = "python tools/bench/bench_pertoken.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print_report(rows, cmd, a, load_before, load_after, t_start)
-    if a.json:
-        out = dict(command=cmd, load_before=load_before, load_after=load_after, rows=rows)
-        Path(a.json).write_text(json.dumps(out, indent=1))
+    finish(rows, a, argv, load_before, t_start, script="bench_pertoken.py", indent=1)
     return 0
 
 

@@ -33,7 +33,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_core import synthetic_tokens  # noqa: E402
-from bench_pertoken import PromptClock, compare_step_loop, print_report, run_parallel, synthetic_model  # noqa: E402
+from bench_pertoken import (  # noqa: E402
+    PromptClock,
+    add_model_args,
+    compare_step_loop,
+    finish,
+    run_parallel,
+    synthetic_model,
+)
 
 
 def run_scheduler(ctx: Any, prompt: Any, n_predict: int, samplers: Sequence[Any], clock: PromptClock):
@@ -53,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=1, help="decode threads (1)")
     ap.add_argument("--n-parallel", type=int, default=8, help="sequences (8)")
     ap.add_argument("--n-predict", type=int, default=64, help="tokens per sequence (64)")
-    ap.add_argument("--n-layer", type=int, default=2, help="synthetic model: layers (2)")
-    ap.add_argument("--n-embd", type=int, default=256, help="synthetic model: embedding size (256)")
-    ap.add_argument("--n-vocab", type=int, default=4096, help="synthetic model: vocabulary (4096)")
+    add_model_args(ap)
     ap.add_argument("-w", "--workloads", default="scheduler,generate_parallel")
     ap.add_argument("--json", metavar="PATH", help="also write the raw results here")
     a = ap.parse_args(argv)
@@ -90,13 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                     r["label"] = f"`{w}`, {n} sequences x {a.n_predict}, a chain per sequence (per seq-step)"
                     rows.append(r)
                     print(f"{w}: {json.dumps(r)}", file=sys.stderr, flush=True)
-    load_after = os.getloadavg()
-    cmd = "python tools/bench/bench_scheduler.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print_report(rows, cmd, a, load_before, load_after, t_start, unit="seq-step")
-    if a.json:
-        Path(a.json).write_text(
-            json.dumps(dict(command=cmd, load_before=load_before, load_after=load_after, rows=rows))
-        )
+    finish(rows, a, argv, load_before, t_start, script="bench_scheduler.py", unit="seq-step")
     return 0
 
 

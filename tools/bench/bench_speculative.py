@@ -60,22 +60,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import BUILD, build_driver, synthetic_tokens  # noqa: E402
+from bench_core import BUILD, build_shared, ptr_addr, synthetic_tokens  # noqa: E402
 
 from pyllamacpp.speculative import Draft  # noqa: E402
 
+# after bench_core.C_PRELUDE (llama.h, now_s), which build_shared puts first
 NATIVE_SOURCE = r"""
-#include "llama.h"
-#include <stdint.h>
-#include <stdlib.h>
-#include <time.h>
-
-static double now_s(clockid_t id) {
-    struct timespec ts;
-    clock_gettime(id, &ts);
-    return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
-}
-
 // generate_speculative's rounds, replayed: the prompt but its last token is prefilled (untimed),
 // then round r decodes [last, drafts[r]...] with logits for every row, samples rows while they agree
 // with the draft (llama_sampler_sample: it accepts each token), and cuts the sequence back with
@@ -166,15 +156,8 @@ DEFAULT_EXACT_PROMPTS = [
 
 
 def native_spec_lib() -> ctypes.CDLL:
-    """``NATIVE_SOURCE`` compiled into ``build/speculative.so`` with ``bench_core.build_driver``'s command."""
-    import subprocess
-
-    _, cmd = build_driver()
-    assert cmd[-7] == "-o" and cmd[-8].endswith("native_driver.c"), cmd
-    src, so = BUILD / "speculative.c", BUILD / "speculative.so"
-    src.write_text(NATIVE_SOURCE)
-    subprocess.run([*cmd[:-8], str(src), "-shared", "-fPIC", "-o", str(so), *cmd[-5:]], check=True)
-    lib = ctypes.CDLL(str(so))
+    """``NATIVE_SOURCE`` compiled into ``build/speculative.so`` (``bench_core.build_shared``)."""
+    lib = build_shared("speculative", NATIVE_SOURCE)
     c = ctypes
     lib.spec_loop.restype = c.c_double
     lib.spec_loop.argtypes = [
@@ -192,12 +175,6 @@ def native_spec_lib() -> ctypes.CDLL:
         c.POINTER(c.c_double),
     ]
     return lib
-
-
-def _addr(p: Any) -> int:
-    import pyllamacpp as pl
-
-    return int(pl.ffi.cast("uintptr_t", p))
 
 
 def _sweep(ctx: Any, prompt: Any, n: int, draft: Any, drafts: list[int], pairs: int, label: str) -> list[dict]:
@@ -253,15 +230,20 @@ def _requant(src: Path, kind: str) -> Path:
     return out
 
 
+def _requantized(kinds: str) -> list[tuple[str, Path]]:
+    """The default model, then its requantization to each of ``kinds`` (comma-separated): (name, path)."""
+    import pyllamacpp as pl
+
+    default = pl.default_model_path()
+    return [("default", default), *((kind, _requant(default, kind)) for kind in kinds.split(",") if kind)]
+
+
 def section_ngram(a: argparse.Namespace) -> list[dict]:
     import pyllamacpp as pl
     from pyllamacpp.experiments.speculative import WORKLOADS
 
     rows = []
-    paths = [("default", pl.default_model_path())]
-    for kind in [k for k in a.requant.split(",") if k]:
-        paths.append((kind, _requant(pl.default_model_path(), kind)))
-    for name, path in paths:
+    for name, path in _requantized(a.requant):
         with pl.Model(path) as m, m.context(n_ctx=2048, n_threads=a.threads, n_threads_batch=a.threads) as ctx:
             toks = m.tokenize(WORKLOADS["quote"], parse_special=True)
             rows += _sweep(ctx, toks, a.n_quote, pl.NgramDraft(), _ints(a.ngram_drafts), a.pairs, f"ngram, {name}")
@@ -342,7 +324,7 @@ def section_python(a: argparse.Namespace) -> list[dict]:
             cprompt = cp.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
             out = (ctypes.c_int32 * (n + 16))()
             n_out, n_rounds, cpu = ctypes.c_int(), ctypes.c_int(), ctypes.c_double()
-            cctx, csmpl = ctypes.c_void_p(_addr(ctx.ptr)), ctypes.c_void_p(_addr(smpl.ptr))
+            cctx, csmpl = ctypes.c_void_p(ptr_addr(ctx.ptr)), ctypes.c_void_p(ptr_addr(smpl.ptr))
 
             def native() -> tuple[float, float, list[int], int]:
                 ctx.memory.clear()
@@ -461,10 +443,7 @@ def section_rows(a: argparse.Namespace) -> list[dict]:
     import pyllamacpp as pl
 
     out = []
-    paths = [("default", pl.default_model_path())]
-    for kind in [k for k in a.requant.split(",") if k]:
-        paths.append((kind, _requant(pl.default_model_path(), kind)))
-    for name, path in paths:
+    for name, path in _requantized(a.requant):
         with pl.Model(path) as m, m.context(n_ctx=1024, n_threads=a.threads, n_threads_batch=a.threads) as ctx:
             toks = m.tokenize("Once upon a time, in a small village by the sea, there lived an old fisherman who")
             ctx.prefill(toks)
