@@ -173,10 +173,12 @@ double decode_in_process(struct llama_context * ctx, struct llama_sampler * smpl
 static int wl_decode(void) {
     struct llama_context * ctx = make_ctx(1, 0);
     struct llama_sampler * smpl = greedy();
-    llama_token prompt[512], *out = malloc(sizeof(llama_token) * (size_t) S.n_predict);
+    enum { N_WARMUP = 16 };  // the warm-up's tokens land in out too: room for the larger run
+    size_t n_out_max = (size_t) (S.n_predict > N_WARMUP ? S.n_predict : N_WARMUP);
+    llama_token prompt[512], *out = malloc(sizeof(llama_token) * n_out_max);
     int n_prompt = tokenize(S.prompt, prompt, 512), n_out, n_dec;
     if (S.warmup) {
-        run_decode(ctx, smpl, prompt, n_prompt, 16, out, &n_out, &n_dec);
+        run_decode(ctx, smpl, prompt, n_prompt, N_WARMUP, out, &n_out, &n_dec);
         llama_memory_clear(llama_get_memory(ctx), true);
         llama_sampler_reset(smpl);
     }
