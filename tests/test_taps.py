@@ -521,3 +521,82 @@ def test_a_patch_that_raised_is_called_again_on_the_next_decode_in_the_block(mod
         with ctx.patch("l_out", lambda x, info: x + vec, layers=[10]):
             ctx.decode(_batch(model, (0, A)))
         assert np.array_equal(patched, ctx.logits()) and not np.array_equal(patched, base)
+
+
+# -- behaviours held against the mutants of a sample (issue 28: tools/mutation/run.py taps)
+
+
+def test_one_pass_of_a_tensor_without_rows_is_a_view_and_passes_of_two_shapes_are_refused(model):
+    """``cap[name]`` of a tensor with no token axis: one pass is that record's memory with a
+    leading passes axis (a view, not a copy); passes of different shapes (the attention's view of
+    the cache grows with n_kv) are refused with the reason, not left to numpy."""
+    with _ctx(model, n_ctx=1024, n_batch=512) as ctx:
+        first = pl.Batch(512, 1)
+        first.add_sequence(model.tokenize(A), 0, 0, logits="last")
+        with ctx.capture("cache_k_l0") as one:
+            ctx.decode(first)
+        [rec] = one.records
+        assert rec.token_axis is None and one["cache_k_l0"].shape == (1, *rec.shape)
+        assert np.shares_memory(one["cache_k_l0"], rec.data)
+        ctx.memory.clear()
+        second = pl.Batch(512, 1)
+        second.add_sequence(list(range(100, 400)), 0, len(model.tokenize(A)), logits="last")
+        with ctx.capture("cache_k_l0 (view)") as grown:
+            ctx.decode(first)
+            ctx.decode(second)  # n_kv 256, then 512
+    assert [r.shape[0] for r in grown.records] == [256, 512]
+    with pytest.raises(TapError, match="its passes have different shapes"):
+        grown["cache_k_l0 (view)"]
+
+
+def test_rows_are_matched_by_token_and_position_when_the_plan_disagrees(model, monkeypatch):
+    """Each record's rows come from the ubatch plan, checked against the pass's own inp_tokens and
+    inp_pos; where the plan is wrong they are found by (token, position) instead: a plan that
+    lists the ubatch's rows backwards still gives the right rows and the same data."""
+    from pyllamacpp.taps import _capture
+
+    def run():
+        with _ctx(model, n_ubatch=4, n_batch=64) as ctx, ctx.capture("l_out", layers=[3]) as cap:
+            ctx.decode(_batch(model, (0, A)))
+        return cap
+
+    right = run()
+    plan = _capture._plan_ubatches
+    monkeypatch.setattr(_capture, "_plan_ubatches", lambda f, call: [u[::-1].copy() for u in plan(f, call)])
+    wrong = run()
+    assert [r.rows.tolist() for r in right.records if r.name == "l_out-3"] == [[0, 1, 2, 3], [4, 5, 6]]
+    assert [r.rows.tolist() for r in wrong.records if r.name == "l_out-3"] == [[0, 1, 2, 3], [4, 5, 6]]
+    assert np.array_equal(wrong["l_out", 3], right["l_out", 3])
+
+
+def test_a_patch_is_told_each_call_of_its_block(model):
+    """``info.call`` counts the decodes since the patch was armed: 0, 1, 2, 3 over four calls."""
+    seen = []
+    with _ctx(model) as ctx, ctx.patch("l_out", lambda x, info: seen.append((info.call, info.ubatch)), layers=[2]):
+        ctx.decode(_batch(model, (0, A)))
+        for i in range(3):
+            b = pl.Batch(1, 1)
+            b.add(model.tokenize(B)[i], len(model.tokenize(A)) + i, 0, logits=True)
+            ctx.decode(b)
+    assert seen == [(0, 0), (1, 0), (2, 0), (3, 0)]
+
+
+def test_the_inputs_named_as_graph_sites_lists_them(model):
+    """``Graph.input_names()``: a leaf input by its name, a layered KV tensor once with its layers."""
+    with _ctx(model) as ctx:
+        names = ctx.graph_nodes().input_names()
+    assert names[:2] == ["inp_tokens", "inp_pos"] and "cache_k_l<0..29>" in names and "cache_v_l<0..29>" in names
+    assert not any("None" in n for n in names)
+
+
+def test_pass_counters_on_the_taps_nest(model):
+    """Two counters on one context's taps: each counts the passes of its own lifetime, and the
+    outer one still counts after the inner one closed (7 tokens at n_ubatch 4: 2 passes)."""
+    with _ctx(model, n_ubatch=4, n_batch=64) as ctx:
+        with pl.PassCounter(ctx) as outer:
+            with pl.PassCounter(ctx) as inner:
+                ctx.decode(_batch(model, (0, A)))
+            ctx.memory.clear()
+            ctx.decode(_batch(model, (0, A)))
+            assert (inner.n_passes, outer.n_passes) == (2, 4)
+        assert not ctx._taps.armed
