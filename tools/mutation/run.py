@@ -80,6 +80,14 @@ def _copy_tree(work: Path) -> str:
     return head.stdout.strip()
 
 
+def _restore_modules(work: Path, target: dict) -> None:
+    """The target's modules in the copy as the run's commit has them."""
+    commit = (work / "COMMIT").read_text().strip()
+    for m in target["modules"]:
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{m}"], check=True, capture_output=True)
+        (work / "src" / m).write_bytes(text.stdout)
+
+
 def _refresh_tests(work: Path, target: dict) -> None:
     """HEAD's tests into the copy, for a run of the survivors again: only if the mutated modules
     are still what the run mutated (else its mutants are not HEAD's, and it must start afresh)."""
@@ -222,6 +230,8 @@ def main() -> int:
         if shutil.which("cosmic-ray") is None:
             sys.exit("cosmic-ray is not installed: pip install cosmic-ray")
         t0 = time.perf_counter()
+        if (args.resume or args.rerun_survivors) and (work / "COMMIT").exists():
+            _restore_modules(work, target)  # a run stopped mid-mutant leaves its mutant in the copy
         if args.rerun_survivors:
             _refresh_tests(work, target)
             db = sqlite3.connect(session)
