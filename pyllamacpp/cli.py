@@ -10,8 +10,6 @@ import re
 import sys
 from pathlib import Path
 
-from ._cpu import default_n_threads
-
 DESCRIPTION = """\
 pyllamacpp: llama.cpp's C API from Python (a compiled cffi binding with a numpy layer), and
 commands that show what llama.cpp does with batches, ubatches, the KV cache and state dumps.
@@ -316,34 +314,14 @@ def _cmd_info(args) -> int:
     return 0
 
 
-def _doc(name: str) -> str:
-    return importlib.import_module(f".experiments.{name}", __package__).__doc__ or ""  # None under -OO
-
-
-def _experiment(name: str):
-    def run(args) -> int:
-        from .experiments.common import Interrupted, emit, report_interrupted
-
-        mod = importlib.import_module(f".experiments.{name}", __package__)
-        try:
-            data = mod.run(args)
-        except Interrupted as e:  # Ctrl-C: print what was measured, then exit 130
-            return report_interrupted(args, args.command, e, mod.print_report)
-        emit(args, data, mod.print_report)
-        if getattr(args, "output", None):
-            mod.plot(data, args.output)
-            print(f"wrote {args.output}", file=sys.stderr)
-        return 0 if data.get("ok", True) else 1
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``pyllamacpp`` command's parser, every subcommand included (the docs render it).
 
     Returns:
         The parser ``main()`` parses with.
     """
+    from .experiments.common import add_model_path_flag, add_threads_flag
+
     ap = _Parser(prog="pyllamacpp", description=DESCRIPTION)
     ap.add_argument(
         "-v",
@@ -357,23 +335,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help=_cmd_demo.__doc__)
-    p.add_argument("-m", "--model", type=Path, help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
+    add_model_path_flag(p)
     p.add_argument("-p", "--prompt", default="The cat sat on the mat.")
     p.add_argument("-c", "--n-ctx", type=int, default=512)
-    p.add_argument(
-        "-t",
-        "--threads",
-        type=int,
-        default=default_n_threads(),
-        help="n_threads and n_threads_batch (default %(default)s: the physical cores)",
-    )
+    add_threads_flag(p)
     p.add_argument("--top", type=int, default=5)
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate after the prompt")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_demo)
 
     def text_flags(p, n_predict: int) -> None:  # generate and chat
-        p.add_argument("-m", "--model", type=Path, help="GGUF file (default: $PYLLAMACPP_MODEL or the default model)")
+        add_model_path_flag(p)
         p.add_argument(
             "-n",
             "--n-predict",
@@ -384,13 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "-c", "--ctx-size", type=int, default=None, help="n_ctx (default: the library's, min(n_ctx_train, 4096))"
         )
-        p.add_argument(
-            "-t",
-            "--threads",
-            type=int,
-            default=default_n_threads(),
-            help="n_threads and n_threads_batch (default %(default)s: the physical cores)",
-        )
+        add_threads_flag(p)
         p.add_argument("--temp", type=float, default=0.0, help="temperature; 0: greedy")
         p.add_argument("--top-k", type=int, default=40, help="with --temp > 0")
         p.add_argument("--top-p", type=float, default=0.95, help="with --temp > 0")
@@ -423,13 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rpc-server", help="serve this machine's CPU to ggml RPC clients")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=50052)
-    p.add_argument(
-        "-t",
-        "--threads",
-        type=int,
-        default=default_n_threads(),
-        help="CPU threads of the server (default %(default)s: the physical cores)",
-    )
+    add_threads_flag(p, help="CPU threads of the server (default %(default)s: the physical cores)")
     p.add_argument("--cache", help="local cache folder for tensors sent by clients")
     p.add_argument(
         "--allow-remote",
@@ -472,85 +432,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heads", type=int)
     p.set_defaults(func=lambda a: importlib.import_module(".state._cli", __package__).plot_state(a))
 
-    from .experiments.common import add_model_flags
-
-    p = sub.add_parser(
-        "kvprobe",
-        help="scripted sequence and state ops",
-        description=_doc("kvprobe"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_model_flags(p, ctx=4096)
-    p.add_argument("--ops", required=True, help="ops separated by ';' (see above)")
-    p.set_defaults(func=_experiment("kvprobe"))
-
-    p = sub.add_parser("ubatch-sweep", help="buffers and speed against -ub", description=_doc("sweep"))
-    add_model_flags(p)
-    p.add_argument("--ubatch-list", default="512,256,128,64", help="the -ub values (default %(default)s)")
-    p.add_argument("--clamp-b", type=int, default=0, help="-b of the clamp row (default: smallest ub / 2)")
-    p.add_argument("-p", "--n-prompt", type=int, default=512)
-    p.add_argument("-n", "--n-gen", type=int, default=32)
-    p.add_argument("-r", "--repeat", type=int, default=3)
-    p.add_argument("-o", "--output", help="write a two-panel plot (PNG)")
-    p.set_defaults(func=_experiment("sweep"))
-
-    p = sub.add_parser(
-        "prefix-sharing", help="a shared prompt for -np sequences: cells, time, outputs", description=_doc("prefix")
-    )
-    add_model_flags(p, n_parallel=4)
-    p.add_argument("--modes", default="unified,split", help="unified and/or split (default %(default)s)")
-    p.add_argument("--prompt-text", default=None, help="the shared prompt (default: a built-in story opening)")
-    p.add_argument("-p", "--n-prompt", type=int, default=0, help="repeat the prompt to this many tokens")
-    p.add_argument("-n", "--n-gen", type=int, default=16)
-    p.add_argument(
-        "--requests",
-        type=int,
-        default=0,
-        help="workload mode: this many requests sharing a system prompt (--prompt-text) through the "
-        "Scheduler, without and with its prefix cache (default 0: off)",
-    )
-    p.add_argument("-o", "--output", help="write a plot (PNG)")
-    p.set_defaults(func=_experiment("prefix"))
-
-    p = sub.add_parser("batch-isolation", help="do rows of different sequences leak?", description=_doc("isolation"))
-    add_model_flags(p)
-    p.add_argument("--ubatch-list", default="512,16,4")
-    p.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: 4 built-in)")
-    p.add_argument("--tolerance", type=float, default=1e-3, help="max |Δ logit| accepted (default %(default)g)")
-    p.set_defaults(func=_experiment("isolation"))
-
-    from .experiments import graph, placement, splits, trace
-
-    splits.add_parser(sub)
-    trace.add_parser(sub)
-    placement.add_parser(sub)
-    graph.add_parser(sub)
-
     from . import _scoring_cli
-    from .experiments import kvtypes
-
-    _scoring_cli.add_parser(sub)
-    kvtypes.add_parser(sub).set_defaults(func=_experiment("kvtypes"))
-
-    from .experiments import speculative
-
-    speculative.add_parser(sub).set_defaults(func=_experiment("speculative"))
-
-    from .experiments import mask, rowaudit
-
-    mask.add_parser(sub).set_defaults(func=_experiment("mask"))
-    rowaudit.add_parser(sub).set_defaults(func=_experiment("rowaudit"))
-
-    from .experiments import kvlive
-
-    kvlive.add_parser(sub)
-
-    from .experiments import profile
-
-    profile.add_parser(sub)
-
     from .evaluation import _cli as _evaluation_cli
+    from .experiments import (
+        graph,
+        isolation,
+        kvlive,
+        kvprobe,
+        kvtypes,
+        mask,
+        placement,
+        prefix,
+        profile,
+        rowaudit,
+        speculative,
+        splits,
+        sweep,
+        trace,
+    )
 
+    for experiment in (kvprobe, sweep, prefix, isolation, splits, trace, placement, graph):
+        experiment.add_parser(sub)
+    _scoring_cli.add_parser(sub)
+    for experiment in (kvtypes, speculative, mask, rowaudit, kvlive, profile):
+        experiment.add_parser(sub)
     _evaluation_cli.add_parser(sub)
     return ap
 

@@ -1,13 +1,18 @@
-"""Flags shared by the experiment commands (llama.cpp's own short names) and table printing."""
+"""What the experiment commands share: their flags (llama.cpp's own short names), the model and
+context they ask for, the command itself (:class:`Command`: run, print or ``--json``, draw with
+``-o``, the exit status), progress, tables and figures."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
@@ -21,6 +26,48 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
+THREADS_HELP = "n_threads and n_threads_batch (default %(default)s: the physical cores)"
+
+
+def add_threads_flag(p: argparse.ArgumentParser, *, default: int | None = None, help: str = THREADS_HELP) -> None:
+    """Add ``-t/--threads`` to ``p``, as llama.cpp's tools name it.
+
+    Args:
+        p: The parser (a subcommand's).
+        default: Its default; None: the physical core count (``default_n_threads()``).
+        help: Its help text.
+    """
+    p.add_argument("-t", "--threads", type=int, default=default_n_threads() if default is None else default, help=help)
+
+
+def add_flash_attn_flag(
+    p: argparse.ArgumentParser,
+    *,
+    choices: Sequence[str] = ("auto", "on", "off"),
+    default: str = "auto",
+    help: str = "flash_attn_type (default %(default)s)",
+) -> None:
+    """Add ``-fa/--flash-attn`` (``flash_attn_type``) to ``p``.
+
+    Args:
+        p: The parser (a subcommand's).
+        choices: The values it takes, in the order ``--help`` lists them.
+        default: Its default.
+        help: Its help text.
+    """
+    p.add_argument("-fa", "--flash-attn", choices=list(choices), default=default, help=help)
+
+
+def add_gpu_layers_flag(p: argparse.ArgumentParser, *, help: str = "n_gpu_layers (default %(default)s)") -> None:
+    """Add ``-ngl/--n-gpu-layers`` (default 0) to ``p``; :func:`load_model` reads it.
+
+    Args:
+        p: The parser (a subcommand's).
+        help: Its help text.
+    """
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help=help)
+
+
 def add_cache_and_thread_flags(p: argparse.ArgumentParser, *, threads: int | None = None) -> None:
     """Add ``-ctk``, ``-ctv`` (KV cache types) and ``-t`` (threads) to ``p``, as llama.cpp names them.
 
@@ -30,13 +77,26 @@ def add_cache_and_thread_flags(p: argparse.ArgumentParser, *, threads: int | Non
     """
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="type_k (default %(default)s)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="type_v (default %(default)s)")
-    p.add_argument(
-        "-t",
-        "--threads",
-        type=int,
-        default=default_n_threads() if threads is None else threads,
-        help="n_threads and n_threads_batch (default %(default)s: the physical cores)",
-    )
+    add_threads_flag(p, default=threads)
+
+
+def add_context_flags(
+    p: argparse.ArgumentParser, *, flash_attn: bool = True, gpu_layers: bool = True, threads: int | None = None
+) -> None:
+    """Add llama.cpp's flags of how a context computes, in llama.cpp's order: ``-fa``
+    (:func:`add_flash_attn_flag`), ``-ngl`` (:func:`add_gpu_layers_flag`), ``-ctk``, ``-ctv`` and ``-t``.
+
+    Args:
+        p: The parser (a subcommand's).
+        flash_attn: Add ``-fa`` (auto, on, off; default auto).
+        gpu_layers: Add ``-ngl``.
+        threads: The default of ``-t``; None: the physical core count (``default_n_threads()``).
+    """
+    if flash_attn:
+        add_flash_attn_flag(p)
+    if gpu_layers:
+        add_gpu_layers_flag(p)
+    add_cache_and_thread_flags(p, threads=threads)
 
 
 MODEL_HELP = "GGUF file (default: $PYLLAMACPP_MODEL or the default model)"
@@ -94,17 +154,20 @@ def add_model_flags(
     p.add_argument("-b", "--batch-size", type=int, default=batch, help="n_batch (default %(default)s)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=ubatch, help="n_ubatch (default %(default)s)")
     p.add_argument("-np", "--parallel", type=int, default=n_parallel, help="n_seq_max (default %(default)s)")
+    add_context_flags(p, threads=threads)
+    add_kv_unified_flags(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def add_kv_unified_flags(p: argparse.ArgumentParser, *, default: bool | None = None) -> None:
+    """Add ``--kv-unified`` / ``--no-kv-unified`` (``kv_unified``) to ``p``.
+
+    Args:
+        p: The parser (a subcommand's).
+        default: ``kv_unified`` when neither is given; None: the library's (see :func:`context_kwargs`).
+    """
     p.add_argument(
-        "-fa",
-        "--flash-attn",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="flash_attn_type (default %(default)s)",
-    )
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="n_gpu_layers (default %(default)s)")
-    add_cache_and_thread_flags(p, threads=threads)
-    p.add_argument(
-        "--kv-unified", dest="kv_unified", action="store_true", default=None, help="one KV stream for all sequences"
+        "--kv-unified", dest="kv_unified", action="store_true", default=default, help="one KV stream for all sequences"
     )
     p.add_argument(
         "--no-kv-unified",
@@ -112,7 +175,25 @@ def add_model_flags(
         action="store_false",
         help="one KV stream per sequence (llama.cpp's default)",
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def cache_kwargs(args: argparse.Namespace) -> dict:
+    """The :class:`~pyllamacpp.Context` keywords of ``-fa``, ``-ctk``, ``-ctv`` and ``-t``: what every
+    context of a command shares, whatever sizes it is made with.
+
+    Args:
+        args: The parsed flags (those of :func:`add_flash_attn_flag` and :func:`add_cache_and_thread_flags`).
+
+    Returns:
+        ``flash_attn``, ``type_k``, ``type_v``, ``n_threads`` and ``n_threads_batch``.
+    """
+    return dict(
+        flash_attn=args.flash_attn,
+        type_k=args.cache_type_k,
+        type_v=args.cache_type_v,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+    )
 
 
 def context_kwargs(args: argparse.Namespace, **override: Any) -> dict:
@@ -130,11 +211,7 @@ def context_kwargs(args: argparse.Namespace, **override: Any) -> dict:
         n_batch=args.batch_size,
         n_ubatch=args.ubatch_size,
         n_seq_max=args.parallel,
-        flash_attn=args.flash_attn,
-        type_k=args.cache_type_k,
-        type_v=args.cache_type_v,
-        n_threads=args.threads,
-        n_threads_batch=args.threads,
+        **cache_kwargs(args),
     )
     if args.kv_unified is not None:
         kw["kv_unified"] = args.kv_unified
@@ -143,10 +220,11 @@ def context_kwargs(args: argparse.Namespace, **override: Any) -> dict:
 
 
 def load_model(args: argparse.Namespace) -> Model:
-    """Load ``-m`` (the default model when not given) with ``-ngl`` layers offloaded.
+    """Load ``-m`` (the default model when not given) with ``-ngl`` layers offloaded (none for a
+    command without ``-ngl``).
 
     Args:
-        args: The parsed flags of :func:`add_model_flags`.
+        args: The parsed flags of :func:`add_model_path_flag` (and :func:`add_gpu_layers_flag`).
 
     Returns:
         The :class:`~pyllamacpp.Model` (the caller closes it).
@@ -156,7 +234,30 @@ def load_model(args: argparse.Namespace) -> Model:
     """
     from ..model import Model
 
-    return Model(args.model, n_gpu_layers=args.n_gpu_layers)
+    return Model(args.model, n_gpu_layers=getattr(args, "n_gpu_layers", 0))
+
+
+def run_on_model(args: argparse.Namespace, fn: Callable[..., dict], *a: Any, **kw: Any) -> dict:
+    """Load ``-m``, call ``fn(model, *a, **kw)``, close the model; the result names the model and ``-t``.
+
+    Args:
+        args: The parsed flags (``-m``, ``-ngl``, ``-t``).
+        fn: The experiment proper (it takes the model first).
+        *a: Its further arguments.
+        **kw: Its keywords.
+
+    Returns:
+        What ``fn`` returned, plus ``model`` (the file's path) and ``threads``.
+
+    Raises:
+        ModelLoadError: The model cannot be loaded.
+        Exception: Whatever ``fn`` raised (the model is closed all the same).
+    """
+    with load_model(args) as model:
+        data = fn(model, *a, **kw)
+    data["model"] = str(model.path)
+    data["threads"] = args.threads
+    return data
 
 
 PROMPT_TEXT = "The cat sat on the mat. The dog lay by the door and watched the rain. "
@@ -309,3 +410,128 @@ def report_interrupted(args: argparse.Namespace, command: str, e: Interrupted, p
             print(f"{note}: the {e.unit} above are all that was measured", flush=True)
     print(f"pyllamacpp {command}: {note}" + ("" if e.data is not None else "; nothing to print"), file=sys.stderr)
     return 130
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One experiment as a ``pyllamacpp`` subcommand: its flags, and what running it does.
+
+    The experiment is its module: ``run(args)`` measures and returns the data, ``print_report(data)``
+    prints it as text, ``plot(data, path)`` (where the command has ``-o``) draws it, and the module's
+    docstring is the command's ``--help`` description. Calling the command runs it: ``run``, then
+    the text report or, with ``--json``, the data as JSON (:func:`emit`), then the figure with
+    ``-o``. Ctrl-C prints what the finished steps measured (:func:`report_interrupted`, exit 130).
+    The exit status is 1 when the data's ``ok`` is false, else 0.
+
+    Attributes:
+        name: The subcommand (``kv-live``).
+        help: Its line in ``pyllamacpp --help``.
+        module: The experiment's module (its ``__name__``).
+        flags: Adds the command's flags to its parser.
+        printer: The parsed flags -> the printer to use instead of ``print_report`` (where flags
+            shape the text report); None: ``print_report``.
+        refused: Exceptions of ``run`` that are bad input: said on stderr as ``pyllamacpp NAME:
+            <refused_as><message>``, exit 2.
+        refused_as: The words before such a message.
+        failure: The data -> what to say on stderr when its ``ok`` is false; None: nothing.
+    """
+
+    name: str
+    help: str
+    module: str
+    flags: Callable[[argparse.ArgumentParser], None]
+    printer: Callable[[argparse.Namespace], Callable[[Any], None]] | None = None
+    refused: tuple[type[Exception], ...] = ()
+    refused_as: str = ""
+    failure: Callable[[Any], str] | None = None
+
+    def add_parser(self, sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+        """Add the subcommand and its flags to ``sub``; its ``func`` is this command.
+
+        Args:
+            sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
+
+        Returns:
+            The subcommand's parser.
+        """
+        p = subcommand(sub, self.name, self.help, sys.modules[self.module].__doc__)
+        self.flags(p)
+        p.set_defaults(func=self)
+        return p
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        """Run the command.
+
+        Args:
+            args: The parsed flags of :meth:`add_parser`.
+
+        Returns:
+            The exit status: 0, 1 when the data's ``ok`` is false, 2 when ``run`` refused the
+            input (``refused``), 130 on Ctrl-C.
+        """
+        mod = sys.modules[self.module]  # looked up now: what the module holds when the command runs
+        printer = self.printer(args) if self.printer is not None else mod.print_report
+        try:
+            data = mod.run(args)
+        except Interrupted as e:  # Ctrl-C: print what was measured, then exit 130
+            return report_interrupted(args, self.name, e, printer)
+        except self.refused as e:
+            print(f"pyllamacpp {self.name}: {self.refused_as}{e}", file=sys.stderr)
+            return 2
+        emit(args, data, printer)
+        if getattr(args, "output", None):
+            mod.plot(data, args.output)
+            print(f"wrote {args.output}", file=sys.stderr)
+        sys.stdout.flush()  # the report before any word on stderr
+        if isinstance(data, dict) and not data.get("ok", True):
+            if self.failure is not None:
+                print(f"pyllamacpp {self.name}: {self.failure(data)}", file=sys.stderr)
+            return 1
+        return 0
+
+
+@contextlib.contextmanager
+def figure(
+    path: str | os.PathLike,
+    *grid: int,
+    dpi: float | None = 100,
+    tight: bool = True,
+    rect: tuple[float, float, float, float] | None = None,
+    bbox_inches: str | None = None,
+    **subplots: Any,
+) -> Iterator[tuple[Any, Any]]:
+    """A matplotlib figure to draw in, written to ``path`` when the block ends.
+
+    ``pyplot.subplots(*grid, **subplots)`` on the Agg backend (files only, no display); when the
+    block ends the figure is laid out (``tight_layout``), saved and closed, and closed all the same
+    when drawing fails.
+
+    Args:
+        path: The file (its suffix picks the format).
+        *grid: ``subplots``' rows and columns.
+        dpi: Dots per inch; None: matplotlib's default (``savefig.dpi``).
+        tight: Lay it out with ``tight_layout`` before saving.
+        rect: The part of the figure ``tight_layout`` fills (left, bottom, right, top); None: all.
+        bbox_inches: ``savefig``'s (``"tight"``: cropped to what is drawn).
+        **subplots: ``subplots``' keywords (``figsize``, ``squeeze``, ``gridspec_kw``...).
+
+    Returns:
+        A context manager; ``with`` gives ``(fig, axes)``, as ``subplots`` returns them.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        OSError: The file cannot be written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*grid, **subplots)
+    try:
+        yield fig, axes
+        if tight:
+            fig.tight_layout(rect=rect)
+        fig.savefig(path, dpi=dpi, bbox_inches=bbox_inches)
+    finally:
+        plt.close(fig)

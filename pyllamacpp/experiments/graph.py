@@ -12,31 +12,19 @@ Made by probe decodes in a throwaway context with the same flags (``ctx.graph_no
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from .common import add_model_flags, context_kwargs, load_model, subcommand
+from .common import Command, add_model_flags, context_kwargs, load_model
 
 __all__ = ["add_parser", "run", "print_report", "main"]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``graph`` subcommand and its flags.
-
-    Args:
-        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
-
-    Returns:
-        The subcommand's parser (its ``func`` is :func:`main`).
-    """
-    p = subcommand(sub, "graph", "the nodes one forward pass computes (the map for graph taps)", __doc__)
+def _flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p, ctx=512)
     p.add_argument("--n-tokens", type=int, default=3, help="tokens of the pass whose shapes are shown")
     p.add_argument("--layers", default=None, help="only these layers, e.g. 0,5 (and the unlayered nodes)")
     p.add_argument("--views", action="store_true", help="also list the view nodes (no compute)")
     p.add_argument("--sites", action="store_true", help="print only the sites and inputs, one line each")
-    p.set_defaults(func=main)
-    return p
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -51,12 +39,8 @@ def run(args: argparse.Namespace) -> dict:
     """
     import dataclasses
 
-    model = load_model(args)
-    try:
-        with model.context(**context_kwargs(args)) as ctx:
-            g = ctx.graph_nodes(args.n_tokens)
-    finally:
-        model.close()
+    with load_model(args) as model, model.context(**context_kwargs(args)) as ctx:
+        g = ctx.graph_nodes(args.n_tokens)
     layers = None if args.layers is None else [int(x) for x in args.layers.split(",") if x.strip()]
     return {
         "model": str(model.path),
@@ -116,18 +100,5 @@ def _input_names(inputs: list[dict]) -> list[str]:
     return [k if not ls else f"{k}<{min(ls)}..{max(ls)}>" for k, ls in layers.items()]
 
 
-def main(args: argparse.Namespace) -> int:
-    """The command: list, print (table or --json).
-
-    Args:
-        args: The parsed flags of :func:`add_parser`.
-
-    Returns:
-        The exit status (0).
-    """
-    from .common import emit
-
-    data = run(args)
-    emit(args, data, print_report)
-    sys.stdout.flush()
-    return 0
+COMMAND = Command("graph", "the nodes one forward pass computes (the map for graph taps)", __name__, _flags)
+add_parser, main = COMMAND.add_parser, COMMAND

@@ -15,7 +15,7 @@ import argparse
 
 import numpy as np
 
-from .common import Interrupted, load_model, progress
+from .common import Command, Interrupted, add_model_flags, cache_kwargs, load_model, progress
 
 DEFAULT_PROMPTS = [
     "The cat sat on the mat.",
@@ -23,6 +23,13 @@ DEFAULT_PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n",
     "Water boils at a temperature of",
 ]
+
+
+def _flags(p: argparse.ArgumentParser) -> None:
+    add_model_flags(p)
+    p.add_argument("--ubatch-list", default="512,16,4")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: 4 built-in)")
+    p.add_argument("--tolerance", type=float, default=1e-3, help="max |Δ logit| accepted (default %(default)g)")
 
 
 def _decode_rows(ctx, model, items):
@@ -63,69 +70,63 @@ def run(args: argparse.Namespace) -> dict:
     """
     prompts = args.prompt or DEFAULT_PROMPTS
     ubs = [int(x) for x in str(args.ubatch_list).split(",") if x]
-    model = load_model(args)
-    toks = [model.tokenize(p) for p in prompts]
-    k = len(toks)
-    total = sum(len(t) for t in toks)
-    out = {"model": str(model.path), "prompts": prompts, "tolerance": args.tolerance, "runs": []}
-    try:
-        for ub in progress(ubs, "batch-isolation"):
-            kw = dict(
-                n_ctx=max(256, 2 * total),
-                n_batch=max(total, ub),
-                n_ubatch=ub,
-                n_seq_max=k,
-                kv_unified=True,
-                flash_attn=args.flash_attn,
-                type_k=args.cache_type_k,
-                type_v=args.cache_type_v,
-                n_threads=args.threads,
-                n_threads_batch=args.threads,
-            )
-            with model.context(**kw) as ctx:
-                together = _decode_rows(ctx, model, [(t, i, 0) for i, t in enumerate(toks)])
-                alone = []
-                for i, t in enumerate(toks):
+    with load_model(args) as model:
+        toks = [model.tokenize(p) for p in prompts]
+        k = len(toks)
+        total = sum(len(t) for t in toks)
+        out = {"model": str(model.path), "prompts": prompts, "tolerance": args.tolerance, "runs": []}
+        try:
+            for ub in progress(ubs, "batch-isolation"):
+                kw = dict(
+                    n_ctx=max(256, 2 * total),
+                    n_batch=max(total, ub),
+                    n_ubatch=ub,
+                    n_seq_max=k,
+                    kv_unified=True,
+                    **cache_kwargs(args),
+                )
+                with model.context(**kw) as ctx:
+                    together = _decode_rows(ctx, model, [(t, i, 0) for i, t in enumerate(toks)])
+                    alone = []
+                    for i, t in enumerate(toks):
+                        ctx.memory.clear()
+                        alone.append(_decode_rows(ctx, model, [(t, i, 0)])[0])
+                    # control: all prompts in one shared sequence, one after the other
                     ctx.memory.clear()
-                    alone.append(_decode_rows(ctx, model, [(t, i, 0)])[0])
-                # control: all prompts in one shared sequence, one after the other
-                ctx.memory.clear()
-                items, pos = [], 0
-                for t in toks:
-                    items.append((t, 0, pos))
-                    pos += len(t)
-                shared = _decode_rows(ctx, model, items)
-            seqs = []
-            for i in range(k):
-                seqs.append(
+                    items, pos = [], 0
+                    for t in toks:
+                        items.append((t, 0, pos))
+                        pos += len(t)
+                    shared = _decode_rows(ctx, model, items)
+                seqs = []
+                for i in range(k):
+                    seqs.append(
+                        {
+                            "seq_id": i,
+                            "n_tokens": int(len(toks[i])),
+                            "max_abs_diff": float(np.max(np.abs(together[i] - alone[i]))),
+                            "greedy_together": int(np.argmax(together[i])),
+                            "greedy_alone": int(np.argmax(alone[i])),
+                            "control_max_abs_diff": float(np.max(np.abs(shared[i] - alone[i]))),
+                        }
+                    )
+                for s in seqs:
+                    s["greedy_agree"] = s["greedy_together"] == s["greedy_alone"]
+                isolated = all(s["greedy_agree"] and s["max_abs_diff"] <= args.tolerance for s in seqs)
+                # the control must break isolation for every prompt after the first
+                control_breaks = all(s["control_max_abs_diff"] > args.tolerance for s in seqs[1:])
+                out["runs"].append(
                     {
-                        "seq_id": i,
-                        "n_tokens": int(len(toks[i])),
-                        "max_abs_diff": float(np.max(np.abs(together[i] - alone[i]))),
-                        "greedy_together": int(np.argmax(together[i])),
-                        "greedy_alone": int(np.argmax(alone[i])),
-                        "control_max_abs_diff": float(np.max(np.abs(shared[i] - alone[i]))),
+                        "n_ubatch": ub,
+                        "n_batch": kw["n_batch"],
+                        "seqs": seqs,
+                        "isolated": isolated,
+                        "control_breaks": control_breaks,
                     }
                 )
-            for s in seqs:
-                s["greedy_agree"] = s["greedy_together"] == s["greedy_alone"]
-            isolated = all(s["greedy_agree"] and s["max_abs_diff"] <= args.tolerance for s in seqs)
-            # the control must break isolation for every prompt after the first
-            control_breaks = all(s["control_max_abs_diff"] > args.tolerance for s in seqs[1:])
-            out["runs"].append(
-                {
-                    "n_ubatch": ub,
-                    "n_batch": kw["n_batch"],
-                    "seqs": seqs,
-                    "isolated": isolated,
-                    "control_breaks": control_breaks,
-                }
-            )
-    except KeyboardInterrupt:  # Ctrl-C: the -ub values compared so far are still worth printing
-        n = len(out["runs"])
-        raise Interrupted(_verdict(out) if n else None, n, len(ubs), "-ub values") from None
-    finally:
-        model.close()
+        except KeyboardInterrupt:  # Ctrl-C: the -ub values compared so far are still worth printing
+            n = len(out["runs"])
+            raise Interrupted(_verdict(out) if n else None, n, len(ubs), "-ub values") from None
     return _verdict(out)
 
 
@@ -161,3 +162,7 @@ def print_report(data: dict) -> None:
             ],
         )
     print(f"\nverdict: {data['verdict']}")
+
+
+COMMAND = Command("batch-isolation", "do rows of different sequences leak?", __name__, _flags)
+add_parser, main = COMMAND.add_parser, COMMAND

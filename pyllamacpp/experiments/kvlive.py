@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .common import add_cache_and_thread_flags, add_model_path_flag, load_model, progress, subcommand
+from .common import Command, Interrupted, add_context_flags, add_model_path_flag, load_model, progress
 
 if TYPE_CHECKING:
     from ..context import Context
@@ -614,8 +614,6 @@ def run(args: argparse.Namespace) -> dict:
         DecodeError: A decode failed.
         Interrupted: Ctrl-C; it carries the modes finished before it.
     """
-    from .common import Interrupted
-
     modes = [m.strip().split(":") for m in str(args.modes).split(",") if m.strip()]
     for m in modes:
         if len(m) != 2:
@@ -627,18 +625,16 @@ def run(args: argparse.Namespace) -> dict:
         n_threads=args.threads,
         n_threads_batch=args.threads,
     )
-    model = load_model(args)
-    data: dict[str, Any] = {"model": str(model.path), "prompts": prompts, "modes": []}
-    try:
-        for layout, fa in progress(modes, "kv-live"):
-            data["modes"].append(
-                run_mode(model, layout=layout, flash_attn=fa, prompts=prompts, n_ctx=args.ctx_size, ctx_kwargs=kw)
-            )
-    except KeyboardInterrupt:
-        data["ok"] = all(m["ok"] for m in data["modes"])
-        raise Interrupted(data if data["modes"] else None, len(data["modes"]), len(modes), "modes") from None
-    finally:
-        model.close()
+    with load_model(args) as model:
+        data: dict[str, Any] = {"model": str(model.path), "prompts": prompts, "modes": []}
+        try:
+            for layout, fa in progress(modes, "kv-live"):
+                data["modes"].append(
+                    run_mode(model, layout=layout, flash_attn=fa, prompts=prompts, n_ctx=args.ctx_size, ctx_kwargs=kw)
+                )
+        except KeyboardInterrupt:
+            data["ok"] = all(m["ok"] for m in data["modes"])
+            raise Interrupted(data if data["modes"] else None, len(data["modes"]), len(modes), "modes") from None
     data["ok"] = all(m["ok"] for m in data["modes"])
     return data
 
@@ -731,152 +727,130 @@ def plot(data: dict, path: str | os.PathLike) -> None:
         data: What :func:`run` returned.
         path: The image file to write (its suffix picks the format).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import ConnectionPatch
+
+    from .common import figure
 
     m = data["modes"][0]
     seq = m["seqs"][0]
     ts = m["tensors"]
     size = next(iter(m["memory"]["buffers"].values()))
     colors = {"K": ("#4c72b0", "#8fa9d6"), "V": ("#dd8452", "#efb48f")}
-    fig, (live, dump, cellmap) = plt.subplots(
-        3, 1, figsize=(11, 6.8), gridspec_kw={"height_ratios": [1, 1, 1.1], "hspace": 1.3}
-    )
-    mib = 2**20
-    for t in ts:
-        live.barh(0, t["nbytes"] / mib, left=t["buffer_offset"] / mib, color=colors[t["kind"]][t["layer"] % 2])
-    live.set_xlim(0, size / mib)
-    live.set_yticks([])
-    live.set_xlabel("MiB from the buffer's base", fontsize=8)
-    live.set_title(
-        f"the live {ts[0]['buffer']} buffer ({size:,} bytes), tensors sorted by the offset each one reports: "
-        f"{' '.join(m['memory']['order'][:4])} ... {' '.join(m['memory']['order'][-2:])}",
-        fontsize=9,
-    )
-    n_layer = len({t["layer"] for t in ts})
-    row = seq["bytes"] // (2 * n_layer)
-    total = seq["dump_bytes"]
-    meta = total - 2 * n_layer * row
-    kib = 1024
-    for i in range(2 * n_layer):
-        kind = "K" if i < n_layer else "V"
-        dump.barh(0, row / kib, left=(meta + i * row) / kib, color=colors[kind][(i % n_layer) % 2])
-    dump.set_xlim(0, total / kib)
-    dump.set_yticks([])
-    dump.set_xlabel("KiB from the dump's start", fontsize=8)
-    dump.set_title(
-        f"sequence 0's llama_state_seq_get_data_ext dump ({total:,} bytes): {meta} bytes of metadata, every "
-        f"layer's K, then every layer's V\n{seq['bytes']:,} bytes compared with the same rows of the live tensors: "
-        + ("all equal" if seq["ok"] else f"{seq['mismatches']:,} DIFFER"),
-        fontsize=9,
-    )
-    for t in ts[:4]:
-        rec = t["layer"] + (n_layer if t["kind"] == "V" else 0)
-        fig.add_artist(
-            ConnectionPatch(
-                xyA=((t["buffer_offset"] + t["nbytes"] / 2) / mib, -0.4),
-                coordsA=live.transData,
-                xyB=((meta + rec * row + row / 2) / kib, 0.4),
-                coordsB=dump.transData,
-                color=colors[t["kind"]][0],
-                lw=1.2,
-            )
+    with figure(
+        path,
+        3,
+        1,
+        figsize=(11, 6.8),
+        gridspec_kw={"height_ratios": [1, 1, 1.1], "hspace": 1.3},
+        tight=False,
+        bbox_inches="tight",
+    ) as (fig, (live, dump, cellmap)):
+        mib = 2**20
+        for t in ts:
+            live.barh(0, t["nbytes"] / mib, left=t["buffer_offset"] / mib, color=colors[t["kind"]][t["layer"] % 2])
+        live.set_xlim(0, size / mib)
+        live.set_yticks([])
+        live.set_xlabel("MiB from the buffer's base", fontsize=8)
+        live.set_title(
+            f"the live {ts[0]['buffer']} buffer ({size:,} bytes), tensors sorted by the offset each one reports: "
+            f"{' '.join(m['memory']['order'][:4])} ... {' '.join(m['memory']['order'][-2:])}",
+            fontsize=9,
         )
-    # which cells hold which sequence (the stream of sequence 0)
-    kv_size = ts[0]["ne"][1]
-    owner = np.full(kv_size, -1)
-    for s in m["seqs"]:
-        if s["stream"] == seq["stream"]:
-            owner[s["cells"]] = s["seq_id"]
-    used = np.flatnonzero(owner >= 0)
-    n_show = min(kv_size, int(used.max()) + 6 if used.size else 16)
-    palette = ["#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#ccb974"]
-    for c in range(n_show):
-        o = owner[c]
-        cellmap.barh(0, 1, left=c, color=palette[o % len(palette)] if o >= 0 else "#dddddd", edgecolor="white")
-    for s in m["seqs"]:
-        if s["stream"] == seq["stream"]:
-            for c, p in zip(s["cells"], s["pos"]):
-                if c < n_show:
-                    cellmap.text(c + 0.5, 0, str(p), ha="center", va="center", fontsize=7, color="white")
-    cellmap.set_xlim(0, n_show)
-    cellmap.set_yticks([])
-    cellmap.set_xlabel(f"cell of stream {seq['stream']} (of {kv_size})", fontsize=8)
-    row_b = ts[0]["nb"][1]
-    layout = (
-        f"V transposed (v_trans 1): value j of cell c at byte (j x {kv_size} + c) x {ts[1]['nb'][0]} of cache_v_l<il>"
-        if m["v_trans"]
-        else "V the same way (v_trans 0)"
-    )
-    from matplotlib.patches import Patch
+        n_layer = len({t["layer"] for t in ts})
+        row = seq["bytes"] // (2 * n_layer)
+        total = seq["dump_bytes"]
+        meta = total - 2 * n_layer * row
+        kib = 1024
+        for i in range(2 * n_layer):
+            kind = "K" if i < n_layer else "V"
+            dump.barh(0, row / kib, left=(meta + i * row) / kib, color=colors[kind][(i % n_layer) % 2])
+        dump.set_xlim(0, total / kib)
+        dump.set_yticks([])
+        dump.set_xlabel("KiB from the dump's start", fontsize=8)
+        dump.set_title(
+            f"sequence 0's llama_state_seq_get_data_ext dump ({total:,} bytes): {meta} bytes of metadata, every "
+            f"layer's K, then every layer's V\n{seq['bytes']:,} bytes compared with the same rows of the live tensors: "
+            + ("all equal" if seq["ok"] else f"{seq['mismatches']:,} DIFFER"),
+            fontsize=9,
+        )
+        for t in ts[:4]:
+            rec = t["layer"] + (n_layer if t["kind"] == "V" else 0)
+            fig.add_artist(
+                ConnectionPatch(
+                    xyA=((t["buffer_offset"] + t["nbytes"] / 2) / mib, -0.4),
+                    coordsA=live.transData,
+                    xyB=((meta + rec * row + row / 2) / kib, 0.4),
+                    coordsB=dump.transData,
+                    color=colors[t["kind"]][0],
+                    lw=1.2,
+                )
+            )
+        # which cells hold which sequence (the stream of sequence 0)
+        kv_size = ts[0]["ne"][1]
+        owner = np.full(kv_size, -1)
+        for s in m["seqs"]:
+            if s["stream"] == seq["stream"]:
+                owner[s["cells"]] = s["seq_id"]
+        used = np.flatnonzero(owner >= 0)
+        n_show = min(kv_size, int(used.max()) + 6 if used.size else 16)
+        palette = ["#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#ccb974"]
+        for c in range(n_show):
+            o = owner[c]
+            cellmap.barh(0, 1, left=c, color=palette[o % len(palette)] if o >= 0 else "#dddddd", edgecolor="white")
+        for s in m["seqs"]:
+            if s["stream"] == seq["stream"]:
+                for c, p in zip(s["cells"], s["pos"]):
+                    if c < n_show:
+                        cellmap.text(c + 0.5, 0, str(p), ha="center", va="center", fontsize=7, color="white")
+        cellmap.set_xlim(0, n_show)
+        cellmap.set_yticks([])
+        cellmap.set_xlabel(f"cell of stream {seq['stream']} (of {kv_size})", fontsize=8)
+        row_b = ts[0]["nb"][1]
+        layout = (
+            "V transposed (v_trans 1): value j of cell c at byte "
+            f"(j x {kv_size} + c) x {ts[1]['nb'][0]} of cache_v_l<il>"
+            if m["v_trans"]
+            else "V the same way (v_trans 0)"
+        )
+        from matplotlib.patches import Patch
 
-    here = [s for s in m["seqs"] if s["stream"] == seq["stream"]]
-    cellmap.legend(
-        handles=[Patch(color=palette[s["seq_id"] % len(palette)], label=f"seq {s['seq_id']}") for s in here]
-        + [Patch(color="#dddddd", label="empty")],
-        loc="upper right",
-        fontsize=7,
-        ncol=len(here) + 1,
-        bbox_to_anchor=(1.0, -0.45),
-    )
-    cellmap.set_title(
-        "which cells hold which sequence, from attn_inp_k_idxs (numbers: positions)\ncell c of K is bytes "
-        f"c x {row_b} of cache_k_l<il>; {layout}",
-        fontsize=8,
-    )
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
+        here = [s for s in m["seqs"] if s["stream"] == seq["stream"]]
+        cellmap.legend(
+            handles=[Patch(color=palette[s["seq_id"] % len(palette)], label=f"seq {s['seq_id']}") for s in here]
+            + [Patch(color="#dddddd", label="empty")],
+            loc="upper right",
+            fontsize=7,
+            ncol=len(here) + 1,
+            bbox_to_anchor=(1.0, -0.45),
+        )
+        cellmap.set_title(
+            "which cells hold which sequence, from attn_inp_k_idxs (numbers: positions)\ncell c of K is bytes "
+            f"c x {row_b} of cache_k_l<il>; {layout}",
+            fontsize=8,
+        )
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``kv-live`` subcommand and its flags.
-
-    Args:
-        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
-
-    Returns:
-        The subcommand's parser (its ``func`` is :func:`main`).
-    """
-    p = subcommand(sub, "kv-live", "the KV cache tensors in their buffer, against the state dump", __doc__)
+def _flags(p: argparse.ArgumentParser) -> None:
     add_model_path_flag(p)
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="n_ctx (default %(default)s)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="n_gpu_layers (default %(default)s)")
-    add_cache_and_thread_flags(p)
+    add_context_flags(p, flash_attn=False)
     p.add_argument("--modes", default=MODES, help="layout:fa, comma-separated (default %(default)s)")
     p.add_argument("--prompt", action="append", help="one per sequence (repeat; default: two built-in prompts)")
     p.add_argument("--all", action="store_true", help="list every tensor, not the first six and the last two")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("-o", "--output", help="write a figure of the first mode (PNG)")
-    p.set_defaults(func=main)
-    return p
 
 
-def main(args: argparse.Namespace) -> int:
-    """The command: run, print (table or --json), draw with ``-o``.
+def _printer(args: argparse.Namespace) -> Callable[[dict], None]:
+    return functools.partial(print_report, all_tensors=args.all)
 
-    Args:
-        args: The parsed flags of :func:`add_parser`.
 
-    Returns:
-        The exit status: 0, 1 when a byte differs, 130 on Ctrl-C.
-    """
-    from .common import Interrupted, emit, report_interrupted
-
-    def printer(d: dict) -> None:
-        print_report(d, all_tensors=args.all)
-
-    try:
-        data = run(args)
-    except Interrupted as e:
-        return report_interrupted(args, "kv-live", e, printer)
-    emit(args, data, printer)
-    if args.output:
-        plot(data, args.output)
-        print(f"wrote {args.output}", file=sys.stderr)
-    if not data["ok"]:
-        print("pyllamacpp kv-live: the live cache and the dump DIFFER", file=sys.stderr)
-        return 1
-    return 0
+COMMAND = Command(
+    "kv-live",
+    "the KV cache tensors in their buffer, against the state dump",
+    __name__,
+    _flags,
+    printer=_printer,
+    failure=lambda data: "the live cache and the dump DIFFER",
+)
+add_parser, main = COMMAND.add_parser, COMMAND

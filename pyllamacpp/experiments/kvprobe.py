@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import LlamaError
-from .common import Interrupted, context_kwargs, load_model
+from .common import Command, Interrupted, add_model_flags, context_kwargs, load_model
 
 if TYPE_CHECKING:
     from ..context import Context
@@ -46,6 +46,11 @@ _ARITY = {
     "clear": (0, 0),
     "show": (1, 1),
 }
+
+
+def _flags(p: argparse.ArgumentParser) -> None:
+    add_model_flags(p, ctx=4096)
+    p.add_argument("--ops", required=True, help="ops separated by ';' (see above)")
 
 
 @dataclasses.dataclass
@@ -336,29 +341,25 @@ def run(args: argparse.Namespace) -> dict:
         Interrupted: Ctrl-C; it carries the ops that ran before it.
     """
     ops = parse_ops(args.ops, args.parallel)  # refused before the model is even loaded
-    model = load_model(args)
-    out: dict[str, Any] = {"model": str(model.path), "ops": []}
-    try:
-        with model.context(**context_kwargs(args)) as ctx:
-            probe = Probe(model, ctx)
-            out.update(
-                n_ctx=ctx.n_ctx,
-                n_seq_max=ctx.n_seq_max,
-                kv_unified=bool(ctx.params.kv_unified),
-                flash_attn=ctx.flash_attn,
-            )
-            for op in ops:
-                try:
-                    out["ops"].append(probe.run(op))
-                except (ValueError, LlamaError) as e:  # what ran so far is reported, then why it stopped
-                    out["error"] = f"op {op.index} {op.text!r}: {e}"
-                    out["ok"] = False
-                    break
-                except KeyboardInterrupt:  # Ctrl-C: so is what ran before it
-                    n = len(out["ops"])
-                    raise Interrupted(out if n else None, n, len(ops), "ops") from None
-    finally:
-        model.close()
+    with load_model(args) as model, model.context(**context_kwargs(args)) as ctx:
+        out: dict[str, Any] = {"model": str(model.path), "ops": []}
+        probe = Probe(model, ctx)
+        out.update(
+            n_ctx=ctx.n_ctx,
+            n_seq_max=ctx.n_seq_max,
+            kv_unified=bool(ctx.params.kv_unified),
+            flash_attn=ctx.flash_attn,
+        )
+        for op in ops:
+            try:
+                out["ops"].append(probe.run(op))
+            except (ValueError, LlamaError) as e:  # what ran so far is reported, then why it stopped
+                out["error"] = f"op {op.index} {op.text!r}: {e}"
+                out["ok"] = False
+                break
+            except KeyboardInterrupt:  # Ctrl-C: so is what ran before it
+                n = len(out["ops"])
+                raise Interrupted(out if n else None, n, len(ops), "ops") from None
     return out
 
 
@@ -376,3 +377,7 @@ def print_report(data: dict) -> None:
         print(f"[{i}] {r['op']}\n    {r['did']}")
     if data.get("error"):
         print(f"stopped: {data['error']}")
+
+
+COMMAND = Command("kvprobe", "scripted sequence and state ops", __name__, _flags)
+add_parser, main = COMMAND.add_parser, COMMAND

@@ -28,27 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from .._cpu import default_n_threads
-from .common import add_model_path_flag, progress, subcommand
+from .common import Command, add_flash_attn_flag, add_gpu_layers_flag, add_model_path_flag, add_threads_flag, progress
 
 DEFAULT_TYPES = "f16,q8_0,q5_1,q4_0"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``kv-types`` subcommand and its flags.
-
-    Args:
-        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
-
-    Returns:
-        The subcommand's parser (cli.py sets its ``func``).
-    """
-    p = subcommand(
-        sub,
-        "kv-types",
-        "KV cache types against f16: buffer, bytes/token, perplexity, KL divergence, top-1, speed",
-        __doc__,
-    )
+def _flags(p: argparse.ArgumentParser) -> None:
     add_model_path_flag(p)
     p.add_argument("-f", "--file", type=Path, default=None, help="the text (default: the shipped Shakespeare excerpt)")
     p.add_argument("--types", default=DEFAULT_TYPES, help="cache types, K and V alike; f16 is the reference")
@@ -56,8 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="n_batch")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="n_ubatch")
     p.add_argument("--chunks", type=int, default=-1, help="most perplexity chunks (-1: all)")
-    p.add_argument("-fa", "--flash-attn", choices=["on", "auto", "off"], default="on", help="flash_attn_type")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="n_gpu_layers")
+    add_flash_attn_flag(p, choices=("on", "auto", "off"), default="on", help="flash_attn_type")
+    add_gpu_layers_flag(p, help="n_gpu_layers")
     p.add_argument("--kv-ctx", type=int, default=4096, help="cells of the context whose KV buffer is reported")
     p.add_argument(
         "--hellaswag-file", type=Path, default=None, help="HellaSwag tasks (default: the 40 shipped with the package)"
@@ -66,16 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill tokens of the speed test")
     p.add_argument("-n", "--n-gen", type=int, default=64, help="single-token decodes after the prefill")
     p.add_argument("-r", "--repeat", type=int, default=3, help="speed runs per type (median)")
-    p.add_argument(
-        "-t",
-        "--threads",
-        type=int,
-        default=default_n_threads(),
-        help="n_threads and n_threads_batch (default %(default)s: the physical cores)",
-    )
+    add_threads_flag(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("-o", "--output", help="write a figure (PNG)")
-    return p
 
 
 def _kv_mib(buffers: dict[str, dict[str, float]]) -> float:
@@ -152,9 +130,9 @@ def run(args: argparse.Namespace) -> dict:
         DecodeError: A decode failed.
     """
     from ..evaluation.llama_perplexity import hellaswag, read_hellaswag, sample_path
-    from ..model import Model
     from ..params import ggml_type
     from ..scoring import kl_divergence, perplexity, sample_text_path
+    from .common import load_model
 
     if args.hellaswag_tasks < 0:
         raise ValueError(f"--hellaswag-tasks must be 0 (none) or more, not {args.hellaswag_tasks}")
@@ -169,21 +147,20 @@ def run(args: argparse.Namespace) -> dict:
     data = path.read_bytes()
     data = data[:-1] if data.endswith(b"\n") else data  # as llama-perplexity's -f
     threads = {"n_threads": args.threads, "n_threads_batch": args.threads}
-    model = Model(args.model, n_gpu_layers=args.n_gpu_layers)
-    out: dict[str, Any] = {
-        "model": str(model.path),
-        "text": path.name,
-        "n_ctx": args.ctx_size,
-        "n_batch": args.batch_size,
-        "flash_attn": args.flash_attn,
-        "threads": args.threads,
-        "kv_ctx": args.kv_ctx,
-        "n_prompt": args.n_prompt,
-        "n_gen": args.n_gen,
-        "hellaswag_file": hs_path.name if args.hellaswag_tasks else None,
-        "rows": [],
-    }
-    try:
+    with load_model(args) as model:
+        out: dict[str, Any] = {
+            "model": str(model.path),
+            "text": path.name,
+            "n_ctx": args.ctx_size,
+            "n_batch": args.batch_size,
+            "flash_attn": args.flash_attn,
+            "threads": args.threads,
+            "kv_ctx": args.kv_ctx,
+            "n_prompt": args.n_prompt,
+            "n_gen": args.n_gen,
+            "hellaswag_file": hs_path.name if args.hellaswag_tasks else None,
+            "rows": [],
+        }
         tokens = model.tokenize(data)
         out["n_tokens"] = int(tokens.size)
         with tempfile.TemporaryDirectory() as tmp:
@@ -241,8 +218,6 @@ def run(args: argparse.Namespace) -> dict:
                         **hs,
                     }
                 )
-    finally:
-        model.close()
     return out
 
 
@@ -307,36 +282,39 @@ def plot(data: dict, path: str | os.PathLike) -> None:
         data: What :func:`run` returned.
         path: The image file to write (its suffix picks the format).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .common import figure
 
     rows = data["rows"]
     names = [r["type"] for r in rows]
     x = np.arange(len(rows))
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))
-    a.bar(x, [r["kv_mib"] for r in rows], color="tab:blue")
-    a.set_xticks(x, names)
-    a.set_ylabel(f"MiB (KV buffer, {data['kv_ctx']} cells)")
-    a.set_title("KV cache memory")
-    b.bar(x, [max(r["kld"], 1e-7) for r in rows], color="tab:red")
-    b.set_yscale("log")
-    b.set_xticks(x, names)
-    b.set_ylabel("mean KL divergence vs f16 (nats)")
-    b.set_title("predictions")
-    b2 = b.twinx()
-    b2.plot(x, [100 * r["same_top"] for r in rows], "ko-")
-    b2.set_ylabel("same top token as f16 (%)")
-    w = 0.4
-    c.bar(x - w / 2, [r["prefill_tps"] for r in rows], w, label=f"prefill ({data['n_prompt']} tokens)")
-    c.bar(x + w / 2, [r["decode_tps"] or 0 for r in rows], w, label=f"decode (after {data['n_prompt']})")
-    c.set_xticks(x, names)
-    c.set_ylabel("tokens/s")
-    c.set_title("speed")
-    c.legend()
-    name = Path(data["model"]).name
-    fig.suptitle(f"{name}, {data['text']}: -c {data['n_ctx']}, -fa {data['flash_attn']}, -t {data['threads']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 1, 3, figsize=(13, 4)) as (fig, (a, b, c)):
+        a.bar(x, [r["kv_mib"] for r in rows], color="tab:blue")
+        a.set_xticks(x, names)
+        a.set_ylabel(f"MiB (KV buffer, {data['kv_ctx']} cells)")
+        a.set_title("KV cache memory")
+        b.bar(x, [max(r["kld"], 1e-7) for r in rows], color="tab:red")
+        b.set_yscale("log")
+        b.set_xticks(x, names)
+        b.set_ylabel("mean KL divergence vs f16 (nats)")
+        b.set_title("predictions")
+        b2 = b.twinx()
+        b2.plot(x, [100 * r["same_top"] for r in rows], "ko-")
+        b2.set_ylabel("same top token as f16 (%)")
+        w = 0.4
+        c.bar(x - w / 2, [r["prefill_tps"] for r in rows], w, label=f"prefill ({data['n_prompt']} tokens)")
+        c.bar(x + w / 2, [r["decode_tps"] or 0 for r in rows], w, label=f"decode (after {data['n_prompt']})")
+        c.set_xticks(x, names)
+        c.set_ylabel("tokens/s")
+        c.set_title("speed")
+        c.legend()
+        name = Path(data["model"]).name
+        fig.suptitle(f"{name}, {data['text']}: -c {data['n_ctx']}, -fa {data['flash_attn']}, -t {data['threads']}")
+
+
+COMMAND = Command(
+    "kv-types",
+    "KV cache types against f16: buffer, bytes/token, perplexity, KL divergence, top-1, speed",
+    __name__,
+    _flags,
+)
+add_parser, main = COMMAND.add_parser, COMMAND

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 
-from .common import Command, add_model_flags, context_kwargs, run_on_model
-from .ubatch_plan import PlanError, add_plan_flags, per_seq, shape_from_args
 from ._mask_report import grid_text, plot, print_report
 from ._mask_rule import (
     EMPTY,
@@ -51,6 +49,8 @@ from ._mask_rule import (
     mask_rule,
 )
 from ._mask_run import batch_rows, run_mask
+from .common import Command, add_model_flags, context_kwargs, run_on_model
+from .ubatch_plan import PlanError, add_plan_flags, per_seq, shape_from_args
 
 __all__ = [
     "KEEP",
@@ -129,13 +129,5 @@ def run(args: argparse.Namespace) -> dict:
     )
 
 
-COMMAND = Command(
-    "mask",
-    "the KQ mask of each ubatch, shown and checked against llama.cpp's rule",
-    __doc__,
-    _flags,
-    run,
-    print_report,
-    plot,
-)
+COMMAND = Command("mask", "the KQ mask of each ubatch, shown and checked against llama.cpp's rule", __name__, _flags)
 add_parser, main = COMMAND.add_parser, COMMAND

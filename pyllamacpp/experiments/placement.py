@@ -25,13 +25,12 @@ Exit status 1 when a flash-attention-off row is not bit-identical.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._cpu import default_n_threads
-from .common import add_cache_and_thread_flags, add_model_path_flag, subcommand
+from .common import Command, add_cache_and_thread_flags, add_flash_attn_flag, add_model_path_flag
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -46,18 +45,7 @@ CASES = ("same cells", "other cells")
 _BINS = np.concatenate([[0.0], np.logspace(-7, 1, 17)])  # |Δ logit| histogram edges
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``placement`` subcommand and its flags.
-
-    Args:
-        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
-
-    Returns:
-        The subcommand's parser (its ``func`` is :func:`main`).
-    """
-    p = subcommand(
-        sub, "placement", "restore a sequence at the same or other KV cells, -fa on/off: do the logits change?", __doc__
-    )
+def _flags(p: argparse.ArgumentParser) -> None:
     add_model_path_flag(p)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: a built-in story opening)")
     p.add_argument(
@@ -73,18 +61,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=100,
         help="tokens decoded into sequence 1 before the 'other cells' restore (default %(default)s)",
     )
-    p.add_argument(
-        "-fa",
-        "--flash-attn",
-        choices=["on", "off", "both"],
+    add_flash_attn_flag(
+        p,
+        choices=("on", "off", "both"),
         default="both",
         help="flash_attn_type of the runs (default %(default)s: one run each)",
     )
     add_cache_and_thread_flags(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("-o", "--output", help="write a plot (PNG): max |Δ logit| per case, and their histograms")
-    p.set_defaults(func=main)
-    return p
 
 
 def _tokens(model, args) -> np.ndarray:
@@ -201,9 +186,7 @@ def run(args: argparse.Namespace) -> dict:
     """
     from .common import Interrupted, load_model, progress
 
-    args.n_gpu_layers = getattr(args, "n_gpu_layers", 0)
-    model = load_model(args)
-    try:
+    with load_model(args) as model:
         toks = _tokens(model, args)
         fas = ["on", "off"] if args.flash_attn == "both" else [args.flash_attn]
         rows: list[dict[str, Any]] = []
@@ -222,8 +205,6 @@ def run(args: argparse.Namespace) -> dict:
             done = len({r["flash_attn"] for r in rows})
             part = _result(model, toks, args, rows) if rows else None
             raise Interrupted(part, done, len(fas), "-fa values") from None
-    finally:
-        model.close()
     return _result(model, toks, args, rows)
 
 
@@ -292,65 +273,43 @@ def plot(data: dict, path: str) -> None:
         data: What :func:`run` returned.
         path: The image file to write (PNG).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .common import figure
 
     rows = data["rows"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"-fa {r['flash_attn']}\n{r['case']}" for r in rows]
-    vals = [r["max_abs_diff"] for r in rows]
-    bars = a1.bar(range(len(rows)), vals, color=["C3" if r["flash_attn"] == "on" else "C0" for r in rows])
-    for b, r in zip(bars, rows):
-        a1.annotate(
-            "0 (bit-identical)" if r["bit_identical"] else f"{r['max_abs_diff']:.3g}",
-            (b.get_x() + b.get_width() / 2, b.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
-    a1.set_xticks(range(len(rows)), labels, fontsize=8)
-    a1.set_ylabel("max |Δ logit| vs the original")
-    a1.set_title(f"restored sequence, next-token logits ({data['n_prompt']} tokens)")
-    edges = np.asarray(data["hist_edges"])
-    for r in rows:
-        if not r["bit_identical"]:
-            a2.stairs(r["abs_diff_hist"][1:], edges[1:], label=f"-fa {r['flash_attn']}, {r['case']}")
-    a2.set_xscale("log")
-    a2.set_xlabel("|Δ logit|")
-    a2.set_ylabel("vocabulary entries")
-    a2.set_title("where the differences are (rows with any)")
-    if a2.get_legend_handles_labels()[0]:
-        a2.legend(fontsize=8)
-    else:
-        a2.text(0.5, 0.5, "every row bit-identical", ha="center", transform=a2.transAxes)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(11, 4), dpi=110) as (fig, (a1, a2)):
+        labels = [f"-fa {r['flash_attn']}\n{r['case']}" for r in rows]
+        vals = [r["max_abs_diff"] for r in rows]
+        bars = a1.bar(range(len(rows)), vals, color=["C3" if r["flash_attn"] == "on" else "C0" for r in rows])
+        for b, r in zip(bars, rows):
+            a1.annotate(
+                "0 (bit-identical)" if r["bit_identical"] else f"{r['max_abs_diff']:.3g}",
+                (b.get_x() + b.get_width() / 2, b.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        a1.set_xticks(range(len(rows)), labels, fontsize=8)
+        a1.set_ylabel("max |Δ logit| vs the original")
+        a1.set_title(f"restored sequence, next-token logits ({data['n_prompt']} tokens)")
+        edges = np.asarray(data["hist_edges"])
+        for r in rows:
+            if not r["bit_identical"]:
+                a2.stairs(r["abs_diff_hist"][1:], edges[1:], label=f"-fa {r['flash_attn']}, {r['case']}")
+        a2.set_xscale("log")
+        a2.set_xlabel("|Δ logit|")
+        a2.set_ylabel("vocabulary entries")
+        a2.set_title("where the differences are (rows with any)")
+        if a2.get_legend_handles_labels()[0]:
+            a2.legend(fontsize=8)
+        else:
+            a2.text(0.5, 0.5, "every row bit-identical", ha="center", transform=a2.transAxes)
 
 
-def main(args: argparse.Namespace) -> int:
-    """The command: run, print (table or --json), plot with -o.
-
-    Args:
-        args: The parsed flags of :func:`add_parser`.
-
-    Returns:
-        The exit status: 0, 1 when a flash-attention-off restore changed the logits, 2 on bad input
-        (a ValueError, printed on stderr).
-    """
-    from .common import Interrupted, emit, report_interrupted
-
-    try:
-        data = run(args)
-    except ValueError as e:
-        print(f"pyllamacpp placement: {e}", file=sys.stderr)
-        return 2
-    except Interrupted as e:  # Ctrl-C: print what was measured, then exit 130
-        return report_interrupted(args, "placement", e, print_report)
-    emit(args, data, print_report)
-    if args.output:
-        plot(data, args.output)
-        print(f"wrote {args.output}", file=sys.stderr)
-    return 0 if data["ok"] else 1
+COMMAND = Command(
+    "placement",
+    "restore a sequence at the same or other KV cells, -fa on/off: do the logits change?",
+    __name__,
+    _flags,
+    refused=(ValueError,),
+)
+add_parser, main = COMMAND.add_parser, COMMAND

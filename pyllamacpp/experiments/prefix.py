@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .common import Interrupted, load_model, progress
+from .common import Command, Interrupted, add_model_flags, cache_kwargs, context_kwargs, load_model, progress
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -36,6 +36,22 @@ DEFAULT_PROMPT = (
     "You are a careful assistant. Here is a story to continue. Once upon a time, in a small "
     "village at the edge of a great forest, there lived an old clockmaker who"
 )
+
+
+def _flags(p: argparse.ArgumentParser) -> None:
+    add_model_flags(p, n_parallel=4)
+    p.add_argument("--modes", default="unified,split", help="unified and/or split (default %(default)s)")
+    p.add_argument("--prompt-text", default=None, help="the shared prompt (default: a built-in story opening)")
+    p.add_argument("-p", "--n-prompt", type=int, default=0, help="repeat the prompt to this many tokens")
+    p.add_argument("-n", "--n-gen", type=int, default=16)
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="workload mode: this many requests sharing a system prompt (--prompt-text) through the "
+        "Scheduler, without and with its prefix cache (default 0: off)",
+    )
+    p.add_argument("-o", "--output", help="write a plot (PNG)")
 
 
 def _cells(ctx) -> int:
@@ -148,18 +164,11 @@ def run(args: argparse.Namespace) -> dict:
     """
     if getattr(args, "requests", 0):
         return run_workload(args)
-    model = load_model(args)
-    try:
+    with load_model(args) as model:
         prompt = model.tokenize(args.prompt_text or DEFAULT_PROMPT)
         if args.n_prompt:
             prompt = np.resize(prompt, args.n_prompt).astype(np.int32)
-        kw = dict(
-            flash_attn=args.flash_attn,
-            type_k=args.cache_type_k,
-            type_v=args.cache_type_v,
-            n_threads=args.threads,
-            n_threads_batch=args.threads,
-        )
+        kw = cache_kwargs(args)
         modes = [m.strip() for m in args.modes.split(",")]
         if args.kv_unified is not None:
             modes = ["unified" if args.kv_unified else "split"]
@@ -177,8 +186,6 @@ def run(args: argparse.Namespace) -> dict:
                 rows.append(r)
         except KeyboardInterrupt:  # Ctrl-C: the modes measured so far are still worth printing
             raise Interrupted(_result(model, prompt, rows) if rows else None, len(rows), len(modes), "modes") from None
-    finally:
-        model.close()
     return _result(model, prompt, rows)
 
 
@@ -349,12 +356,9 @@ def run_workload(args: argparse.Namespace) -> dict:
         StateError: The state dump cannot be read.
         Interrupted: Ctrl-C (with nothing to print: the report compares both runs).
     """
-    from .common import context_kwargs
-
     if args.requests < 1:
         raise ValueError(f"--requests must be at least 1, got {args.requests}")
-    model = load_model(args)
-    try:
+    with load_model(args) as model:
         prompts = workload_prompts(model, args.requests, args.prompt_text, args.n_prompt)
         n_system = len(model.tokenize(args.prompt_text or SYSTEM_PROMPT)) if not args.n_prompt else args.n_prompt
         kw = context_kwargs(args)
@@ -365,8 +369,6 @@ def run_workload(args: argparse.Namespace) -> dict:
                 rows.append(run_scheduler(model, prompts, args.n_gen, cache, kw))
         except KeyboardInterrupt:  # the report compares the two runs: one alone has nothing to print
             raise Interrupted(None, len(rows), 2, "runs") from None
-    finally:
-        model.close()
     off, on = rows
     same = [a == b for a, b in zip(off.pop("tokens"), on.pop("tokens"))]
     ok = on["n_prompt_decoded"] < off["n_prompt_decoded"] or args.requests == 1
@@ -442,36 +444,34 @@ def plot(data: dict, path: str) -> None:
         data: What :func:`run` returned.
         path: The image file to write (PNG).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .common import figure
 
     if data.get("mode") == "workload":
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-        for r in data["rows"]:
-            label = f"prefix cache {'on' if r['prefix_cache'] else 'off'}"
-            a1.plot(r["series_decoded"], label=label, drawstyle="steps-post")
-            a2.plot(r["series_cells"], label=label, drawstyle="steps-post")
-        r0 = data["rows"][0]
-        a1.set_title(f"{r0['n_requests']} requests, {data['n_system']}-token system prompt, -np {r0['n_seq_max']}")
-        a1.set_xlabel("scheduler step (one llama_decode)")
-        a1.set_ylabel("prompt tokens decoded (cumulative)")
-        a2.set_title("KV cells in use (state dump after each step)")
-        a2.set_xlabel("scheduler step (one llama_decode)")
-        a2.set_ylabel("cells")
-        a1.legend(fontsize=8)
-        a2.legend(fontsize=8)
+        with figure(path, 1, 2, figsize=(11, 4)) as (fig, (a1, a2)):
+            for r in data["rows"]:
+                label = f"prefix cache {'on' if r['prefix_cache'] else 'off'}"
+                a1.plot(r["series_decoded"], label=label, drawstyle="steps-post")
+                a2.plot(r["series_cells"], label=label, drawstyle="steps-post")
+            r0 = data["rows"][0]
+            a1.set_title(f"{r0['n_requests']} requests, {data['n_system']}-token system prompt, -np {r0['n_seq_max']}")
+            a1.set_xlabel("scheduler step (one llama_decode)")
+            a1.set_ylabel("prompt tokens decoded (cumulative)")
+            a2.set_title("KV cells in use (state dump after each step)")
+            a2.set_xlabel("scheduler step (one llama_decode)")
+            a2.set_ylabel("cells")
+            a1.legend(fontsize=8)
+            a2.legend(fontsize=8)
     else:
-        fig, a1 = plt.subplots(figsize=(6, 4))
-        rows = data["rows"]
-        x = np.arange(len(rows))
-        a1.bar(x - 0.2, [r["shared_cells"] for r in rows], 0.4, label="shared prefix")
-        a1.bar(x + 0.2, [r["copies_cells"] for r in rows], 0.4, label="N copies")
-        a1.set_xticks(x, [f"{r['mode']} (-np {r['n_seq']})" for r in rows])
-        a1.set_ylabel("KV cells")
-        a1.set_title(f"a {data['n_prompt']}-token prompt for -np sequences")
-        a1.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        with figure(path, figsize=(6, 4)) as (fig, a1):
+            rows = data["rows"]
+            x = np.arange(len(rows))
+            a1.bar(x - 0.2, [r["shared_cells"] for r in rows], 0.4, label="shared prefix")
+            a1.bar(x + 0.2, [r["copies_cells"] for r in rows], 0.4, label="N copies")
+            a1.set_xticks(x, [f"{r['mode']} (-np {r['n_seq']})" for r in rows])
+            a1.set_ylabel("KV cells")
+            a1.set_title(f"a {data['n_prompt']}-token prompt for -np sequences")
+            a1.legend(fontsize=8)
+
+
+COMMAND = Command("prefix-sharing", "a shared prompt for -np sequences: cells, time, outputs", __name__, _flags)
+add_parser, main = COMMAND.add_parser, COMMAND

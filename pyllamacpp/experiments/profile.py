@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .common import add_cache_and_thread_flags, add_model_path_flag, load_model, progress, subcommand
+from .common import Command, Interrupted, add_context_flags, add_model_path_flag, cache_kwargs, load_model, progress
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -369,49 +368,39 @@ def run(args: argparse.Namespace) -> dict:
         DecodeError: A decode failed.
         Interrupted: Ctrl-C; it carries the rows measured before it.
     """
-    from .common import Interrupted
-
     ubs = [int(x) for x in str(args.ubatch_list).split(",") if x.strip()]
     if not ubs:
         raise ValueError("prefill-profile: --ubatch-list is empty")
-    kw = dict(
-        flash_attn=args.flash_attn,
-        type_k=args.cache_type_k,
-        type_v=args.cache_type_v,
-        n_threads=args.threads,
-        n_threads_batch=args.threads,
-    )
-    model = load_model(args)
-    rows: list[dict] = []
-    data = {
-        "model": str(model.path),
-        "n_ctx": args.ctx_size,
-        "n_prompt": args.n_prompt,
-        "threads": args.threads,
-        "flash_attn": args.flash_attn,
-        "clock": args.clock,
-        "n_vocab": model.n_vocab,
-        "rows": rows,
-    }
-    try:
-        for ub in progress(ubs, "prefill-profile"):
-            rows.append(
-                measure(
-                    model,
-                    n_ctx=args.ctx_size,
-                    n_batch=max(args.batch_size, args.n_prompt),
-                    n_ubatch=ub,
-                    n_prompt=args.n_prompt,
-                    repeat=args.repeat,
-                    top=args.top,
-                    clock=args.clock,
-                    ctx_kwargs=kw,
+    kw = cache_kwargs(args)
+    with load_model(args) as model:
+        rows: list[dict] = []
+        data = {
+            "model": str(model.path),
+            "n_ctx": args.ctx_size,
+            "n_prompt": args.n_prompt,
+            "threads": args.threads,
+            "flash_attn": args.flash_attn,
+            "clock": args.clock,
+            "n_vocab": model.n_vocab,
+            "rows": rows,
+        }
+        try:
+            for ub in progress(ubs, "prefill-profile"):
+                rows.append(
+                    measure(
+                        model,
+                        n_ctx=args.ctx_size,
+                        n_batch=max(args.batch_size, args.n_prompt),
+                        n_ubatch=ub,
+                        n_prompt=args.n_prompt,
+                        repeat=args.repeat,
+                        top=args.top,
+                        clock=args.clock,
+                        ctx_kwargs=kw,
+                    )
                 )
-            )
-    except KeyboardInterrupt:
-        raise Interrupted(data if rows else None, len(rows), len(ubs), "rows") from None
-    finally:
-        model.close()
+        except KeyboardInterrupt:
+            raise Interrupted(data if rows else None, len(rows), len(ubs), "rows") from None
     return data
 
 
@@ -519,82 +508,67 @@ def plot(data: dict, path: str | os.PathLike) -> None:
         data: What :func:`run` returned.
         path: The image file to write (its suffix picks the format).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .common import figure
 
     mib = 2**20
     rows = data["rows"]
     ub = [r["n_ubatch"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.4))
-    a.plot(ub, [r["reserved"]["default"] / mib for r in rows], "o-", label="reserved (llama.cpp's log)")
-    logits = [next((x["bytes"] for x in r["largest"] if x["name"] == "result_output"), 0) / mib for r in rows]
-    a.plot(ub, logits, "s--", label="result_output of an all-output ubatch")
-    a.plot(ub, [r["reserved"]["one_output"] / mib for r in rows], "^-", label="reserved with n_outputs_max=1")
-    a.plot(
-        ub, [r["high_water"]["bytes"] / mib for r in rows], "v-", label=f"used by the {data['n_prompt']}-token prefill"
-    )
-    a.set_xscale("log", base=2)
-    a.set_yscale("log")
-    a.set_xlabel("n_ubatch")
-    a.set_ylabel("MiB")
-    a.set_title("compute buffer")
-    a.legend(fontsize=8)
-    ops = _top_ops(rows)
-    x = np.arange(len(rows))
-    bottom = np.zeros(len(rows))
-    per_tok = np.array([r["profiled_ms"] / r["wall_ms_mean"] / r["n_prompt"] * 1e3 for r in rows])  # us per token
-    for op in ops:
-        h = np.array([r["by_op"].get(op, 0.0) for r in rows]) * per_tok
-        b.bar(x, h, bottom=bottom, label=op)
-        bottom += h
-    other = np.array([r["inside_ms"] - sum(r["by_op"].get(op, 0.0) for op in ops) for r in rows]) * per_tok
-    b.bar(x, other, bottom=bottom, label="other ops", color="#bbbbbb")
-    bottom += other
-    outside = np.array([r["outside_ms"] for r in rows]) * per_tok
-    b.bar(x, outside, bottom=bottom, label="outside nodes", color="#444444")
-    b.plot(
-        x, [r["plain_ms"] / r["n_prompt"] * 1e3 for r in rows], "k_", markersize=30, mew=2, label="plain (no callback)"
-    )
-    b.set_xticks(x, [str(u) for u in ub])
-    b.set_xlabel("n_ubatch")
-    b.set_ylabel(f"µs per prompt token ({data.get('clock', 'wall')} clock)")
-    b.set_title(f"prefill time by op type (each node timed alone), -t {data['threads']}")
-    b.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.suptitle(
-        f"{str(data['model']).split('/')[-1]}  -c {data['n_ctx']}  -p {data['n_prompt']}  -fa {data['flash_attn']}"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(12, 4.4)) as (fig, (a, b)):
+        a.plot(ub, [r["reserved"]["default"] / mib for r in rows], "o-", label="reserved (llama.cpp's log)")
+        logits = [next((x["bytes"] for x in r["largest"] if x["name"] == "result_output"), 0) / mib for r in rows]
+        a.plot(ub, logits, "s--", label="result_output of an all-output ubatch")
+        a.plot(ub, [r["reserved"]["one_output"] / mib for r in rows], "^-", label="reserved with n_outputs_max=1")
+        a.plot(
+            ub,
+            [r["high_water"]["bytes"] / mib for r in rows],
+            "v-",
+            label=f"used by the {data['n_prompt']}-token prefill",
+        )
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        a.set_xlabel("n_ubatch")
+        a.set_ylabel("MiB")
+        a.set_title("compute buffer")
+        a.legend(fontsize=8)
+        ops = _top_ops(rows)
+        x = np.arange(len(rows))
+        bottom = np.zeros(len(rows))
+        per_tok = np.array([r["profiled_ms"] / r["wall_ms_mean"] / r["n_prompt"] * 1e3 for r in rows])  # us per token
+        for op in ops:
+            h = np.array([r["by_op"].get(op, 0.0) for r in rows]) * per_tok
+            b.bar(x, h, bottom=bottom, label=op)
+            bottom += h
+        other = np.array([r["inside_ms"] - sum(r["by_op"].get(op, 0.0) for op in ops) for r in rows]) * per_tok
+        b.bar(x, other, bottom=bottom, label="other ops", color="#bbbbbb")
+        bottom += other
+        outside = np.array([r["outside_ms"] for r in rows]) * per_tok
+        b.bar(x, outside, bottom=bottom, label="outside nodes", color="#444444")
+        b.plot(
+            x,
+            [r["plain_ms"] / r["n_prompt"] * 1e3 for r in rows],
+            "k_",
+            markersize=30,
+            mew=2,
+            label="plain (no callback)",
+        )
+        b.set_xticks(x, [str(u) for u in ub])
+        b.set_xlabel("n_ubatch")
+        b.set_ylabel(f"µs per prompt token ({data.get('clock', 'wall')} clock)")
+        b.set_title(f"prefill time by op type (each node timed alone), -t {data['threads']}")
+        b.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.suptitle(
+            f"{str(data['model']).split('/')[-1]}  -c {data['n_ctx']}  -p {data['n_prompt']}  -fa {data['flash_attn']}"
+        )
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``prefill-profile`` subcommand and its flags.
-
-    Args:
-        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
-
-    Returns:
-        The subcommand's parser (its ``func`` is :func:`main`).
-    """
-    p = subcommand(sub, "prefill-profile", "compute buffer and prefill time by op type against -ub", __doc__)
+def _flags(p: argparse.ArgumentParser) -> None:
     add_model_path_flag(p)
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="n_ctx (default %(default)s)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="n_batch, at least -p (default %(default)s)")
     p.add_argument("-ub", "--ubatch-list", default="512,128,32,8", help="the -ub values (default %(default)s)")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (default %(default)s)")
     p.add_argument("-r", "--repeat", type=int, default=3, help="prefills per timing (default %(default)s)")
-    p.add_argument(
-        "-fa",
-        "--flash-attn",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="flash_attn_type (default %(default)s)",
-    )
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="n_gpu_layers (default %(default)s)")
-    add_cache_and_thread_flags(p)
+    add_context_flags(p)
     p.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
@@ -605,27 +579,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, help="largest tensors kept per -ub (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("-o", "--output", help="write a two-panel figure (PNG)")
-    p.set_defaults(func=main)
-    return p
 
 
-def main(args: argparse.Namespace) -> int:
-    """The command: run, print (tables or --json), draw with ``-o``.
-
-    Args:
-        args: The parsed flags of :func:`add_parser`.
-
-    Returns:
-        The exit status: 0, 130 on Ctrl-C.
-    """
-    from .common import Interrupted, emit, report_interrupted
-
-    try:
-        data = run(args)
-    except Interrupted as e:
-        return report_interrupted(args, "prefill-profile", e, print_report)
-    emit(args, data, print_report)
-    if args.output:
-        plot(data, args.output)
-        print(f"wrote {args.output}", file=sys.stderr)
-    return 0
+COMMAND = Command("prefill-profile", "compute buffer and prefill time by op type against -ub", __name__, _flags)
+add_parser, main = COMMAND.add_parser, COMMAND

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .common import add_model_flags, context_kwargs, load_model, progress, subcommand
+from .common import Command, add_model_flags, context_kwargs, progress, run_on_model
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -434,18 +434,7 @@ def _brief(row: dict | None) -> dict | None:
 # -- command -----------------------------------------------------------------------------------
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``row-audit`` subcommand and its flags.
-
-    Args:
-        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
-
-    Returns:
-        The subcommand's parser (the caller sets its ``func``).
-    """
-    p = subcommand(
-        sub, "row-audit", "does sequence B change sequence A's rows in one ubatch? every node compared", __doc__
-    )
+def _flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p, ctx=512, batch=512, ubatch=512, n_parallel=2)
     p.set_defaults(kv_unified=True)
     p.add_argument("--prompt-a", default=PROMPT_A, help="sequence A")
@@ -459,7 +448,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write the differences per node as a figure (PNG)")
     # test hook: plant a leak (B's mean rows mixed into A's) at this node; not a user option
     p.add_argument("--inject-leak", default=None, help=argparse.SUPPRESS)
-    return p
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -469,7 +457,7 @@ def run(args: argparse.Namespace) -> dict:
         args: The parsed flags of :func:`add_parser`.
 
     Returns:
-        What :func:`audit` returns, plus ``model`` and ``threads``.
+        What :func:`audit` returns, plus ``model``, ``threads`` and ``rows_shown``.
 
     Raises:
         ValueError: Bad flags, or a capture past ``--max-mb``.
@@ -480,26 +468,20 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("-n and --layers-per-capture must be >= 0, --max-mb > 0")
     kw = context_kwargs(args)
     fa = kw.pop("flash_attn")
-    modes = ("off", "on") if fa == "auto" else (fa,)
-    model = load_model(args)
-    try:
-        data = audit(
-            model,
-            args.prompt_a,
-            args.prompt_b,
-            args.prompt_b2,
-            order=args.order,
-            fa_modes=modes,
-            n_gen=args.n_gen,
-            inject=leak_hook(args.inject_leak) if args.inject_leak else None,
-            max_bytes=args.max_mb << 20,
-            layers_per_capture=args.layers_per_capture,
-            **kw,
-        )
-    finally:
-        model.close()
-    data["model"] = str(model.path)
-    data["threads"] = args.threads
+    data = run_on_model(
+        args,
+        audit,
+        args.prompt_a,
+        args.prompt_b,
+        args.prompt_b2,
+        order=args.order,
+        fa_modes=("off", "on") if fa == "auto" else (fa,),
+        n_gen=args.n_gen,
+        inject=leak_hook(args.inject_leak) if args.inject_leak else None,
+        max_bytes=args.max_mb << 20,
+        layers_per_capture=args.layers_per_capture,
+        **kw,
+    )
     data["rows_shown"] = args.rows
     return data
 
@@ -625,36 +607,39 @@ def plot(data: dict, path: str | os.PathLike) -> None:
     Raises:
         OSError: The file cannot be written.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .common import figure
 
     modes = data["modes"]
-    fig, axes = plt.subplots(len(modes), 1, figsize=(10, 3.2 * len(modes) + 0.6), squeeze=False, sharex=True)
-    for ax, m in zip(axes[:, 0], modes):
-        vals = [v for r in m["rows"] for w in _STYLE if (v := r[w]) not in (None, 0.0) and np.isfinite(v)]
-        floor = min(vals) / 10 if vals else 1e-12
-        for what, (color, marker) in _STYLE.items():
-            xs = [i for i, r in enumerate(m["rows"]) if r[what] is not None]
-            ys = [max(m["rows"][i][what], floor) for i in xs]
-            ax.scatter(xs, ys, s=6, color=color, marker=marker, label=f"{what} (first: {_where(m['first'][what])})")
-        ax.set_yscale("log")
-        ax.axhline(floor, color="#888", lw=0.6)
-        ax.set_ylabel("max |Δ| of A's rows\n(bottom line: exactly 0)", fontsize=8)
-        ax.set_title(
-            f"flash attention {m['flash_attn']}: "
-            + ("LEAK" if m["leak"] else "no leak")
-            + f"; greedy tokens {'the same' if all(m['greedy_same'].values()) else 'CHANGE'}",
+    with figure(path, len(modes), 1, figsize=(10, 3.2 * len(modes) + 0.6), squeeze=False, sharex=True, dpi=110) as (
+        fig,
+        axes,
+    ):
+        for ax, m in zip(axes[:, 0], modes):
+            vals = [v for r in m["rows"] for w in _STYLE if (v := r[w]) not in (None, 0.0) and np.isfinite(v)]
+            floor = min(vals) / 10 if vals else 1e-12
+            for what, (color, marker) in _STYLE.items():
+                xs = [i for i, r in enumerate(m["rows"]) if r[what] is not None]
+                ys = [max(m["rows"][i][what], floor) for i in xs]
+                ax.scatter(xs, ys, s=6, color=color, marker=marker, label=f"{what} (first: {_where(m['first'][what])})")
+            ax.set_yscale("log")
+            ax.axhline(floor, color="#888", lw=0.6)
+            ax.set_ylabel("max |Δ| of A's rows\n(bottom line: exactly 0)", fontsize=8)
+            ax.set_title(
+                f"flash attention {m['flash_attn']}: "
+                + ("LEAK" if m["leak"] else "no leak")
+                + f"; greedy tokens {'the same' if all(m['greedy_same'].values()) else 'CHANGE'}",
+                fontsize=9,
+            )
+            ax.legend(fontsize=7, loc="upper left")
+        axes[-1, 0].set_xlabel("node, in graph order", fontsize=8)
+        fig.suptitle(
+            f"row-audit: A ({data['n_a']} tokens) alone, beside B, beside B', after B; content = AB vs AB', "
+            "width = AB vs solo, order = BA vs AB",
             fontsize=9,
         )
-        ax.legend(fontsize=7, loc="upper left")
-    axes[-1, 0].set_xlabel("node, in graph order", fontsize=8)
-    fig.suptitle(
-        f"row-audit: A ({data['n_a']} tokens) alone, beside B, beside B', after B; content = AB vs AB', "
-        "width = AB vs solo, order = BA vs AB",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+
+COMMAND = Command(
+    "row-audit", "does sequence B change sequence A's rows in one ubatch? every node compared", __name__, _flags
+)
+add_parser, main = COMMAND.add_parser, COMMAND

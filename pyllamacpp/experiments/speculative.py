@@ -26,7 +26,7 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from .common import Interrupted, add_model_flags, context_kwargs, load_model, progress, subcommand
+from .common import Command, Interrupted, add_model_flags, context_kwargs, load_model, progress
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -115,21 +115,7 @@ def _ints(text: str, flag: str) -> list[int]:
     return vals
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``speculative`` subcommand and its flags.
-
-    Args:
-        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
-
-    Returns:
-        The subcommand's parser (the caller sets its ``func``).
-    """
-    p = subcommand(
-        sub,
-        "speculative",
-        "speculative decoding against plain generate: acceptance, passes per verify, speed-up",
-        __doc__,
-    )
+def _flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p, ctx=2048)
     p.add_argument("--draft", default="ngram", help="ngram, layer-skip:K or model:PATH")
     p.add_argument("--draft-list", default="2,4,8", help="draft lengths (n_draft) to sweep")
@@ -140,7 +126,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("-r", "--repeat", type=int, default=2, help="runs per side and row")
     p.add_argument("--p-min", type=float, default=0.0, help="a draft model stops below this probability")
     p.add_argument("-o", "--output", default=None, help="write a plot (PNG)")
-    return p
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -326,29 +311,32 @@ def plot(data: dict, path: str | os.PathLike) -> None:
         data: What :func:`run` returned.
         path: The image file to write (its suffix picks the format).
     """
-    import matplotlib
+    from .common import figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    with figure(path, 1, 2, figsize=(10, 4), dpi=None) as (fig, (a, b)):
+        for ub in sorted({r["n_ubatch"] for r in data["rows"]}):
+            rs = [r for r in data["rows"] if r["n_ubatch"] == ub]
+            a.plot([r["n_draft"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"-ub {ub}")
+        a.axhline(1.0, color="grey", lw=0.8)
+        a.set_xlabel("draft length")
+        a.set_ylabel("speed-up over generate")
+        a.set_title("tokens/s, speculative / plain")
+        a.legend()
+        best = max(data["rows"], key=lambda r: len(r["acceptance_at"] or []), default=None)
+        if best is not None and best["acceptance_at"]:
+            acc = best["acceptance_at"]
+            b.bar(range(1, len(acc) + 1), acc)
+            b.set_title(f"acceptance per position (-ub {best['n_ubatch']}, draft {best['n_draft']})")
+        b.set_xlabel("draft position")
+        b.set_ylabel("accepted / drafted")
+        b.set_ylim(0, 1)
+        fig.suptitle(f"{os.path.basename(data['model'])}  draft {data['draft']}  workload {data['workload']}")
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for ub in sorted({r["n_ubatch"] for r in data["rows"]}):
-        rs = [r for r in data["rows"] if r["n_ubatch"] == ub]
-        a.plot([r["n_draft"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"-ub {ub}")
-    a.axhline(1.0, color="grey", lw=0.8)
-    a.set_xlabel("draft length")
-    a.set_ylabel("speed-up over generate")
-    a.set_title("tokens/s, speculative / plain")
-    a.legend()
-    best = max(data["rows"], key=lambda r: len(r["acceptance_at"] or []), default=None)
-    if best is not None and best["acceptance_at"]:
-        acc = best["acceptance_at"]
-        b.bar(range(1, len(acc) + 1), acc)
-        b.set_title(f"acceptance per position (-ub {best['n_ubatch']}, draft {best['n_draft']})")
-    b.set_xlabel("draft position")
-    b.set_ylabel("accepted / drafted")
-    b.set_ylim(0, 1)
-    fig.suptitle(f"{os.path.basename(data['model'])}  draft {data['draft']}  workload {data['workload']}")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+
+COMMAND = Command(
+    "speculative",
+    "speculative decoding against plain generate: acceptance, passes per verify, speed-up",
+    __name__,
+    _flags,
+)
+add_parser, main = COMMAND.add_parser, COMMAND

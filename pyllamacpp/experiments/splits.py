@@ -26,7 +26,7 @@ import html
 import json
 import os
 
-from .common import subcommand
+from .common import Command, add_kv_unified_flags
 
 # BatchAllocr, PlanError, split_all: re-exported, as the taps and older code import them from here
 from .ubatch_plan import BatchAllocr as BatchAllocr
@@ -35,16 +35,7 @@ from .ubatch_plan import add_plan_flags, pad, per_seq, plan, shape_from_args, su
 from .ubatch_plan import split_all as split_all
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``split-plan`` subcommand and its flags.
-
-    Args:
-        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
-
-    Returns:
-        The subcommand's parser (its ``func`` is :func:`main`).
-    """
-    p = subcommand(sub, "split-plan", "how a batch becomes decode calls and ubatches (no model)", __doc__)
+def _flags(p: argparse.ArgumentParser) -> None:
     add_plan_flags(p)
     p.add_argument("-b", "--n-batch", "--batch-size", dest="batch_size", type=int, default=2048)
     p.add_argument("-ub", "--n-ubatch", "--ubatch-size", dest="ubatch_size", type=int, default=512)
@@ -66,20 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=None,
         help="n_seq_max (default: the number of sequences)",
     )
-    p.add_argument(
-        "--kv-unified", dest="kv_unified", action="store_true", default=False, help="one KV stream for all sequences"
-    )
-    p.add_argument(
-        "--no-kv-unified",
-        dest="kv_unified",
-        action="store_false",
-        help="one KV stream per sequence (llama.cpp's default)",
-    )
+    add_kv_unified_flags(p, default=False)
     p.add_argument("--rows", type=int, default=6, help="runs shown per ubatch in the text report (default %(default)s)")
     p.add_argument("-o", "--output", help="write a self-contained HTML page")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=main)
-    return p
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -274,25 +255,5 @@ def plot(data: dict, path: str | os.PathLike) -> None:
         f.write(page)
 
 
-def main(args: argparse.Namespace) -> int:
-    """The command: run, print (table or --json), write -o.
-
-    Args:
-        args: The parsed flags of :func:`add_parser`.
-
-    Returns:
-        The exit status, 0.
-
-    Raises:
-        PlanError: Where llama.cpp would refuse the submission.
-    """
-    import sys
-
-    from .common import emit
-
-    data = run(args)
-    emit(args, data, print_report)
-    if getattr(args, "output", None):
-        plot(data, args.output)
-        print(f"wrote {args.output}", file=sys.stderr)
-    return 0
+COMMAND = Command("split-plan", "how a batch becomes decode calls and ubatches (no model)", __name__, _flags)
+add_parser, main = COMMAND.add_parser, COMMAND

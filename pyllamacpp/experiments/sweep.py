@@ -16,10 +16,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .common import Interrupted, load_model, progress
+from .common import Command, Interrupted, add_model_flags, cache_kwargs, load_model, progress
 
 if TYPE_CHECKING:
     from ..model import Model
+
+
+def _flags(p: argparse.ArgumentParser) -> None:
+    add_model_flags(p)
+    p.add_argument("--ubatch-list", default="512,256,128,64", help="the -ub values (default %(default)s)")
+    p.add_argument("--clamp-b", type=int, default=0, help="-b of the clamp row (default: smallest ub / 2)")
+    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-n", "--n-gen", type=int, default=32)
+    p.add_argument("-r", "--repeat", type=int, default=3)
+    p.add_argument("-o", "--output", help="write a two-panel plot (PNG)")
 
 
 def _prompt(model, n: int) -> np.ndarray:
@@ -107,36 +117,28 @@ def run(args: argparse.Namespace) -> dict:
         Interrupted: Ctrl-C; it carries the rows measured before it.
     """
     ubs = [int(x) for x in str(args.ubatch_list).split(",") if x]
-    kw = dict(
-        flash_attn=args.flash_attn,
-        type_k=args.cache_type_k,
-        type_v=args.cache_type_v,
-        n_threads=args.threads,
-        n_threads_batch=args.threads,
-    )
+    kw = cache_kwargs(args)
     clamp_b = args.clamp_b if args.clamp_b else max(1, min(ubs) // 2)
     plan = [(args.batch_size, ub) for ub in ubs] + [(clamp_b, max(ubs))]
-    model = load_model(args)
-    rows: list[dict] = []
-    data = {"model": str(model.path), "n_ctx": args.ctx_size, "threads": args.threads, "rows": rows}
-    try:
-        for b, ub in progress(plan, "ubatch-sweep"):
-            r = measure(
-                model,
-                n_ctx=args.ctx_size,
-                n_batch=b,
-                n_ubatch=ub,
-                n_prompt=min(args.n_prompt, args.ctx_size),
-                n_gen=args.n_gen,
-                repeat=args.repeat,
-                ctx_kwargs=kw,
-            )
-            r["clamp_row"] = (b, ub) == plan[-1]
-            rows.append(r)
-    except KeyboardInterrupt:  # Ctrl-C: the rows measured so far are still worth printing
-        raise Interrupted(data if rows else None, len(rows), len(plan), "rows") from None
-    finally:
-        model.close()
+    with load_model(args) as model:
+        rows: list[dict] = []
+        data = {"model": str(model.path), "n_ctx": args.ctx_size, "threads": args.threads, "rows": rows}
+        try:
+            for b, ub in progress(plan, "ubatch-sweep"):
+                r = measure(
+                    model,
+                    n_ctx=args.ctx_size,
+                    n_batch=b,
+                    n_ubatch=ub,
+                    n_prompt=min(args.n_prompt, args.ctx_size),
+                    n_gen=args.n_gen,
+                    repeat=args.repeat,
+                    ctx_kwargs=kw,
+                )
+                r["clamp_row"] = (b, ub) == plan[-1]
+                rows.append(r)
+        except KeyboardInterrupt:  # Ctrl-C: the rows measured so far are still worth printing
+            raise Interrupted(data if rows else None, len(rows), len(plan), "rows") from None
     return data
 
 
@@ -183,29 +185,27 @@ def plot(data: dict, path: str | os.PathLike) -> None:
         data: What :func:`run` returned.
         path: The image file to write (its suffix picks the format).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .common import figure
 
     rows = [r for r in data["rows"] if not r["clamp_row"]]
     ub = [r["n_ubatch"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for backend in sorted({k for r in rows for k in r["compute_mib"]}):
-        a.plot(ub, [r["compute_mib"].get(backend, 0) for r in rows], "o-", label=f"{backend} compute")
-    a.plot(ub, [r["kv_mib"] for r in rows], "s--", label="KV")
-    a.set_xscale("log", base=2)
-    a.set_xlabel("n_ubatch")
-    a.set_ylabel("MiB")
-    a.set_title("buffers")
-    a.legend()
-    b.plot(ub, [r["prefill_tps"] for r in rows], "o-", label=f"prefill ({rows[0]['n_prompt']} tokens)")
-    b.set_xscale("log", base=2)
-    b.set_xlabel("n_ubatch")
-    b.set_ylabel("tokens/s")
-    b.set_title("prefill throughput")
-    b.legend()
-    fig.suptitle(f"{data['model'].split('/')[-1]}  -c {data['n_ctx']}  -t {data['threads']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(10, 4)) as (fig, (a, b)):
+        for backend in sorted({k for r in rows for k in r["compute_mib"]}):
+            a.plot(ub, [r["compute_mib"].get(backend, 0) for r in rows], "o-", label=f"{backend} compute")
+        a.plot(ub, [r["kv_mib"] for r in rows], "s--", label="KV")
+        a.set_xscale("log", base=2)
+        a.set_xlabel("n_ubatch")
+        a.set_ylabel("MiB")
+        a.set_title("buffers")
+        a.legend()
+        b.plot(ub, [r["prefill_tps"] for r in rows], "o-", label=f"prefill ({rows[0]['n_prompt']} tokens)")
+        b.set_xscale("log", base=2)
+        b.set_xlabel("n_ubatch")
+        b.set_ylabel("tokens/s")
+        b.set_title("prefill throughput")
+        b.legend()
+        fig.suptitle(f"{data['model'].split('/')[-1]}  -c {data['n_ctx']}  -t {data['threads']}")
+
+
+COMMAND = Command("ubatch-sweep", "buffers and speed against -ub", __name__, _flags)
+add_parser, main = COMMAND.add_parser, COMMAND

@@ -21,11 +21,10 @@ command (exit 1) naming the pass and the field.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import TYPE_CHECKING, Any
 
-from .common import add_model_flags, context_kwargs, load_model, progress, prompt_tokens, subcommand
-from .ubatch_plan import PlanError, add_plan_flags, plan, shape_from_args
+from .common import Command, add_model_flags, context_kwargs, progress, prompt_tokens, run_on_model
+from .ubatch_plan import PlanError, add_plan_flags, plan, shape_from_args, summary_line
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -312,21 +311,9 @@ def trace(model: Model, shape: dict, *, tracer: EvalTrace | None = None, **ctx_k
     }
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``trace-ubatches`` subcommand and its flags.
-
-    Args:
-        sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
-
-    Returns:
-        The subcommand's parser (its ``func`` is :func:`main`).
-    """
-
-    p = subcommand(sub, "trace-ubatches", "trace the engine's forward passes against split-plan", __doc__)
+def _flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     add_plan_flags(p)
-    p.set_defaults(func=main)
-    return p
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -345,15 +332,7 @@ def run(args: argparse.Namespace) -> dict:
         DecodeError: A decode failed (``KVCacheFullError``, ``InvalidBatchError``...).
         Exception: Whatever the ``cb_eval`` callback raised, re-raised after the decode.
     """
-    shape = shape_from_args(args)
-    model = load_model(args)
-    try:
-        data = trace(model, shape, **context_kwargs(args))
-    finally:
-        model.close()
-    data["model"] = str(model.path)
-    data["threads"] = args.threads
-    return data
+    return run_on_model(args, trace, shape_from_args(args), **context_kwargs(args))
 
 
 def print_report(data: dict) -> None:
@@ -363,7 +342,6 @@ def print_report(data: dict) -> None:
         data: What :func:`run` returned.
     """
     from .common import print_table
-    from .ubatch_plan import summary_line
 
     pl = data["plan"]
     print(f"model {data.get('model', '?')}")
@@ -433,29 +411,18 @@ def print_report(data: dict) -> None:
             print(f"  {d}")
 
 
-def main(args: argparse.Namespace) -> int:
-    """The command: run, print (table or --json).
+def _disagree(data: dict) -> str:
+    n = len(data["disagreements"])
+    return f"planner and engine DISAGREE ({n}): {data['disagreements'][0]}"
 
-    Args:
-        args: The parsed flags of :func:`add_parser`.
 
-    Returns:
-        The exit status: 0, 1 (with a message) when planner and engine disagree, 2 when the planner
-        refuses the shape.
-    """
-    from .common import emit
-
-    try:
-        data = run(args)
-    except PlanError as e:
-        print(f"pyllamacpp trace-ubatches: planner: {e}", file=sys.stderr)
-        return 2
-    emit(args, data, print_report)
-    if not data["ok"]:
-        print(
-            f"pyllamacpp trace-ubatches: planner and engine DISAGREE ({len(data['disagreements'])}): "
-            f"{data['disagreements'][0]}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+COMMAND = Command(
+    "trace-ubatches",
+    "trace the engine's forward passes against split-plan",
+    __name__,
+    _flags,
+    refused=(PlanError,),
+    refused_as="planner: ",
+    failure=_disagree,
+)
+add_parser, main = COMMAND.add_parser, COMMAND
