@@ -143,5 +143,9 @@ def test_kv_live_command(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "memory order (by offset): K0 V0 K1 V1" in out and "live = file, byte for byte" in out
     assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "(52 more)" in out and "cache_v_l28 " not in out  # 60 tensors: the first six and the last two
+    assert main(["kv-live", "-t", "1", "--modes", "split:off", "--all"]) == 0  # --all: every one
+    out = capsys.readouterr().out
+    assert "more)" not in out and "cache_v_l28 " in out
     assert main(["kv-live", "--modes", "unified"]) == 2  # layout:fa, said so
     assert "a mode is layout:fa" in capsys.readouterr().err

@@ -193,6 +193,17 @@ def test_engine_disagreement_fails_loudly(capsys):
     assert args.func(args) == 0 and "planner and engine agree" in capsys.readouterr().out
 
 
+def test_a_refused_shape_says_the_planner_refused_it(capsys):
+    """A shape the planner refuses (three sequences, two --past values): exit 2 and one line that
+    names the command and the planner, no traceback."""
+    ap = _parser(trace)
+    args = ap.parse_args(["trace-ubatches", "--tokens", "5,5,5", "--past", "1,2", "-c", "256", "-t", "1"])
+    assert args.func(args) == 2
+    cap = capsys.readouterr()
+    assert cap.err.splitlines()[-1] == "pyllamacpp trace-ubatches: planner: n_past: 2 values for 3 sequences"
+    assert cap.out == ""
+
+
 def test_callback_exception_is_raised_after_decode(model):
     class Boom(trace.EvalTrace):
         def _see(self, t):
