@@ -555,18 +555,22 @@ def test_rows_are_matched_by_token_and_position_when_the_plan_disagrees(model, m
     lists the ubatch's rows backwards still gives the right rows and the same data."""
     from pyllamacpp.taps import _capture
 
-    def run():
+    def run(tokens):
         with _ctx(model, n_ubatch=4, n_batch=64) as ctx, ctx.capture("l_out", layers=[3]) as cap:
-            ctx.decode(_batch(model, (0, A)))
+            b = pl.Batch(64, 1)
+            b.add_sequence(tokens, 0, 0, logits="last")
+            ctx.decode(b)
         return cap
 
-    right = run()
+    text, same = model.tokenize(A), [model.tokenize(" the")[-1]] * 7  # one token 7 times: only positions differ
+    right = [run(text), run(same)]
     plan = _capture._plan_ubatches
     monkeypatch.setattr(_capture, "_plan_ubatches", lambda f, call: [u[::-1].copy() for u in plan(f, call)])
-    wrong = run()
-    assert [r.rows.tolist() for r in right.records if r.name == "l_out-3"] == [[0, 1, 2, 3], [4, 5, 6]]
-    assert [r.rows.tolist() for r in wrong.records if r.name == "l_out-3"] == [[0, 1, 2, 3], [4, 5, 6]]
-    assert np.array_equal(wrong["l_out", 3], right["l_out", 3])
+    wrong = [run(text), run(same)]
+    for r, w in zip(right, wrong):
+        assert [x.rows.tolist() for x in r.records if x.name == "l_out-3"] == [[0, 1, 2, 3], [4, 5, 6]]
+        assert [x.rows.tolist() for x in w.records if x.name == "l_out-3"] == [[0, 1, 2, 3], [4, 5, 6]]
+        assert np.array_equal(w["l_out", 3], r["l_out", 3]) and r.n_passes == w.n_passes == 2
 
 
 def test_a_patch_is_told_each_call_of_its_block(model):
@@ -600,3 +604,47 @@ def test_pass_counters_on_the_taps_nest(model):
             ctx.decode(_batch(model, (0, A)))
             assert (inner.n_passes, outer.n_passes) == (2, 4)
         assert not ctx._taps.armed
+
+
+def test_layers_past_the_end_are_refused_with_the_models_range(model):
+    with _ctx(model) as ctx:
+        with pytest.raises(
+            TapError, match=r"layers \[-31, 30\]: the model's layers are 0\.\.29 .*-1 is layer 29, -30 is"
+        ):
+            ctx.capture("l_out", layers=[-31, 30, 2])
+        with ctx.capture("l_out", layers=[0]) as cap:
+            pass
+    assert cap.n_passes == 0 and cap.records == []
+
+
+def test_a_quantized_cache_is_read_dequantized(model):
+    """A q8_0 KV cache's record: ``data`` its blocks as bytes, ``array()`` float32 numbers as
+    ``gguf.quants.dequantize`` reads them, of the record's shape."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    n = len(model.tokenize(A))
+    with _ctx(model, type_k="q8_0", type_v="q8_0", flash_attn="on") as ctx:
+        ctx.decode(_batch(model, (0, A)))
+        step = pl.Batch(1, 1)
+        step.add(model.tokenize(B)[0], n, 0, logits=True)
+        with ctx.capture("cache_k_l0") as cap:  # an input is copied as the pass first reads it
+            ctx.decode(step)
+    [rec] = cap.records
+    assert rec.type == "q8_0" and rec.data.dtype == np.uint8
+    x = rec.array()
+    assert x.dtype == np.float32 and x.shape == rec.shape == (512, 192)
+    assert np.array_equal(x, gguf_dequantize(rec.data, GGMLQuantizationType.Q8_0).reshape(rec.shape))
+    assert all(np.abs(x[i]).max() > 0 for i in range(n)) and not x[n + 1 :].any()  # the prompt's cells, no others
+
+
+def test_a_patch_in_a_raw_llama_decode_is_told_no_call(model):
+    """A decode that does not go through ``Context.decode`` (``lib.llama_decode`` on the batch's
+    struct) still runs the patch, which is told call -1 and no rows: the taps saw no batch."""
+    seen = []
+    with _ctx(model, n_seq_max=2) as ctx:
+        batch = _batch(model, (0, A))
+        with ctx.patch("l_out", lambda x, info: seen.append((info.call, info.rows, info.seq_ids)), layers=[2]):
+            assert lib.llama_decode(ctx.ptr, batch.struct) == 0
+            ctx.decode(_batch(model, (1, B)))
+    assert seen[0] == (-1, None, None) and seen[1][0] == 0 and seen[1][2] == ((1,),) * len(model.tokenize(B))
