@@ -1,8 +1,8 @@
 """``pyllamacpp perplexity``: :func:`pyllamacpp.scoring.perplexity` and
 :func:`~pyllamacpp.scoring.kl_divergence`, and llama-perplexity's multiple-choice modes
 (:mod:`pyllamacpp.evaluation.llama_perplexity`), from the command line, printed as llama-perplexity
-prints them. Kept apart from scoring.py so that building the CLI's parser loads no compiled
-extension."""
+prints them. Kept apart from :mod:`pyllamacpp.scoring` so that building the CLI's parser loads no
+compiled extension."""
 
 from __future__ import annotations
 

@@ -187,7 +187,7 @@ def test_perplexity_against_direct_recomputation(model, text_tokens, n_batch):
 def test_perplexity_bos_replaces_each_chunks_first_token(model, text_tokens, monkeypatch, n_batch):
     # the default model adds no BOS: take the branch of one that does, and check it against the definition;
     # with 2 batches per chunk only the first starts with BOS; the second (from position 32) keeps its token
-    monkeypatch.setattr(scoring, "_check_vocab_flags", lambda m: True)
+    monkeypatch.setattr(scoring._perplexity, "_check_vocab_flags", lambda m: True)
     r = scoring.perplexity(model, text_tokens, 64, n_batch, n_chunks=2, **OFF)
     assert r.add_bos and r.n_batch == min(n_batch, 128)
     ref = direct_perplexity(model, text_tokens, 64, 2, bos=model.bos)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from pyllamacpp import scoring
 from pyllamacpp.speculative import NgramDraft, SpeculativeStats, generate_speculative
 from pyllamacpp.testing import make_model
 
+PERPLEXITY_CPP = Path(__file__).resolve().parent.parent / "vendor/llama.cpp/tools/perplexity/perplexity.cpp"
 FEW = settings(max_examples=50, deadline=None, database=None)  # no example database left in the tree
 
 # float32 values, bounded: the statistics of llama-perplexity take float32 terms
@@ -184,6 +187,34 @@ def test_kl_statistics_of_10_tokens_or_fewer_have_no_uncertainties():
         assert (k.ppl_err == 0, k.kld_err == 0, k.p_diff_err == 0, k.rms_p_diff_err == 0) == (zero,) * 4
         assert math.isclose(k.same_top_err, sem(same), rel_tol=1e-12)
         assert math.isnan(k.cor) == zero
+
+
+def test_kl_summary_is_what_perplexity_cpp_prints():
+    """``KLDivergence.summary()`` is the text of perplexity.cpp's ``LOG`` calls after its table:
+    their format strings, read from the vendored source in order (C's printf and Python's ``%``
+    read these formats alike), applied to the figures each of them prints."""
+    if not PERPLEXITY_CPP.exists():
+        pytest.skip("no vendored llama.cpp sources")
+    src = PERPLEXITY_CPP.read_text(encoding="utf-8")
+    start = src.index('LOG("====== Perplexity statistics')
+    block = src[start : src.index("\n", src.index('LOG("Same top p', start))]
+    fmts = [f + "\n" for f in re.findall(r'^\s*LOG\("(.*?)\\n"', block, re.M)]  # not the // LOG( lines
+    rng = np.random.default_rng(1)
+    nll, nll_base = rng.uniform(0, 8, (2, 200)).astype(np.float32)
+    kld, p_diff = rng.uniform(0, 0.5, 200), rng.uniform(-0.3, 0.3, 200).astype(np.float32)
+    k = _kl(4, 50, nll, nll_base, kld, p_diff, (rng.uniform(size=200) < 0.8).astype(np.int8))
+    kq = [(k.kld_percentiles[q],) for q in (99.9, 99.0, 95.0, 90.0, 10.0, 5.0, 1.0, 0.1)]
+    pq = [(100 * k.p_diff_percentiles[q],) for q in (99.9, 99.0, 95.0, 90.0, 75.0, 25.0, 10.0, 5.0, 1.0, 0.1)]
+    args = [
+        *[(), (k.ppl, k.ppl_err), (k.ppl_base, k.ppl_base_err), (100 * k.cor,), (k.ln_ratio, k.ln_ratio_err)],
+        *[(k.ratio, k.ratio_err), (k.diff, k.diff_err), ()],
+        *[(), (k.kld, k.kld_err), (k.kld_max,), *kq[:4], (k.kld_median,), *kq[4:], (k.kld_min,), ()],
+        *[(), (100 * k.p_diff, 100 * k.p_diff_err), (100 * k.p_diff_max,), *pq[:5], (100 * k.p_diff_median,)],
+        *[*pq[5:], (100 * k.p_diff_min,), (100 * k.rms_p_diff, 100 * k.rms_p_diff_err)],
+        (100 * k.same_top, 100 * k.same_top_err),
+    ]
+    assert len(fmts) == len(args) == 39
+    assert k.summary() + "\n" == "".join(f % a for f, a in zip(fmts, args))
 
 
 # -- log-softmax -----------------------------------------------------------------------------------
