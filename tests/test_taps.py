@@ -648,3 +648,37 @@ def test_a_patch_in_a_raw_llama_decode_is_told_no_call(model):
             assert lib.llama_decode(ctx.ptr, batch.struct) == 0
             ctx.decode(_batch(model, (1, B)))
     assert seen[0] == (-1, None, None) and seen[1][0] == 0 and seen[1][2] == ((1,),) * len(model.tokenize(B))
+
+
+def test_sites_leave_out_views_and_unnamed_nodes(model):
+    with _ctx(model) as ctx:
+        sites = ctx.graph_nodes().sites()
+    assert sites[:2] == ["embd", "norm"] and {"attn_norm", "Qcur", "l_out", "result_output"} <= set(sites)
+    assert not [s for s in sites if " (" in s or s.startswith("node_")]
+
+
+def test_a_counter_keeps_its_count_across_a_capture_on_the_same_taps(model):
+    """A capture resets the C counters when it starts: the counter around it loses no pass."""
+    with _ctx(model, n_ubatch=4, n_batch=64) as ctx, pl.PassCounter(ctx) as pc:
+        ctx.decode(_batch(model, (0, A)))
+        ctx.memory.clear()
+        with ctx.capture("l_out", layers=[1]) as cap:
+            ctx.decode(_batch(model, (0, A)))
+        ctx.memory.clear()
+        ctx.decode(_batch(model, (0, A)))
+        assert pc.n_passes == 6 and cap.n_passes == 2
+
+
+def test_a_pass_whose_op_differs_from_the_listing_is_refused(model):
+    """C checks each wanted node's op against the listing's: a listing that says MUL_MAT where
+    the pass has an ADD (``l_out``) stops the decode with a TapError naming the op it met."""
+    import dataclasses
+
+    with _ctx(model) as ctx:
+        with ctx.capture("l_out", layers=[4]) as cap:
+            cap.nodes[:] = [dataclasses.replace(n, op="MUL_MAT") for n in cap.nodes]
+            ctx._taps.rearm()
+            with pytest.raises(TapError, match=r"l_out-4: this pass's graph differs from the listing \(a ADD node"):
+                ctx.decode(_batch(model, (0, A)))
+        assert ctx.memory.seq_pos_max(0) == -1
+        ctx.decode(_batch(model, (0, A)))  # the context is usable
