@@ -682,3 +682,16 @@ def test_a_pass_whose_op_differs_from_the_listing_is_refused(model):
                 ctx.decode(_batch(model, (0, A)))
         assert ctx.memory.seq_pos_max(0) == -1
         ctx.decode(_batch(model, (0, A)))  # the context is usable
+
+
+def test_rows_of_a_long_ubatch(model):
+    """A 40-token ubatch: each record's rows are the batch's 40, checked against the pass's own
+    inp_tokens and inp_pos copies (160 bytes each, read back from the capture's arena)."""
+    tokens = (model.tokenize(A + " " + B).tolist() * 4)[:40]
+    with _ctx(model) as ctx, ctx.capture("l_out", "attn_norm", layers=[3]) as cap:
+        b = pl.Batch(64, 1)
+        b.add_sequence(tokens, 0, 0, logits="all")
+        ctx.decode(b)
+    for r in cap.records:
+        assert r.rows.tolist() == list(range(40)) and r.pos.tolist() == list(range(40)), r.name
+        assert r.tokens.tolist() == tokens
