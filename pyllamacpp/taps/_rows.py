@@ -165,7 +165,9 @@ class TapInfo:
         site: The name without its layer.
         layer: The layer, or None.
         op: ggml's op name.
-        call: The decode call, counted from the patch's start.
+        call: The decode call, counted from the patch's start; -1 in a decode that did not go
+            through :meth:`Context.decode` (``lib.llama_decode`` on a batch's struct: the taps
+            saw no batch, so ``rows``, ``seq_ids`` and ``pos`` are None too).
         ubatch: The pass within that call.
         token_axis: The numpy axis of the array that holds the pass's rows (None: none).
         rows: The batch index of each row along ``token_axis`` (None when not known).
