@@ -571,3 +571,64 @@ def test_closed_sampler_raises_before_the_verify(tiny):
         with pytest.raises(pl.ClosedError):
             next(s)
         assert got == plain[:3] and _held(ctx) == prompt.size + 2
+
+
+# -- behaviours held against the mutants of a sample (issue 28: tools/mutation/run.py speculative)
+
+
+class _Recording(FixedDraft):
+    """A FixedDraft that logs its resets and its drafts."""
+
+    def __init__(self, tokens, log):
+        super().__init__(tokens)
+        self.log = log
+
+    def reset(self):
+        self.log.append("reset")
+        super().reset()
+
+    def draft(self, history, n_max):
+        self.log.append("draft")
+        return super().draft(history, n_max)
+
+
+def test_compare_resets_the_draft_before_each_speculative_run_only(tiny):
+    """The plain side never drafts; each speculative run starts from a reset draft."""
+    log: list[str] = []
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        r = pl.compare_speculative(ctx, _repetitive()[:10], 6, _Recording([1, 2], log), repeat=2)
+    runs = [g for g in "".join("R" if e == "reset" else "d" for e in log).split("R") if g]
+    assert log[0] == "reset" and len(runs) == 2 and all(set(g) == {"d"} for g in runs), log
+    assert r["same_tokens"] and r["n_tokens"] == 6
+
+
+def test_compare_on_a_long_generation_finds_no_difference(tiny):
+    """300 tokens: lengths past CPython's small-int cache compared by value."""
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=512, **T1) as ctx:
+        r = pl.compare_speculative(ctx, _repetitive()[:10], 300, NgramDraft(), repeat=1)
+    assert r["same_tokens"] and r["first_difference"] is None and r["n_tokens"] == 300
+
+
+def test_a_model_draft_with_p_min_drafts_while_the_top_token_is_that_likely(tiny):
+    """p_min 1e-6: every greedy token of a 64-token vocabulary is likelier than that, so the draft
+    runs to n_max; p_min 1.0: no token is certain, so it drafts nothing."""
+    with pl.Model(tiny["llama"]) as m:
+        hist = _repetitive()[:10].tolist()
+        with ModelDraft(m, p_min=1e-6, n_ctx=128, **T1) as low, ModelDraft(m, p_min=1.0, n_ctx=128, **T1) as high:
+            low.bind(m)
+            high.bind(m)
+            assert len(low.draft(hist, 5)) == 5 and high.draft(hist, 5) == []
+
+
+def test_an_own_cb_eval_counter_resets_to_zero(tiny):
+    pc = PassCounter()
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, n_ubatch=4, **pc.context_params(), **T1) as ctx:
+        b = pl.Batch(16, 1)
+        b.add_sequence(_repetitive()[:7], 0, 0, logits="last")
+        ctx.decode(b)
+        assert pc.n_passes == 2
+        pc.reset()
+        assert (pc.n_passes, pc.n_nodes) == (0, 0)
+        ctx.memory.clear()
+        ctx.decode(b)
+        assert pc.n_passes == 2
