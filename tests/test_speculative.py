@@ -632,3 +632,25 @@ def test_an_own_cb_eval_counter_resets_to_zero(tiny):
         ctx.memory.clear()
         ctx.decode(b)
         assert pc.n_passes == 2
+
+
+def test_a_model_draft_decodes_only_what_the_history_added(tiny):
+    """After a round whose drafts were accepted, the next draft finds them already in its
+    sequence: one pass for the new token and one per further draft, however long the history."""
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, n_ubatch=2, n_batch=64, **T1) as dctx:
+        with ModelDraft(m, ctx=dctx) as d, PassCounter(dctx) as pc:
+            d.bind(m)
+            hist = _repetitive()[:11].tolist()
+            first = d.draft(hist, 3)
+            assert len(first) == 3
+            p0 = pc.n_passes
+            again = d.draft(hist + first[:2] + [5], 3)  # two drafts accepted, then a token of the target's
+            assert len(again) == 3 and pc.n_passes - p0 == 3
+
+
+def test_stats_per_round(tiny):
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        s = generate_speculative(ctx, _repetitive()[:10], 20, NgramDraft(), n_draft=4)
+        list(s)
+    st = s.stats
+    assert st.n_rounds > 1 and st.tokens_per_round == st.n_tokens / st.n_rounds
