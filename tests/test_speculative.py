@@ -507,7 +507,7 @@ def test_layer_skip_gguf_writes_and_caches(tiny, tmp_path):
     mtime = out.stat().st_mtime_ns
     assert layer_skip_gguf(src, 2, cache=tmp_path) == out and out.stat().st_mtime_ns == mtime  # cached
     for bad in (0, 4):
-        with pytest.raises(ValueError, match="n_layer"):
+        with pytest.raises(ValueError, match=rf"n_layer must be in \[1, 3\] for \S+ \(4 layers\), got {bad}$"):
             layer_skip_gguf(src, bad, cache=tmp_path)
 
 
