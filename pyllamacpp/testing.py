@@ -63,6 +63,7 @@ def make_model(
     dtype: str = "f32",
     tie_embeddings: bool = True,
     split_max_tensors: int = 0,
+    metadata: dict[str, bool | int | str] | None = None,
     **arch_specific: Any,
 ) -> Path:
     """Write a random-weight GGUF of ``arch`` to ``path`` (atomically) and return the path.
@@ -90,6 +91,8 @@ def make_model(
         split_max_tensors: More than 0: a split model of at most that many tensors per file
             (``<stem>-00001-of-0000N.gguf`` beside ``path``, as llama-gguf-split names them; written
             in place, not atomically); the first file's path is returned.
+        metadata: more keys to write, a bool, int (uint32) or str each, after the arch's own
+            (``{"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 1}``).
         **arch_specific: by arch, in llama.cpp's hparams names:
 
             - attention archs: ``rope_freq_base``, ``norm_rms_eps``;
@@ -271,6 +274,9 @@ def make_model(
     kv["tokenizer.ggml.tokens"] = ([f"tok_{i}" for i in range(n_vocab)], T.ARRAY, T.STRING)
     kv["tokenizer.ggml.scores"] = ([0.0] * n_vocab, T.ARRAY, T.FLOAT32)
     kv["tokenizer.ggml.token_type"] = ([1] * n_vocab, T.ARRAY, T.INT32)  # LLAMA_TOKEN_TYPE_NORMAL
+    for key, value in (metadata or {}).items():
+        kind = T.BOOL if isinstance(value, bool) else T.UINT32 if isinstance(value, int) else T.STRING
+        kv[key] = (value, kind)
 
     rng = np.random.default_rng(seed)
     wtype = np.float16 if dtype == "f16" else np.float32

@@ -654,3 +654,18 @@ def test_stats_per_round(tiny):
         list(s)
     st = s.stats
     assert st.n_rounds > 1 and st.tokens_per_round == st.n_tokens / st.n_rounds
+
+
+def test_check_vocab_of_two_vocabularies_that_add_bos(tmp_path):
+    """Both add a BOS: the same id passes, another id is refused with both named."""
+    from pyllamacpp.speculative import check_vocab
+
+    md = {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 1}
+    kw = {"n_embd": 32, "n_head": 2, "n_vocab": 64}
+    a = make_model(tmp_path / "a.gguf", "llama", n_layer=1, metadata=md, **kw)
+    b = make_model(tmp_path / "b.gguf", "llama", n_layer=2, seed=1, metadata=md, **kw)
+    c = make_model(tmp_path / "c.gguf", "llama", n_layer=1, metadata={**md, "tokenizer.ggml.bos_token_id": 2}, **kw)
+    with pl.Model(a) as ma, pl.Model(b) as mb, pl.Model(c) as mc:
+        check_vocab(ma, mb)
+        with pytest.raises(ValueError, match=r"another BOS \(added True, id 2; the target's: added True, id 1\)"):
+            check_vocab(ma, mc)
