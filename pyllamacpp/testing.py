@@ -274,9 +274,9 @@ def make_model(
     kv["tokenizer.ggml.tokens"] = ([f"tok_{i}" for i in range(n_vocab)], T.ARRAY, T.STRING)
     kv["tokenizer.ggml.scores"] = ([0.0] * n_vocab, T.ARRAY, T.FLOAT32)
     kv["tokenizer.ggml.token_type"] = ([1] * n_vocab, T.ARRAY, T.INT32)  # LLAMA_TOKEN_TYPE_NORMAL
-    for key, value in (metadata or {}).items():
-        kind = T.BOOL if isinstance(value, bool) else T.UINT32 if isinstance(value, int) else T.STRING
-        kv[key] = (value, kind)
+    for key, extra in (metadata or {}).items():
+        kind = T.BOOL if isinstance(extra, bool) else T.UINT32 if isinstance(extra, int) else T.STRING
+        kv[key] = (extra, kind)
 
     rng = np.random.default_rng(seed)
     wtype = np.float16 if dtype == "f16" else np.float32
