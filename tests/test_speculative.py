@@ -506,6 +506,7 @@ def test_layer_skip_gguf_writes_and_caches(tiny, tmp_path):
         assert m.n_layer == 2
     mtime = out.stat().st_mtime_ns
     assert layer_skip_gguf(src, 2, cache=tmp_path) == out and out.stat().st_mtime_ns == mtime  # cached
+    assert out.read_bytes().count(b"general.architecture") == 1  # the source's key not copied over the writer's
     for bad in (0, 4):
         with pytest.raises(ValueError, match=rf"n_layer must be in \[1, 3\] for \S+ \(4 layers\), got {bad}$"):
             layer_skip_gguf(src, bad, cache=tmp_path)
@@ -654,6 +655,13 @@ def test_stats_per_round(tiny):
         list(s)
     st = s.stats
     assert st.n_rounds > 1 and st.tokens_per_round == st.n_tokens / st.n_rounds
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
+        c = list(pl.generate(ctx, _repetitive()[:10], 2, pl.Sampler.greedy()))
+        ctx.memory.clear()
+        s = generate_speculative(ctx, _repetitive()[:10], 12, FixedDraft([c[0], (c[1] + 1) % 64]), n_draft=2)
+        list(s)
+    st = s.stats
+    assert 0 < st.n_accepted < st.n_drafted and st.acceptance_rate == st.n_accepted / st.n_drafted
 
 
 def test_check_vocab_of_two_vocabularies_that_add_bos(tmp_path):
