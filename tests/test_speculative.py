@@ -677,3 +677,11 @@ def test_check_vocab_of_two_vocabularies_that_add_bos(tmp_path):
         check_vocab(ma, mb)
         with pytest.raises(ValueError, match=r"another BOS \(added True, id 2; the target's: added True, id 1\)"):
             check_vocab(ma, mc)
+
+
+def test_a_counter_says_which_contexts_passes_it_counts(tiny):
+    own = PassCounter()
+    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=64, **T1) as a, m.context(n_ctx=64, **T1) as b:
+        with m.context(n_ctx=64, **own.context_params(), **T1) as c, PassCounter(a) as on_a:
+            assert on_a.counts(a) and not on_a.counts(b) and not on_a.counts(c)
+            assert own.counts(c) and not own.counts(a)
