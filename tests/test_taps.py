@@ -695,3 +695,12 @@ def test_rows_of_a_long_ubatch(model):
     for r in cap.records:
         assert r.rows.tolist() == list(range(40)) and r.pos.tolist() == list(range(40)), r.name
         assert r.tokens.tolist() == tokens
+
+
+def test_the_listing_table_names_each_nodes_rows_axis(model):
+    with _ctx(model) as ctx:
+        lines = ctx.graph_nodes().table(layers=[5]).splitlines()
+    assert lines[0].split()[-1] == "rows"
+    by_name = {ln.split()[1]: ln for ln in lines[1:]}
+    assert by_name["l_out-5"].endswith("axis 0") and by_name["kq_soft_max-5"].endswith("axis 1")
+    assert by_name["cache_k_l5"].endswith(" -")  # the cache has no axis of batch rows
