@@ -659,3 +659,28 @@ def test_multiple_choice_same_as_llama_perplexity(model_path, extra):
     native, ours = mc_native_and_ours(args, "multiple-choice" + ("-10" if extra else ""))
     assert "Final result: " in native and "Random chance: " in native
     assert ours == native
+
+
+# -- behaviours held against the mutants of a sample (issue 28: tools/mutation/run.py scoring)
+
+
+def test_kl_divergence_of_the_first_chunks_only(model, base_file):
+    path, _ = base_file
+    k = scoring.kl_divergence(model, path, 128, n_chunks=1, **T)
+    assert k.n_chunk == 1 and k.count == 31
+
+
+def test_score_of_a_text_that_starts_with_bos(tmp_path):
+    """A vocabulary that adds BOS: the first window is the text as given (no second BOS), and each
+    later window starts with BOS before its context."""
+    from pyllamacpp.testing import make_model
+
+    md = {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 1}
+    path = make_model(tmp_path / "bos.gguf", "llama", n_layer=2, n_embd=32, n_head=2, n_vocab=64, metadata=md)
+    toks = np.concatenate([[1], np.random.default_rng(0).integers(2, 64, 99)]).astype(np.int32)
+    with pl.Model(path) as m:
+        s = scoring.score(m, toks, n_ctx=64, n_batch=64, keep=16, **T)
+        with m.context(n_ctx=64, **T) as ctx:
+            first = ref_log_softmax(decode_all(ctx, toks[:64]))
+    assert s.windows[0] == (0, 1)
+    assert np.max(np.abs(s.logprobs[:63] - first[np.arange(63), toks[1:64]])) < 1e-5
