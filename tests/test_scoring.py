@@ -670,17 +670,24 @@ def test_kl_divergence_of_the_first_chunks_only(model, base_file):
     assert k.n_chunk == 1 and k.count == 31
 
 
-def test_score_of_a_text_that_starts_with_bos(tmp_path):
-    """A vocabulary that adds BOS: the first window is the text as given (no second BOS), and each
-    later window starts with BOS before its context."""
+@pytest.mark.parametrize("bos", [1, 0])
+def test_score_of_a_text_that_starts_with_bos(tmp_path, bos):
+    """A vocabulary that adds BOS (id 1, or 0): the first window is the text as given (no second
+    BOS), and each later window starts with BOS before its context."""
     from pyllamacpp.testing import make_model
 
-    md = {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 1}
+    md = {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": bos}
     path = make_model(tmp_path / "bos.gguf", "llama", n_layer=2, n_embd=32, n_head=2, n_vocab=64, metadata=md)
-    toks = np.concatenate([[1], np.random.default_rng(0).integers(2, 64, 99)]).astype(np.int32)
+    toks = np.concatenate([[bos], np.random.default_rng(0).integers(2, 64, 99)]).astype(np.int32)
     with pl.Model(path) as m:
         s = scoring.score(m, toks, n_ctx=64, n_batch=64, keep=16, **T)
         with m.context(n_ctx=64, **T) as ctx:
             first = ref_log_softmax(decode_all(ctx, toks[:64]))
-    assert s.windows[0] == (0, 1)
+            ctx.memory.clear()
+            (start, target) = s.windows[1]
+            second = ref_log_softmax(decode_all(ctx, np.concatenate([[bos], toks[start:]])))
+    assert s.windows[0] == (0, 1) and target == 64
     assert np.max(np.abs(s.logprobs[:63] - first[np.arange(63), toks[1:64]])) < 1e-5
+    rows = np.arange(target - start, toks.size - start)  # fed row j (BOS first) predicts text token start + j
+    assert s.windows == [(0, 1), (48, 64)]
+    assert np.max(np.abs(s.logprobs[start + rows - 1] - second[rows, toks[start + rows]])) < 1e-5
