@@ -566,3 +566,61 @@ def test_bad_drafts_are_refused_before_any_decode(model, tmp_path):
     with pl.Model(path) as m, m.context(n_ctx=256, n_seq_max=2, n_threads=1) as ctx:
         with pytest.raises(ValueError, match="drop a suffix"):
             Scheduler(ctx).submit([1, 2, 3], 4, draft=NgramDraft())
+
+
+# -- behaviours held against the mutants of a sample (issue 28: tools/mutation/run.py scheduler-drafts)
+
+
+class _Fixed:
+    """A draft (pyllamacpp.speculative.Draft) proposing the same tokens every step."""
+
+    def __new__(cls, tokens):
+        from pyllamacpp.speculative import Draft
+
+        class Fixed(Draft):
+            def draft(self, history, n_max):
+                return list(tokens)[:n_max]
+
+        return Fixed()
+
+
+def test_a_draft_outside_the_vocabulary_is_refused_and_token_0_is_not(model):
+    with _ctx(model, n_seq_max=2) as ctx:
+        sched = Scheduler(ctx)
+        sched.submit(SYSTEM, 4, draft=_Fixed([-1]))
+        with pytest.raises(ValueError, match=r"proposed token -1, outside the vocabulary \[0, 49152\)"):
+            list(sched.run())
+    with _ctx(model, n_seq_max=2) as ctx:
+        sched = Scheduler(ctx)
+        r = sched.submit(SYSTEM, 4, draft=_Fixed([0, 0]))
+        list(sched.run())
+        assert r.finish_reason == "n_predict" and r.n_drafted > 0
+
+
+def test_drafts_stop_one_short_of_the_sequences_last_cell(model, caplog):
+    """Near the end of its cells a request drafts only as many tokens as positions remain after
+    the pending one: it fills its sequence to the last cell and ends ctx_full, with one failed
+    decode only (the last token's, which has no cell left) and no step retried without drafts."""
+    prompt = np.resize(model.tokenize(SYSTEM + LISTS[0]), 240)
+    with _ctx(model, n_seq_max=1, n_ctx=256, n_batch=256) as ctx:
+        sched = Scheduler(ctx)
+        r = sched.submit(prompt, -1, pl.Sampler.greedy(), draft=_Fixed([11] * 8), n_draft=8)
+        with caplog.at_level("WARNING", logger="pyllamacpp.llama"):
+            list(sched.run())
+        assert r.finish_reason == "ctx_full"
+        assert r.n_prompt + len(r.tokens) == 256 + 1  # the last sampled token needs no cell
+    failed = [m for m in caplog.messages if "failed to find a memory slot" in m]
+    assert failed == ["decode: failed to find a memory slot for batch of size 1"], failed
+
+
+def test_a_prefill_shares_the_step_with_a_generating_request(model):
+    """One generating request takes one row of the step's batch; a prompt prefilled in the same
+    step gets the other n_batch - 1."""
+    with _ctx(model, n_seq_max=2, n_batch=32) as ctx:
+        sched = Scheduler(ctx, prefix_cache=False)
+        a = sched.submit(model.tokenize(SYSTEM)[:8], 20, pl.Sampler.greedy())
+        sched.step()
+        assert len(a.tokens) == 1
+        b = sched.submit(np.resize(model.tokenize(SYSTEM + LISTS[1]), 100), 4, pl.Sampler.greedy())
+        sched.step()
+        assert len(a.tokens) == 2 and b._i == 31  # prompt tokens fed so far
