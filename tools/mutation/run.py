@@ -234,6 +234,7 @@ def main() -> int:
             _restore_modules(work, target)  # a run stopped mid-mutant leaves its mutant in the copy
         if args.rerun_survivors:
             _refresh_tests(work, target)
+            cfg = _config(work, target, args.timeout)  # HEAD's test files for the target
             db = sqlite3.connect(session)
             n = db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'").rowcount
             db.commit()
