@@ -691,3 +691,9 @@ def test_score_of_a_text_that_starts_with_bos(tmp_path, bos):
     rows = np.arange(target - start, toks.size - start)  # fed row j (BOS first) predicts text token start + j
     assert s.windows == [(0, 1), (48, 64)]
     assert np.max(np.abs(s.logprobs[start + rows - 1] - second[rows, toks[start + rows]])) < 1e-5
+
+
+def test_log_softmax_refuses_more_targets_than_rows():
+    x = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError, match="2 rows"):
+        scoring.log_softmax(x, [1, 2, 3])
