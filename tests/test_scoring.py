@@ -697,3 +697,18 @@ def test_log_softmax_refuses_more_targets_than_rows():
     x = np.zeros((2, 8), np.float32)
     with pytest.raises(ValueError, match="2 rows"):
         scoring.log_softmax(x, [1, 2, 3])
+
+
+def test_base_log_probs_of_a_vocabulary_of_100(tmp_path):
+    """BaseLogits.log_probs decodes a chunk's rows to (n_scored, n_vocab) log-probabilities, for
+    any vocabulary size (100: bit 2 set), within the 16-bit storage of the direct log-softmax."""
+    from pyllamacpp.testing import make_model
+
+    path = make_model(tmp_path / "v100.gguf", "llama", n_layer=1, n_embd=32, n_head=2, n_vocab=100)
+    toks = np.random.default_rng(1).integers(0, 100, 128).astype(np.int32)
+    with pl.Model(path) as m:
+        scoring.perplexity(m, toks, 64, 64, save_base=tmp_path / "v100.kld", **T)
+        with m.context(n_ctx=64, **T) as ctx:
+            ref = ref_log_softmax(decode_all(ctx, toks[:64]))[32:63]  # the rows scored: 32..62
+    lp = scoring.BaseLogits(tmp_path / "v100.kld").log_probs(0)
+    assert lp.shape == (31, 100) and np.max(np.abs(lp - ref)) < 2e-3
