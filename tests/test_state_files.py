@@ -307,3 +307,23 @@ def test_parse_state_reads_a_cut_file_header_with_numbers(files, tmp_path):
     with pytest.raises(st.StateFormatError) as e:
         st.parse(_cut(session, 9, tmp_path))
     assert (e.value.offset, e.value.needed, e.value.left) == (0, 12, 9) and "session file header" in str(e.value)
+
+
+def test_a_plain_dump_of_another_layer_count_is_refused(tmp_path):
+    """A dump of a 2-layer model is refused by a 3-layer model's context with both counts, before
+    llama.cpp reads it, and the sequence stays empty."""
+    from pyllamacpp.errors import StateError
+    from pyllamacpp.testing import make_model
+
+    kw = {"n_embd": 32, "n_head": 2, "n_vocab": 64}
+    two = make_model(tmp_path / "two.gguf", "llama", n_layer=2, **kw)
+    three = make_model(tmp_path / "three.gguf", "llama", n_layer=3, **kw)
+    with pl.Model(two) as m2, m2.context(n_ctx=256, n_threads=1) as c2:
+        b = pl.Batch(8, 1)
+        b.add_sequence([5, 6, 7, 8], 0, 0, logits="last")
+        c2.decode(b)
+        dump = bytes(c2.seq_state(0))
+    with pl.Model(three) as m3, m3.context(n_ctx=256, n_threads=1) as c3:
+        with pytest.raises(StateError, match="2 layers in the kv part, the model.s has 3"):
+            c3.check_state(dump)
+        assert c3.memory.seq_pos_max(0) == -1
