@@ -28,6 +28,8 @@ def _kl_rows(logits, base_rows, targets, outs, n_threads: int) -> None:
     a = _rows(logits)
     t = _targets(targets, *a.shape)
     b = np.ascontiguousarray(base_rows)
+    if b.ndim != 2 or b.shape[0] != a.shape[0]:  # C reads one base row per logits row
+        raise ValueError(f"{a.shape[0]} logits rows but base rows of shape {b.shape}")
     nll, nll_base, kld, p_diff, same = outs
     per_row = ("float *", nll), ("float *", nll_base), ("double *", kld), ("float *", p_diff), ("int8_t *", same)
     _row_loop(lib.pyl_kl_rows, a, n_threads, ("uint16_t *", b), b.shape[1], ("int32_t *", t), *per_row)
