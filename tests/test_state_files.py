@@ -327,3 +327,25 @@ def test_a_plain_dump_of_another_layer_count_is_refused(tmp_path):
         with pytest.raises(StateError, match="2 layers in the kv part, the model.s has 3"):
             c3.check_state(dump)
         assert c3.memory.seq_pos_max(0) == -1
+
+
+def test_a_dump_with_other_k_and_v_types_checks_against_each(model):
+    """K and V of different types (q8_0 K, f16 V, flash attention on): a dump is checked record by
+    record against the context's type_k for K and type_v for V, and passes in a twin context."""
+    from pyllamacpp.errors import StateError
+
+    kw = {"n_ctx": 256, "n_threads": 1, "flash_attn": "on"}
+    with model.context(type_k="q8_0", type_v="f16", **kw) as a, model.context(type_k="q8_0", type_v="f16", **kw) as b:
+        batch = pl.Batch(8, 1)
+        batch.add_sequence(model.tokenize("The cat sat."), 0, 0, logits="last")
+        a.decode(batch)
+        dump = bytes(a.seq_state(0))
+        b.check_state(dump)
+        with model.context(type_k="f16", type_v="q8_0", **kw) as swapped, pytest.raises(StateError, match="q8_0"):
+            swapped.check_state(dump)
+
+
+def test_a_failed_save_says_why(model, tmp_path):
+    with model.context(n_ctx=128, n_threads=1) as ctx:
+        with pytest.raises(OSError, match=r"could not write .*: llama_state_save_file: .*No such file or directory"):
+            ctx.save_state(tmp_path / "missing" / "x.state")
