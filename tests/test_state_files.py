@@ -349,3 +349,33 @@ def test_a_failed_save_says_why(model, tmp_path):
     with model.context(n_ctx=128, n_threads=1) as ctx:
         with pytest.raises(OSError, match=r"could not write .*: llama_state_save_file: .*No such file or directory"):
             ctx.save_state(tmp_path / "missing" / "x.state")
+
+
+def test_a_dump_of_another_memory_kind_is_refused_naming_both(tmp_path):
+    """A plain KV cache's dump in a recurrent model's context, an iSWA one's in a plain model's:
+    refused with the parts the dump holds and those the context's memory reads."""
+    from pyllamacpp.errors import StateError
+    from pyllamacpp.testing import make_model
+
+    kw = {"n_layer": 2, "n_embd": 64, "n_vocab": 128}
+    llama = make_model(tmp_path / "l.gguf", "llama", n_head=4, **kw)
+    mamba = make_model(tmp_path / "m.gguf", "mamba", ssm_d_conv=4, ssm_d_state=8, **kw)
+    gemma = make_model(tmp_path / "g.gguf", "gemma3", n_head=4, n_swa=8, swa_pattern=2, **kw)
+
+    def dump(path):
+        with pl.Model(path) as m, m.context(n_ctx=256, n_threads=1) as c:
+            b = pl.Batch(8, 1)
+            b.add_sequence([5, 6, 7, 8], 0, 0, logits="last")
+            c.decode(b)
+            return bytes(c.seq_state(0))
+
+    for into, data, want in (
+        (
+            mamba,
+            dump(llama),
+            r"memory parts \['kv'\], this context's recurrent memory reads \['recurrent \(recurrent\)'\]$",
+        ),
+        (llama, dump(gemma), r"memory parts \['kv', 'kv'\], this context's kv memory reads \['kv \(kv\)'\]$"),
+    ):
+        with pl.Model(into) as m, m.context(n_ctx=256, n_threads=1) as c, pytest.raises(StateError, match=want):
+            c.check_state(data)
