@@ -379,3 +379,21 @@ def test_a_dump_of_another_memory_kind_is_refused_naming_both(tmp_path):
     ):
         with pl.Model(into) as m, m.context(n_ctx=256, n_threads=1) as c, pytest.raises(StateError, match=want):
             c.check_state(data)
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "gemma3"])
+def test_a_sequence_file_of_a_hybrid_or_iswa_memory_loads_back(tmp_path, arch):
+    """A file holds a flags-0 dump, and the load checks it as one: for a hybrid (lfm2) and an iSWA
+    (gemma3) memory, whose PARTIAL_ONLY dumps differ from full ones, it loads back whole."""
+    from pyllamacpp.testing import make_model
+
+    extra = {"n_swa": 8, "swa_pattern": 2} if arch == "gemma3" else {}
+    path = make_model(tmp_path / f"{arch}.gguf", arch, n_layer=2, n_embd=64, n_head=4, n_vocab=128, **extra)
+    with pl.Model(path) as m, m.context(n_ctx=256, n_threads=1) as c:
+        b = pl.Batch(8, 1)
+        b.add_sequence([5, 6, 7, 8, 9], 0, 0, logits="last")
+        c.decode(b)
+        c.save_seq_state(tmp_path / "s.seq", 0, [5, 6, 7, 8, 9])
+        c.memory.clear()
+        assert c.load_seq_state(tmp_path / "s.seq", 0).tolist() == [5, 6, 7, 8, 9]
+        assert c.memory.seq_pos_max(0) == 4
