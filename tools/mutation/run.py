@@ -56,6 +56,17 @@ def _compiled_dir() -> Path:
     return Path(spec.origin).parent
 
 
+def _git(*args: str) -> bytes:
+    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True).stdout
+
+
+def _extract(work: Path, *paths: str) -> str:
+    """HEAD's files under ``paths`` into ``work`` (``git archive``), HEAD resolved once; returns it."""
+    head = _git("rev-parse", "HEAD").decode().strip()
+    subprocess.run(["tar", "-x", "-C", str(work)], input=_git("archive", "--format=tar", head, *paths), check=True)
+    return head
+
+
 def _copy_tree(work: Path) -> str:
     """The committed tree (HEAD's ``pyllamacpp/`` and ``tests/``, not the working files, so that an
     edit in progress is never mutated and the report names the commit it is of). Returns HEAD."""
@@ -63,10 +74,7 @@ def _copy_tree(work: Path) -> str:
         shutil.rmtree(work)
     src = work / "src"
     src.mkdir(parents=True)
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True, capture_output=True, text=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD", "pyllamacpp", "tests"],
-                             check=True, capture_output=True)  # fmt: skip
-    subprocess.run(["tar", "-x", "-C", str(work)], input=archive.stdout, check=True)
+    head = _extract(work, "pyllamacpp", "tests")
     (work / "pyllamacpp").rename(src / "pyllamacpp")
     for f in _compiled_dir().iterdir():  # the extension, its libraries (_libs/), the build's records
         dst = src / "pyllamacpp" / f.name
@@ -77,15 +85,14 @@ def _copy_tree(work: Path) -> str:
     for name in ("vendor", "docs", "mkdocs.yml", "pyproject.toml", "README.md"):
         (work / name).symlink_to(ROOT / name)
     (src / "sitecustomize.py").write_text(SITECUSTOMIZE.format(root=str(ROOT)))
-    return head.stdout.strip()
+    return head
 
 
 def _restore_modules(work: Path, target: dict) -> None:
     """The target's modules in the copy as the run's commit has them."""
     commit = (work / "COMMIT").read_text().strip()
     for m in target["modules"]:
-        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{m}"], check=True, capture_output=True)
-        (work / "src" / m).write_bytes(text.stdout)
+        (work / "src" / m).write_bytes(_git("show", f"{commit}:{m}"))
 
 
 def _refresh_tests(work: Path, target: dict) -> None:
@@ -97,12 +104,8 @@ def _refresh_tests(work: Path, target: dict) -> None:
         now = subprocess.run(["git", "-C", str(ROOT), "show", f"HEAD:{m}"], capture_output=True).stdout
         if now != (work / "src" / m).read_bytes():
             sys.exit(f"{m} changed since the run at {(work / 'COMMIT').read_text()[:10]}: run the target afresh")
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD", "tests"],
-                             check=True, capture_output=True)  # fmt: skip
     shutil.rmtree(work / "tests")
-    subprocess.run(["tar", "-x", "-C", str(work)], input=archive.stdout, check=True)
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True, capture_output=True, text=True)
-    (work / "TESTS_COMMIT").write_text(head.stdout.strip())
+    (work / "TESTS_COMMIT").write_text(_extract(work, "tests"))
 
 
 def _config(work: Path, target: dict, timeout: float) -> Path:
