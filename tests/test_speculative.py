@@ -12,12 +12,14 @@ import math
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import gguf
 import numpy as np
 import pytest
 
 import pyllamacpp as pl
+from pyllamacpp.experiments.speculative import WORKLOADS
 from pyllamacpp.speculative import Draft, ModelDraft, NgramDraft, PassCounter, generate_speculative, layer_skip_gguf
 from pyllamacpp.testing import make_model
 
@@ -68,34 +70,19 @@ def _held(ctx, seq=0):
     return ctx.memory.seq_pos_max(seq) + 1
 
 
+@contextmanager
+def _plain(path, seed, n):
+    """A context on the model at ``path``, the prompt ``_repetitive(seed)`` and the ``n`` tokens plain
+    ``generate`` makes of it, the memory cleared after: what a speculative run must give again."""
+    with pl.Model(path) as m, m.context(n_ctx=256, **T1) as ctx:
+        prompt = _repetitive(seed=seed)
+        plain = list(pl.generate(ctx, prompt, n))
+        ctx.memory.seq_rm(0)
+        yield ctx, prompt, plain
+
+
 # -- greedy: the same tokens as plain generate -------------------------------------------------
-CODE = '''import json
-
-
-def load_records(path):
-    """Read one JSON record per line and keep the valid ones."""
-    records = []
-    with open(path) as handle:
-        for line in handle:
-            line = line.strip()
-            if not line:
-                continue
-            records.append(json.loads(line))
-    return records
-
-
-def count_by_key(records, key):
-    """How many records have each value of key."""
-    counts = {}
-    for record in records:
-        value = record.get(key)
-        counts[value] = counts.get(value, 0) + 1
-    return counts
-'''
-QUOTE = (
-    "<|im_start|>user\nRepeat this Python module exactly, renaming the function load_records to read_records. "
-    f"Reply with the code only.\n\n```python\n{CODE}```<|im_end|>\n<|im_start|>assistant\n```python\n"
-)
+QUOTE = WORKLOADS["quote"]  # the speculative command's own quoting prompt
 FREE = [
     "Count from one to twenty in words: one, two, three, four,",
     "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
@@ -223,10 +210,7 @@ def test_checkpoint_memories_equal_generate_and_continue(tiny, arch):
 
 @pytest.mark.parametrize("arch", ["llama", "mamba"])
 def test_close_inside_a_round_keeps_the_convention(tiny, arch):
-    with pl.Model(tiny[arch]) as m, m.context(n_ctx=256, **T1) as ctx:
-        prompt = _repetitive(seed=1)
-        plain = list(pl.generate(ctx, prompt, 30))
-        ctx.memory.seq_rm(0)
+    with _plain(tiny[arch], 1, 30) as (ctx, prompt, plain):
         s = generate_speculative(ctx, prompt, 30, OracleDraft(plain, prompt.size), n_draft=4)
         assert [next(s), next(s)] == plain[:2]  # the first round yields 5 tokens
         s.close()
@@ -236,10 +220,7 @@ def test_close_inside_a_round_keeps_the_convention(tiny, arch):
 
 
 def test_abort_leaves_the_round_undone(tiny):
-    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
-        prompt = _repetitive(seed=2)
-        plain = list(pl.generate(ctx, prompt, 20))
-        ctx.memory.seq_rm(0)
+    with _plain(tiny["llama"], 2, 20) as (ctx, prompt, plain):
         s = generate_speculative(ctx, prompt, 20, OracleDraft(plain, prompt.size), n_draft=2)
         got = [next(s) for _ in range(3)]  # one round: the last token and two drafts
         ctx.abort()
@@ -267,10 +248,7 @@ def test_abort_after_a_restore_replays_the_kept_tokens(tiny, arch):
     tokens to be decoded again at the front of the next verify batch; that decode aborted, the
     sequence is restored again and the kept tokens replayed: it holds the prompt and the first
     token (42 positions), not only what the checkpoint held (40), in the state plain decodes give."""
-    with pl.Model(tiny[arch]) as m, m.context(n_ctx=256, **T1) as ctx:
-        prompt = _repetitive(seed=2)
-        plain = list(pl.generate(ctx, prompt, 20))
-        ctx.memory.seq_rm(0)
+    with _plain(tiny[arch], 2, 20) as (ctx, prompt, plain):
         wrong = (plain[1] + 1) % 64
         s = generate_speculative(ctx, prompt, 20, RoundsDraft([[plain[0], wrong], plain[2:4]]), n_draft=2)
         got = [next(s), next(s)]  # the first round: plain[0] accepted, then plain[1] sampled for `wrong`
@@ -303,10 +281,7 @@ def test_ctx_full_ends_as_generate(tiny):
 
 def test_history_is_text_for_the_draft_only(tiny):
     """A sequence that holds the prompt already: ``history=`` gives the draft the text, nothing is decoded twice."""
-    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
-        prompt = _repetitive(seed=9)
-        plain = list(pl.generate(ctx, prompt, 30))
-        ctx.memory.seq_rm(0)
+    with _plain(tiny["llama"], 9, 30) as (ctx, prompt, plain):
         ctx.prefill(prompt[:-1])
         s = generate_speculative(ctx, prompt[-1:], 30, NgramDraft(), history=prompt[:-1])
         assert list(s) == plain and s.stats.n_accepted > 0
@@ -423,10 +398,7 @@ def test_same_seed_draws_what_generate_draws(tiny):
 
 # -- draft models ------------------------------------------------------------------------------
 def test_model_draft_same_model_accepts_everything(tiny):
-    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
-        prompt = _repetitive(seed=6)
-        plain = list(pl.generate(ctx, prompt, 40))
-        ctx.memory.seq_rm(0)
+    with _plain(tiny["llama"], 6, 40) as (ctx, prompt, plain):
         with ModelDraft(tiny["llama"], n_ctx=256, **T1) as d:
             s = generate_speculative(ctx, prompt, 40, d, n_draft=4)
             assert list(s) == plain
@@ -439,10 +411,7 @@ def test_model_draft_same_model_accepts_everything(tiny):
 
 def test_layer_skip_draft_is_exact_whatever_it_drafts(tiny, tmp_path):
     path = layer_skip_gguf(tiny["llama"], 2, cache=tmp_path)
-    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
-        prompt = _repetitive(seed=7)
-        plain = list(pl.generate(ctx, prompt, 40))
-        ctx.memory.seq_rm(0)
+    with _plain(tiny["llama"], 7, 40) as (ctx, prompt, plain):
         with ModelDraft(path, n_ctx=256, **T1) as d:
             assert d.model.n_layer == 2
             s = generate_speculative(ctx, prompt, 40, d, n_draft=3)
@@ -451,10 +420,7 @@ def test_layer_skip_draft_is_exact_whatever_it_drafts(tiny, tmp_path):
 
 
 def test_model_draft_recurrent(tiny):
-    with pl.Model(tiny["mamba"]) as m, m.context(n_ctx=256, **T1) as ctx:
-        prompt = _repetitive(seed=8)
-        plain = list(pl.generate(ctx, prompt, 30))
-        ctx.memory.seq_rm(0)
+    with _plain(tiny["mamba"], 8, 30) as (ctx, prompt, plain):
         with ModelDraft(tiny["mamba"], n_ctx=256, **T1) as d:
             s = generate_speculative(ctx, prompt, 30, d, n_draft=3)
             assert list(s) == plain
@@ -561,10 +527,7 @@ def test_cli_speculative(tiny, tmp_path):
 
 
 def test_closed_sampler_raises_before_the_verify(tiny):
-    with pl.Model(tiny["llama"]) as m, m.context(n_ctx=256, **T1) as ctx:
-        prompt = _repetitive(seed=11)
-        plain = list(pl.generate(ctx, prompt, 12))
-        ctx.memory.seq_rm(0)
+    with _plain(tiny["llama"], 11, 12) as (ctx, prompt, plain):
         smpl = pl.Sampler.greedy()
         s = generate_speculative(ctx, prompt, 12, OracleDraft(plain, prompt.size), smpl, n_draft=2)
         got = [next(s) for _ in range(3)]
