@@ -138,9 +138,14 @@ def _check_ns(ns: int, off: int, part: str, allowed: set[int]) -> None:
         )
 
 
-def _layers(buf: Buffer, q: int, part: str, n_layer: int, read_one) -> tuple[list[int], list[TensorRecord], int]:
-    """n_layer times ``u32 il`` then what ``read_one(il, index, at)`` reads; il strictly
-    increasing (get_layer_ids and the comp state's layers follow the constructor's il loop)."""
+def _layered_block(buf: Buffer, p: int, q: int, part: str, kind: str, ns_ok: set[int], read_one, **fields) -> Dsv4Block:
+    """The tail of both block formats, at ``q``: u32 ns, u32 n_layer, then n_layer times ``u32 il``
+    and what ``read_one(il, index, at, ns)`` reads; il strictly increasing (get_layer_ids and the
+    comp state's layers follow the constructor's il loop). The block runs from ``p`` to the end."""
+    ns = buf.u32(q, f"{part}: ns")
+    _check_ns(ns, q, part, ns_ok)
+    n_layer = buf.u32(q + 4, f"{part}: n_layer")
+    q += 8
     ils: list[int] = []
     records: list[TensorRecord] = []
     for i in range(n_layer):
@@ -154,9 +159,9 @@ def _layers(buf: Buffer, q: int, part: str, n_layer: int, read_one) -> tuple[lis
                 f"il {il}, expected below LLAMA_MAX_LAYERS ({LLAMA_MAX_LAYERS})", offset=q, what=f"{part} layer {i}: il"
             )
         ils.append(il)
-        recs, q = read_one(il, i, q + 4)
+        recs, q = read_one(il, i, q + 4, ns)
         records += recs
-    return ils, records, q
+    return _block(part, kind, p, q, ns, records, n_layer=n_layer, layers=tuple(ils), **fields)
 
 
 def _block(name: str, kind: str, off: int, end: int, ns: int, records: list[TensorRecord], **fields) -> Dsv4Block:
@@ -190,29 +195,11 @@ def _k_cache(buf, p, name, ratio, ns_ok, data, tally) -> Dsv4Block:
             what=f"{name}: version",
         )
     n_rows = buf.u32(p + 4, f"{name}: n_rows")
-    ns = buf.u32(p + 8, f"{name}: ns")
-    _check_ns(ns, p + 8, name, ns_ok)
-    n_layer = buf.u32(p + 12, f"{name}: n_layer")
-    ils, records, q = _layers(
-        buf,
-        p + 16,
-        name,
-        n_layer,
-        lambda il, i, at: _tensor_streams(buf, at, name, "K", i, il, n_rows, ns, data, tally),
-    )
-    return _block(
-        name,
-        "compressed",
-        p,
-        q,
-        ns,
-        records,
-        version=version,
-        ratio=ratio,
-        n_rows=n_rows,
-        n_layer=n_layer,
-        layers=tuple(ils),
-    )
+
+    def one(il, i, at, ns):
+        return _tensor_streams(buf, at, name, "K", i, il, n_rows, ns, data, tally)
+
+    return _layered_block(buf, p, p + 8, name, "compressed", ns_ok, one, version=version, ratio=ratio, n_rows=n_rows)
 
 
 def _comp_state(buf, p, name, ratio, state_size, ns_ok, data, tally) -> Dsv4Block:
@@ -235,31 +222,14 @@ def _comp_state(buf, p, name, ratio, state_size, ns_ok, data, tally) -> Dsv4Bloc
             offset=p + 12,
             what=f"{name}: n_embd_state",
         )
-    ns = buf.u32(p + 16, f"{name}: ns")
-    _check_ns(ns, p + 16, name, ns_ok)
-    n_layer = buf.u32(p + 20, f"{name}: n_layer")
 
-    def one(il, i, at):
+    def one(il, i, at, ns):
         kv, at = _tensor_streams(buf, at, name, "KV", i, il, state_size, ns, data, tally, f32_ne0=n_embd)
         score, at = _tensor_streams(buf, at, name, "SCORE", i, il, state_size, ns, data, tally, f32_ne0=n_embd)
         return kv + score, at
 
-    ils, records, q = _layers(buf, p + 24, name, n_layer, one)
-    return _block(
-        name,
-        "compressor",
-        p,
-        q,
-        ns,
-        records,
-        version=version,
-        ratio=ratio,
-        n_rows=state_size,
-        n_layer=n_layer,
-        layers=tuple(ils),
-        state_size=state_size,
-        n_embd_state=n_embd,
-    )
+    fields = dict(version=version, ratio=ratio, n_rows=state_size, state_size=state_size, n_embd_state=n_embd)
+    return _layered_block(buf, p, p + 16, name, "compressor", ns_ok, one, **fields)
 
 
 def _check_blocks(blocks: dict[str, Dsv4Block]) -> None:
