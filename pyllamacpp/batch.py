@@ -241,9 +241,13 @@ class Batch:
             return self._add_one(operator.index(token), operator.index(pos), operator.index(seq_ids), logits)
         tok = _as_int_array([token], "token")
         self._check_tokens(tok)
+        return self._add_slot(self._token, tok[0], pos, seq_ids, logits)
+
+    def _add_slot(self, col: np.ndarray, value: Any, pos: int, seq_ids: npt.ArrayLike, logits: bool) -> int:
+        # One slot of add()'s general path and of add_embd(): ``value`` goes to ``col`` (token or embd).
         ids = self._check_seq_ids(seq_ids)
         i = self._check_room(1)
-        self._token[i] = tok[0]
+        col[i] = value
         self._pos[i] = int(pos)
         self._n_seq_id[i] = ids.size
         self._seq[i, : ids.size] = ids
@@ -351,15 +355,7 @@ class Batch:
         vec = np.asarray(embd, dtype=np.float32).reshape(-1)
         if vec.size != self.n_embd:
             raise ValueError(f"embedding has {vec.size} values, the batch takes {self.n_embd}")
-        ids = self._check_seq_ids(seq_ids)
-        i = self._check_room(1)
-        self._embd[i] = vec
-        self._pos[i] = int(pos)
-        self._n_seq_id[i] = ids.size
-        self._seq[i, : ids.size] = ids
-        self._logits[i] = bool(logits)
-        self._p.n_tokens = i + 1
-        return i
+        return self._add_slot(self._embd, vec, pos, seq_ids, logits)
 
     def __repr__(self) -> str:
         return f"<Batch {len(self)}/{self.capacity} tokens, n_seq_max={self.n_seq_max}>"
