@@ -182,9 +182,11 @@ def test_rows_of_two_sequences_in_one_ubatch(model):
     assert cb.rows(seq_id=1)["l_out", 3].shape == (7, 576)
 
 
-def test_capture_across_ubatches_and_inside_generate(model):
+def _captured_in_generate(model, *sites):
+    """``sites`` (layer 3) captured while ``generate`` makes 4 greedy tokens after A at -ub 4: the
+    capture, the tokens and the l_out-3 records, checked to be one per (call, ubatch)."""
     with _ctx(model, n_ubatch=4, n_batch=64) as ctx:
-        with ctx.capture("l_out", "result_norm", layers=[3]) as cap:
+        with ctx.capture(*sites, layers=[3]) as cap:
             out = list(pl.generate(ctx, model.tokenize(A), 4, pl.Sampler(model).greedy()))
     recs = [r for r in cap.records if r.name == "l_out-3"]
     # the prompt's decode (7 tokens: ubatches of 4 and 3), then one call per generated token but the last
@@ -195,6 +197,11 @@ def test_capture_across_ubatches_and_inside_generate(model):
         (2, 0, [0]),
         (3, 0, [0]),
     ]
+    return cap, out, recs
+
+
+def test_capture_across_ubatches_and_inside_generate(model):
+    cap, out, recs = _captured_in_generate(model, "l_out", "result_norm")
     assert [r.pos.tolist() for r in recs[2:]] == [[7], [8], [9]]
     assert cap["l_out", 3].shape == (10, 576)
     assert cap["result_norm"].shape == (4, 576)  # output rows only: the prompt's last, then each step
@@ -477,17 +484,7 @@ def test_a_site_is_the_last_node_of_its_name_and_which_counts_from_the_end(model
 def test_rows_of_several_calls_are_joined_in_call_then_ubatch_order(model):
     """The prompt's two ubatches and three one-token steps: ``cap[site, layer]`` is the records'
     data end to end in (call, ubatch) order, value for value, and so is one sequence's view."""
-    with _ctx(model, n_ubatch=4, n_batch=64) as ctx:
-        with ctx.capture("l_out", layers=[3]) as cap:
-            list(pl.generate(ctx, model.tokenize(A), 4, pl.Sampler(model).greedy()))
-    recs = [r for r in cap.records if r.name == "l_out-3"]
-    assert [(r.call, r.ubatch, r.rows.tolist()) for r in recs] == [
-        (0, 0, [0, 1, 2, 3]),
-        (0, 1, [4, 5, 6]),
-        (1, 0, [0]),
-        (2, 0, [0]),
-        (3, 0, [0]),
-    ]
+    cap, _, recs = _captured_in_generate(model, "l_out")
     want = np.concatenate([r.data for r in sorted(recs, key=lambda r: (r.call, r.ubatch))])
     assert want.shape == (10, 576) and len({row.tobytes() for row in want}) == 10  # ten different rows
     assert np.array_equal(cap["l_out", 3], want)
