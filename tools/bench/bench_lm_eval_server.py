@@ -12,7 +12,11 @@ batch the same as this side's, one slot, and waits for ``/health``.
 
 The tasks are the test's (``write_tasks``, imported from tests/test_evaluation.py), written to a
 temporary folder: ``pyl_mc``, 8 questions x 4 choices after a 3-shot header (32 loglikelihood
-requests), and ``pyl_gen``, 4 greedy generations of at most 8 tokens, stopped at a newline.
+requests), and ``pyl_gen``, 4 greedy generations of at most 8 tokens, stopped at a newline. A
+third task of this bench's own, ``pyl_gen_ws``, is ``pyl_gen`` with lm-eval's ``remove_whitespace``
+filter before its ``exact_match`` (and the target without its leading space), the way lm-eval's
+own generation tasks filter their answers: the gguf backend strips the text it returns, ours
+returns it as decoded, so ``pyl_gen``'s metric tells the two apart and ``pyl_gen_ws``'s does not.
 
 First it sends the gguf backend's own loglikelihood request (``/v1/completions`` with ``prompt =
 context + continuation``, ``max_tokens=1``, ``echo=true``, ``logprobs=10``, ``temperature=0``)
@@ -59,7 +63,8 @@ AMX_HOOK = (
     "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)\n  endif()\nendfunction()\n"
     "cmake_language(DEFER DIRECTORY ${CMAKE_SOURCE_DIR} CALL _pyl_amx_off)\n"
 )
-TASKS = ["pyl_mc", "pyl_gen"]
+TASKS = ["pyl_mc", "pyl_gen", "pyl_gen_ws"]
+GEN_TASKS = ["pyl_gen", "pyl_gen_ws"]
 GGUF_LOGPROBS_KEYS = ("text_offset", "tokens", "token_logprobs", "top_logprobs")
 
 
@@ -163,6 +168,17 @@ def write_tasks(d: Path) -> None:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.write_tasks(d)
+    gen = (d / "pyl_gen.yaml").read_text()
+    ws = gen.replace("task: pyl_gen\n", "task: pyl_gen_ws\n").replace(
+        'doc_to_target: " {{answer}}"', "doc_to_target: answer"
+    )
+    if ws == gen or "doc_to_target: answer\n" not in ws:
+        raise SystemExit("tests/test_evaluation.py's pyl_gen task changed shape: update write_tasks here")
+    filters = (
+        "filter_list:\n  - name: strip\n    filter:\n"
+        "      - function: remove_whitespace\n      - function: take_first\n"
+    )
+    (d / "pyl_gen_ws.yaml").write_text(ws + filters)
 
 
 def task(task_manager: Any, name: str) -> Any:
@@ -326,7 +342,7 @@ def main() -> None:
             path_json = json.dumps(model_path)[1:-1]  # the reply names the model by its path: no machine paths
             probe["reply"] = json.loads(json.dumps(probe["reply"]).replace(path_json, os.path.basename(model_path)))
             report["probe"] = probe
-            compared = TASKS if probe["readable_by_gguf"] else ["pyl_gen"]
+            compared = TASKS if probe["readable_by_gguf"] else GEN_TASKS
             report["compared_tasks"] = compared
             if not probe["readable_by_gguf"]:
                 print(f"gguf loglikelihood request answered: {probe['finding']}", file=sys.stderr, flush=True)
