@@ -12,6 +12,7 @@ import pyllamacpp as pl
 from pyllamacpp.experiments.rowaudit import audit, batch_rows, leak_hook, max_abs_diff
 from pyllamacpp.testing import make_model
 
+ABB = ("one two three four", "five six seven", "eight nine ten")  # A, B and B'
 ONE = {"n_threads": 1, "n_threads_batch": 1, "n_ctx": 256, "n_batch": 256, "n_ubatch": 256}
 
 
@@ -34,16 +35,7 @@ def test_rows_and_differences():
 
 
 def test_a_planted_leak_is_reported_at_its_node(tiny):
-    d = audit(
-        tiny,
-        "one two three four",
-        "five six seven",
-        "eight nine ten",
-        fa_modes=("off", "on"),
-        n_gen=2,
-        inject=leak_hook("ffn_out-0"),
-        **ONE,
-    )
+    d = audit(tiny, *ABB, fa_modes=("off", "on"), n_gen=2, inject=leak_hook("ffn_out-0"), **ONE)
     assert d["leak"] and not d["ok"]
     for m in d["modes"]:
         assert m["leak"] and m["first"]["content"]["name"] == "ffn_out-0", m["first"]
@@ -55,16 +47,7 @@ def test_a_planted_leak_is_reported_at_its_node(tiny):
 
 
 def test_no_leak_on_a_small_model_with_flash_attention_off_and_on(tiny):
-    d = audit(
-        tiny,
-        "one two three four",
-        "five six seven",
-        "eight nine ten",
-        fa_modes=("off", "on"),
-        n_gen=3,
-        order="interleave",
-        **ONE,
-    )
+    d = audit(tiny, *ABB, fa_modes=("off", "on"), n_gen=3, order="interleave", **ONE)
     assert d["ok"] and not d["leak"]
     off, on = d["modes"]
     assert not off["flash_attn_on"] and on["flash_attn_on"]
@@ -112,13 +95,4 @@ def _help(cmd: str) -> str:
 def test_a_and_b_in_separate_ubatches_are_refused(tiny):
     # separate streams: split_equal cuts A (4 tokens) and B (3) into several ubatches
     with pytest.raises(ValueError, match="not one.*split_equal"):
-        audit(
-            tiny,
-            "one two three four",
-            "five six seven",
-            "eight nine ten",
-            fa_modes=("off",),
-            n_gen=0,
-            kv_unified=False,
-            **ONE,
-        )
+        audit(tiny, *ABB, fa_modes=("off",), n_gen=0, kv_unified=False, **ONE)
