@@ -66,7 +66,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -376,6 +377,54 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--n-vocab", type=int, default=4096, help="synthetic model: vocabulary (4096)")
 
 
+def step_args(
+    argv: list[str] | None,
+    doc: str | None,
+    *,
+    pairs: int,
+    workloads: str,
+    add: Callable[[argparse.ArgumentParser], None],
+) -> argparse.Namespace:
+    """The flags of a ``compare_step_loop`` bench (also bench_scheduler.py's), parsed: -p and -t,
+    the bench's own (``add``), the synthetic model's sizes, -w and --json."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-p", "--pairs", type=int, default=pairs, help=f"timed runs per side and workload ({pairs})")
+    ap.add_argument("-t", "--threads", type=int, default=1, help="decode threads (1)")
+    add(ap)
+    add_model_args(ap)
+    ap.add_argument("-w", "--workloads", default=workloads)
+    ap.add_argument("--json", metavar="PATH", help="also write the raw results here")
+    return ap.parse_args(argv)
+
+
+@contextmanager
+def step_context(a: argparse.Namespace, name: str, *, n_ctx: int, n_seq_max: int) -> Iterator[tuple[Any, Any, Any]]:
+    """The synthetic model of ``a``'s sizes, written as ``name`` in a temporary folder, and the one
+    context ``compare_step_loop`` runs on (also bench_scheduler.py's): -b 512, a unified KV cache,
+    ``a.threads`` threads. Yields the model, the context and an 8-token prompt."""
+    import pyllamacpp as pl
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = synthetic_model(Path(tmp) / name, a.n_layer, a.n_embd, a.n_vocab)
+        with pl.Model(path) as model:
+            with model.context(
+                n_ctx=n_ctx,
+                n_batch=512,
+                n_seq_max=n_seq_max,
+                kv_unified=True,
+                n_threads=a.threads,
+                n_threads_batch=a.threads,
+            ) as ctx:
+                yield model, ctx, synthetic_tokens(8, model.n_vocab)
+
+
+def keep(rows: list[dict], r: dict, workload: str, label: str) -> None:
+    """One workload's ``compare_step_loop`` result, named, kept in ``rows`` and printed to stderr."""
+    r["workload"], r["label"] = workload, label
+    rows.append(r)
+    print(f"{workload}: {json.dumps(r)}", file=sys.stderr, flush=True)
+
+
 def finish(
     rows: list[dict],
     a: argparse.Namespace,
@@ -440,17 +489,14 @@ def print_report(
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-p", "--pairs", type=int, default=15, help="timed runs per side and workload (15)")
-    ap.add_argument("-t", "--threads", type=int, default=1, help="decode threads (1)")
+def _flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("-n", "--n-predict", type=int, default=256, help="generate/complete: tokens sampled (256)")
     ap.add_argument("--n-parallel", type=int, default=8, help="parallel: sequences (8)")
     ap.add_argument("--n-parallel-predict", type=int, default=64, help="parallel: tokens per sequence (64)")
-    add_model_args(ap)
-    ap.add_argument("-w", "--workloads", default="generate,complete,parallel,parallel_shared,scheduler")
-    ap.add_argument("--json", metavar="PATH", help="also write the raw results here")
-    a = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = step_args(argv, __doc__, pairs=15, workloads="generate,complete,parallel,parallel_shared,scheduler", add=_flags)
 
     import pyllamacpp as pl
 
@@ -458,58 +504,45 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     load_before = os.getloadavg()
     t_start = time.time()
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = synthetic_model(Path(tmp) / "pertoken.gguf", a.n_layer, a.n_embd, a.n_vocab)
-        with pl.Model(path) as model:
-            n_ctx = max(1024, a.n_parallel * (a.n_parallel_predict + 16), a.n_predict + 64)
-            with model.context(
-                n_ctx=n_ctx,
-                n_batch=512,
-                n_seq_max=max(a.n_parallel, 1),
-                kv_unified=True,
-                n_threads=a.threads,
-                n_threads_batch=a.threads,
-            ) as ctx:
-                prompt = synthetic_tokens(8, model.n_vocab)
-                text = "Once upon a time"
-                for w in workloads:
-                    if w == "generate":
-                        r = compare_step_loop(
-                            ctx, run_generate, prompt=prompt, n_seq=1, n_predict=a.n_predict,
-                            samplers=[pl.Sampler.greedy()], pairs=a.pairs,
-                        )  # fmt: skip
-                        label = f"`generate`, 1 sequence, {a.n_predict} tokens"
-                    elif w == "complete":
-                        r = compare_step_loop(
-                            ctx, make_run_complete(text), prompt=model.tokenize(text), n_seq=1,
-                            n_predict=a.n_predict, samplers=[pl.Sampler.greedy()], pairs=a.pairs,
-                        )  # fmt: skip
-                        label = f"`complete(stream=True)`, {a.n_predict} tokens (text pieces too)"
-                    elif w in ("parallel", "parallel_shared"):
-                        n = a.n_parallel
-                        one = pl.Sampler.greedy()
-                        chains = [pl.Sampler.greedy() for _ in range(n)] if w == "parallel" else [one] * n
-                        r = compare_step_loop(
-                            ctx, run_parallel, prompt=prompt, n_seq=n, n_predict=a.n_parallel_predict,
-                            samplers=chains, pairs=a.pairs, detok=True,
-                        )  # fmt: skip
-                        which = "a chain per sequence" if w == "parallel" else "one shared Sampler"
-                        label = f"`generate_parallel`, {n} sequences x {a.n_parallel_predict}, {which} (per seq-step)"
-                    elif w == "scheduler":
-                        from bench_scheduler import run_scheduler
+    rows: list[dict] = []
+    n_ctx = max(1024, a.n_parallel * (a.n_parallel_predict + 16), a.n_predict + 64)
+    with step_context(a, "pertoken.gguf", n_ctx=n_ctx, n_seq_max=max(a.n_parallel, 1)) as (model, ctx, prompt):
+        text = "Once upon a time"
+        for w in workloads:
+            if w == "generate":
+                r = compare_step_loop(
+                    ctx, run_generate, prompt=prompt, n_seq=1, n_predict=a.n_predict,
+                    samplers=[pl.Sampler.greedy()], pairs=a.pairs,
+                )  # fmt: skip
+                label = f"`generate`, 1 sequence, {a.n_predict} tokens"
+            elif w == "complete":
+                r = compare_step_loop(
+                    ctx, make_run_complete(text), prompt=model.tokenize(text), n_seq=1,
+                    n_predict=a.n_predict, samplers=[pl.Sampler.greedy()], pairs=a.pairs,
+                )  # fmt: skip
+                label = f"`complete(stream=True)`, {a.n_predict} tokens (text pieces too)"
+            elif w in ("parallel", "parallel_shared"):
+                n = a.n_parallel
+                one = pl.Sampler.greedy()
+                chains = [pl.Sampler.greedy() for _ in range(n)] if w == "parallel" else [one] * n
+                r = compare_step_loop(
+                    ctx, run_parallel, prompt=prompt, n_seq=n, n_predict=a.n_parallel_predict,
+                    samplers=chains, pairs=a.pairs, detok=True,
+                )  # fmt: skip
+                which = "a chain per sequence" if w == "parallel" else "one shared Sampler"
+                label = f"`generate_parallel`, {n} sequences x {a.n_parallel_predict}, {which} (per seq-step)"
+            elif w == "scheduler":
+                from bench_scheduler import run_scheduler
 
-                        n = a.n_parallel
-                        r = compare_step_loop(
-                            ctx, run_scheduler, prompt=prompt, n_seq=n, n_predict=a.n_parallel_predict,
-                            samplers=[pl.Sampler.greedy() for _ in range(n)], pairs=a.pairs, detok=True,
-                        )  # fmt: skip
-                        label = f"`Scheduler`, {n} requests x {a.n_parallel_predict}, events and text (per seq-step)"
-                    else:
-                        raise SystemExit(f"unknown workload {w}")
-                    r["workload"], r["label"] = w, label
-                    rows.append(r)
-                    print(f"{w}: {json.dumps(r)}", file=sys.stderr, flush=True)
+                n = a.n_parallel
+                r = compare_step_loop(
+                    ctx, run_scheduler, prompt=prompt, n_seq=n, n_predict=a.n_parallel_predict,
+                    samplers=[pl.Sampler.greedy() for _ in range(n)], pairs=a.pairs, detok=True,
+                )  # fmt: skip
+                label = f"`Scheduler`, {n} requests x {a.n_parallel_predict}, events and text (per seq-step)"
+            else:
+                raise SystemExit(f"unknown workload {w}")
+            keep(rows, r, w, label)
     finish(rows, a, argv, load_before, t_start, script="bench_pertoken.py", indent=1)
     return 0
 

@@ -22,25 +22,15 @@ nothing about time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import synthetic_tokens  # noqa: E402
-from bench_pertoken import (  # noqa: E402
-    PromptClock,
-    add_model_args,
-    compare_step_loop,
-    finish,
-    run_parallel,
-    synthetic_model,
-)
+from bench_pertoken import PromptClock, compare_step_loop, finish, keep, run_parallel, step_args, step_context  # noqa: E402
 
 
 def run_scheduler(ctx: Any, prompt: Any, n_predict: int, samplers: Sequence[Any], clock: PromptClock):
@@ -54,47 +44,30 @@ def run_scheduler(ctx: Any, prompt: Any, n_predict: int, samplers: Sequence[Any]
     return clock.elapsed(), [r.tokens for r in reqs]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-p", "--pairs", type=int, default=9, help="timed runs per side and workload (9)")
-    ap.add_argument("-t", "--threads", type=int, default=1, help="decode threads (1)")
+def _flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--n-parallel", type=int, default=8, help="sequences (8)")
     ap.add_argument("--n-predict", type=int, default=64, help="tokens per sequence (64)")
-    add_model_args(ap)
-    ap.add_argument("-w", "--workloads", default="scheduler,generate_parallel")
-    ap.add_argument("--json", metavar="PATH", help="also write the raw results here")
-    a = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = step_args(argv, __doc__, pairs=9, workloads="scheduler,generate_parallel", add=_flags)
 
     import pyllamacpp as pl
 
     load_before = os.getloadavg()
     t_start = time.time()
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = synthetic_model(Path(tmp) / "sched.gguf", a.n_layer, a.n_embd, a.n_vocab)
-        with pl.Model(path) as model:
-            n = a.n_parallel
-            with model.context(
-                n_ctx=max(1024, n * (a.n_predict + 16)),
-                n_batch=512,
-                n_seq_max=n,
-                kv_unified=True,
-                n_threads=a.threads,
-                n_threads_batch=a.threads,
-            ) as ctx:
-                prompt = synthetic_tokens(8, model.n_vocab)
-                for w in [w.strip() for w in a.workloads.split(",") if w.strip()]:
-                    run = {"scheduler": run_scheduler, "generate_parallel": run_parallel}.get(w)
-                    if run is None:
-                        raise SystemExit(f"unknown workload {w}")
-                    r = compare_step_loop(
-                        ctx, run, prompt=prompt, n_seq=n, n_predict=a.n_predict,
-                        samplers=[pl.Sampler.greedy() for _ in range(n)], pairs=a.pairs, detok=True,
-                    )  # fmt: skip
-                    r["workload"] = w
-                    r["label"] = f"`{w}`, {n} sequences x {a.n_predict}, a chain per sequence (per seq-step)"
-                    rows.append(r)
-                    print(f"{w}: {json.dumps(r)}", file=sys.stderr, flush=True)
+    rows: list[dict] = []
+    n = a.n_parallel
+    with step_context(a, "sched.gguf", n_ctx=max(1024, n * (a.n_predict + 16)), n_seq_max=n) as (_, ctx, prompt):
+        for w in [w.strip() for w in a.workloads.split(",") if w.strip()]:
+            run = {"scheduler": run_scheduler, "generate_parallel": run_parallel}.get(w)
+            if run is None:
+                raise SystemExit(f"unknown workload {w}")
+            r = compare_step_loop(
+                ctx, run, prompt=prompt, n_seq=n, n_predict=a.n_predict,
+                samplers=[pl.Sampler.greedy() for _ in range(n)], pairs=a.pairs, detok=True,
+            )  # fmt: skip
+            keep(rows, r, w, f"`{w}`, {n} sequences x {a.n_predict}, a chain per sequence (per seq-step)")
     finish(rows, a, argv, load_before, t_start, script="bench_scheduler.py", unit="seq-step")
     return 0
 
