@@ -539,6 +539,16 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _pairs(xs: list[float]) -> str:
+    """Per-pair figures as the tables print them: two decimals, comma-separated."""
+    return ", ".join(f"{x:.2f}" for x in xs)
+
+
+def _f2(x: float | None) -> str:
+    """A figure with two decimals; None as it is (a row with nothing drafted has no acceptance)."""
+    return str(x) if x is None else f"{x:.2f}"
+
+
 def report(a: argparse.Namespace, cmd: str, res: dict, load: tuple, t0: float) -> None:
     print(
         f"\n`{cmd}`: {a.threads} thread(s), {a.pairs} pair(s) per row (alternating), load average before "
@@ -555,14 +565,11 @@ def report(a: argparse.Namespace, cmd: str, res: dict, load: tuple, t0: float) -
         )
         print("|---|---:|---:|---:|---|---|---|---:|---:|")
         for r in rows:
-            pairs = ", ".join(f"{x:.2f}" for x in r["speedups"])
-            pairs_cpu = ", ".join(f"{x:.2f}" for x in r["speedups_cpu"])
             same = "yes" if r["same_tokens"] else f"no (token {r['first_difference']})"
-            acc = r["acceptance_rate"]
             print(
                 f"| {r['label']} | {r['n_draft']} | {r['plain_tps']:.1f} | {r['spec_tps']:.1f} | "
-                f"**{r['speedup']:.2f}** ({pairs}) | **{r['speedup_cpu']:.2f}** ({pairs_cpu}) | {same} | "
-                f"{acc if acc is None else f'{acc:.2f}'} | {r['tokens_per_round']:.2f} |"
+                f"**{r['speedup']:.2f}** ({_pairs(r['speedups'])}) | **{r['speedup_cpu']:.2f}** "
+                f"({_pairs(r['speedups_cpu'])}) | {same} | {_f2(r['acceptance_rate'])} | {r['tokens_per_round']:.2f} |"
             )
         if key == "layerskip":
             best = max(rows, key=lambda r: r["speedup_cpu"])
@@ -589,12 +596,10 @@ def report(a: argparse.Namespace, cmd: str, res: dict, load: tuple, t0: float) -
         )
         print("|---:|---:|---:|---:|---:|---|---|---:|---|")
         for r in rows:
-            pairs = ", ".join(f"{x:.2f}" for x in r["speedups"])
-            acc = r["acceptance_rate"]
             print(
                 f"| {r['n_others']} | {r['n_draft']} | {r['n_tokens']} | {r['plain_s']:.2f} | {r['draft_s']:.2f} | "
-                f"**{r['speedup']:.2f}** ({pairs}) | {r['steps_plain']} -> {r['steps']} | "
-                f"{acc if acc is None else f'{acc:.2f}'} | {r['differ'] or 'none'} |"
+                f"**{r['speedup']:.2f}** ({_pairs(r['speedups'])}) | {r['steps_plain']} -> {r['steps']} | "
+                f"{_f2(r['acceptance_rate'])} | {r['differ'] or 'none'} |"
             )
         print()
     rows = res.get("python")
