@@ -115,6 +115,22 @@ def test_n_seq_max_bounds_ids_per_token_not_their_values():
     assert e.add_embd(np.zeros(8), 0, seq_ids=4) == 0
 
 
+def test_general_path_slots_hold_what_was_given():
+    """add() with several seq ids (its general path, not the one-int fast path) and add_embd()
+    write the position, the ids, the logits flag and the value of their own slot."""
+    b = pl.Batch(4, n_seq_max=3)
+    b.add(11, 7, seq_ids=0)
+    assert b.add(np.int64(12), 8, seq_ids=[0, 2], logits=True) == 1
+    assert b.token.tolist() == [11, 12] and b.pos.tolist() == [7, 8] and b.logits.tolist() == [0, 1]
+    assert b.n_seq_id.tolist() == [1, 2] and b.seq_id[1, :2].tolist() == [0, 2]
+    e = pl.Batch(3, embd=4, n_seq_max=2)
+    e.add_embd(np.full(4, 0.5), 5, seq_ids=[1, 0])
+    assert e.add_embd(np.arange(4.0), 6, seq_ids=1, logits=True) == 1
+    assert e.pos[:2].tolist() == [5, 6] and e.logits[:2].tolist() == [0, 1]
+    assert e.n_seq_id[:2].tolist() == [2, 1] and e.seq_id[0, :2].tolist() == [1, 0]
+    assert e.embd[1].tolist() == [0.0, 1.0, 2.0, 3.0] and e.n_tokens == 2
+
+
 @pytest.mark.parametrize("n_per_seq", [3, 12])  # 6 tokens: the small-batch checks; 24: the vectorized ones
 def test_seq_id_values_are_checked_at_decode_against_the_context(model, n_per_seq):
     toks = model.tokenize("The cat sat on the mat.")[:n_per_seq]
