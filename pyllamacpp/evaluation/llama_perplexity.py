@@ -42,10 +42,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _mc_data
 from . import _mc_float as F
-from ._mc_data import *  # noqa: F403 (re-exported whole: its __all__ is part of this module's)
-from ._mc_data import multiple_choice_count, read_hellaswag, read_multiple_choice, read_winogrande, sample_path
+from ._mc_data import (
+    HellaswagTask,
+    MultipleChoiceTask,
+    WinograndeTask,
+    multiple_choice_count,
+    read_hellaswag,
+    read_multiple_choice,
+    read_winogrande,
+    sample_path,
+    write_multiple_choice,
+)
 from ._mc_random import hellaswag_order, pick_without_replacement
 
 if TYPE_CHECKING:
@@ -58,8 +66,15 @@ __all__ = [
     "multiple_choice",
     "MultipleChoiceResult",
     "TaskResult",
+    "HellaswagTask",
+    "WinograndeTask",
+    "MultipleChoiceTask",
+    "read_hellaswag",
+    "read_winogrande",
+    "read_multiple_choice",
+    "write_multiple_choice",
+    "sample_path",
 ]
-__all__ += _mc_data.__all__  # the task files' readers and writer, re-exported
 
 _ZA = 1.95996398454  # the z of a 95% interval, as perplexity.cpp writes it
 
