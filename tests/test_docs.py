@@ -242,6 +242,15 @@ def test_site_builds_strict(tmp_path):
     for html in site.rglob("*.html"):
         text = html.read_text()
         assert f'src="{site_url}' not in text and f'<a href="{site_url}' not in text, html
+        # the docstrings' Sphinx roles render as plain code (site_links.on_page_content)
+        assert not re.search(r":(func|class|meth|attr|mod|data|exc|obj):<code>", text), html
+    evaluation = (site / "reference/api/evaluation/index.html").read_text()
+    import pyllamacpp.evaluation
+
+    for name in pyllamacpp.evaluation.__all__:
+        assert f'id="pyllamacpp.evaluation.{name}"' in evaluation, f"API reference lacks pyllamacpp.evaluation.{name}"
+    assert 'id="pyllamacpp.evaluation.lm_eval.PyllamacppLM"' in evaluation
+    assert "One request's result (<code>loglikelihood</code>)" in evaluation
     experiments_page = (site / "guide/experiments/index.html").read_text()
     assert 'href="../../reference/cli/"' in experiments_page
     assert 'src="../../assets/experiments/sweep.png"' in experiments_page

@@ -139,6 +139,21 @@ def api_pages() -> dict[str, str]:
             "heading_level: 1", "heading_level: 2\n      show_root_heading: false"
         )
 
+    import pyllamacpp.evaluation
+
+    ev = [
+        "# `pyllamacpp.evaluation`",
+        "",
+        "Evaluation with shared prefixes ([the guide](../../guide/evaluation.md)): the loglikelihood "
+        "engine, llama-perplexity's multiple-choice modes, and the lm-evaluation-harness backend "
+        "(`pyllamacpp.evaluation.lm_eval`, which needs the `eval` extra and registers the model "
+        "type `pyllamacpp` when imported).",
+        "",
+    ]
+    ev += [_api_block(f"pyllamacpp.evaluation.{name}") for name in pyllamacpp.evaluation.__all__]
+    ev.append(_api_block("pyllamacpp.evaluation.lm_eval.PyllamacppLM"))
+    pages["reference/api/evaluation.md"] = "\n".join(ev)
+
     ex = [
         "# `pyllamacpp.experiments`",
         "",

@@ -7,6 +7,11 @@ to them by the published site's address (``site_url`` + path, e.g.
 relative link to the file again, so the built site stays self-contained and ``--strict`` checks
 the link like any other. An address that names no file of the build is a warning (an error under
 ``--strict``).
+
+The docstrings name other objects with Sphinx roles (``:func:`loglikelihood```,
+``:class:`~pyllamacpp.Model```), which mkdocstrings' Google style leaves as text before the code
+span: ``on_page_content`` drops the role and, as Sphinx does, shows only the last part of a name
+written with ``~``.
 """
 
 from __future__ import annotations
@@ -41,3 +46,15 @@ def on_page_markdown(markdown, page, config, files):
         return f"]({posixpath.relpath(target, here or '.')}{anchor})"
 
     return re.sub(r"\]\(" + re.escape(site) + r"([^)#\s]*)(#[^)\s]*)?\)", relative, markdown)
+
+
+_ROLE = re.compile(r":(?:func|class|meth|attr|mod|data|exc|obj):<code>(~?)([^<]*)</code>")
+
+
+def _role(m: re.Match) -> str:
+    name = m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2)
+    return f"<code>{name}</code>"
+
+
+def on_page_content(html, page, config, files):
+    return _ROLE.sub(_role, html)
