@@ -388,6 +388,40 @@ def test_packing_and_pieces_of_n_batch_give_the_same_scores(model):
     assert with_ctx.report() == base.report()
 
 
+def test_wilson_interval_is_the_textbook_one():
+    """hellaswag_score's interval, in its order of operations, is Wilson's 95% score interval:
+    (p + z²/2n ± z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n). Counts away from 0 too: at 0 of n the
+    low end is 0 whatever the denominator."""
+    z = 1.95996398454
+    for k, n in ((16, 40), (1, 4), (3, 4), (4, 4), (0, 7), (37, 400), (399, 400)):
+        p = k / n
+        half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+        centre = p + z * z / (2 * n)
+        want = ((centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n))
+        assert mc.wilson_interval(k, n) == pytest.approx(want, abs=1e-12), (k, n)
+    lo, hi = mc.wilson_interval(16, 40)  # the f16 row of the kv-types HellaSwag column: 26.3 to 55.4 %
+    assert (round(100 * lo, 1), round(100 * hi, 1)) == (26.3, 55.4)
+
+
+def _preps(required, n_seqs=4):
+    return [mc._Prep([np.zeros(1, np.int32)] * n_seqs, 0, r, f"task {i}") for i, r in enumerate(required)]
+
+
+def test_batches_take_tasks_while_their_tokens_fit_n_ctx():
+    """The packing loop of hellaswag_score and the others: the next task joins a batch while the
+    tokens so far plus its own fit n_ctx (<=) and its sequences fit n_seq_max."""
+    sizes = [5, 6, 7, 3, 12, 1]
+    # tokens bind: 5 + 6 = 11, + 7 > 12; 7 + 3, + 12 > 12; 12 exactly; 1
+    assert mc._groups(_preps(sizes), 12, 100, 4) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    # sequences bind: two tasks of 4 endings in 8 sequences
+    assert mc._groups(_preps([1] * 5), 100, 8, 4) == [(0, 2), (2, 4), (4, 5)]
+    # the multiple-choice mode counts each task's own answers (per_task None)
+    mixed = _preps([1, 1, 1]) + _preps([1], n_seqs=2)
+    assert mc._groups(mixed, 100, 6, None) == [(0, 1), (1, 2), (2, 4)]
+    with pytest.raises(ValueError, match="has 4 endings, more than the 3 sequences"):
+        mc._groups(_preps([1]), 100, 3, 4)
+
+
 def test_near_ties_are_decided_in_llama_perplexitys_float_arithmetic(model, monkeypatch):
     # two identical endings tie exactly: the first wins, as with its strict `>`
     text = "Eating: A man takes a bite of an apple. He\n2\nchews it slowly.\nsmiles.\nchews it slowly.\nsmiles.\n"
