@@ -429,6 +429,33 @@ def test_lm_eval_rolling_windows(model):
     assert short.last_stats["n_requests"] == len(wins)
 
 
+def test_lm_eval_generate_until_sizes_its_context_to_the_requests(model, monkeypatch):
+    """One context for all of a generate_until call: n_seq_max sequences of the longest prompt
+    plus its max_gen_toks each (memory bounded by the requests, not the model's n_ctx_train)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    made = []
+    real = pl.Model.context
+
+    def spy(self, **kw):
+        made.append(kw)
+        return real(self, **kw)
+
+    monkeypatch.setattr(pl.Model, "context", spy)
+    prompts = ["Question: What is 2 plus 2?\nAnswer:", "The sky is", "One, two, three, four, five, six, seven,"]
+    lm = PyllamacppLM(model=model, n_ctx=512, n_threads=1)
+    gen = {"until": ["\n"], "max_gen_toks": 5, "do_sample": False}
+    reqs = [Instance(request_type="generate_until", doc={}, arguments=(p, gen), idx=i) for i, p in enumerate(prompts)]
+    out = lm.generate_until(reqs)
+    assert len(out) == 3 and all("\n" not in t for t in out)
+    longest = max(model.tokenize(p, True).size for p in prompts)
+    (kw,) = made
+    assert kw["n_seq_max"] == 3 and kw["n_ctx"] == 3 * (longest + 5) and kw["kv_unified"] is True
+
+
 def test_lm_eval_by_name_and_from_the_command_line(model_path, tmp_path, offline, capsys):
     pytest.importorskip("lm_eval")
     import json
