@@ -422,6 +422,18 @@ def test_batches_take_tasks_while_their_tokens_fit_n_ctx():
         mc._groups(_preps([1]), 100, 3, 4)
 
 
+def test_hellaswag_batches_hold_at_most_32_tasks(model):
+    """llama-perplexity's max_tasks_per_batch: at most 4 * 32 sequences of a batch, however many
+    the context has. With n_batch the tokens of the first 32 tasks, a batch of 32 tasks is one
+    decode: 40 tasks take 2 (32 + 8), where 33 or 34 tasks in the first would take 3."""
+    n_tok = [t.n_tokens for t in mc.hellaswag(model, None, 40, **ON).tasks]
+    n_batch = sum(n_tok[:32])
+    assert sum(n_tok[:33]) <= 4096 and n_batch < sum(n_tok[:33])
+    with model.context(n_ctx=4096, n_batch=n_batch, n_ubatch=512, n_seq_max=136, kv_unified=True, **T) as ctx:
+        r = mc.hellaswag(ctx, None, 40)
+    assert r.n_seq_max == 136 and r.n_decodes == 2 and [t.n_tokens for t in r.tasks] == n_tok
+
+
 def test_near_ties_are_decided_in_llama_perplexitys_float_arithmetic(model, monkeypatch):
     # two identical endings tie exactly: the first wins, as with its strict `>`
     text = "Eating: A man takes a bite of an apple. He\n2\nchews it slowly.\nsmiles.\nchews it slowly.\nsmiles.\n"
@@ -484,6 +496,13 @@ def test_winogrande_selection_and_final_score(model):
     sigma = np.float32(100 * math.sqrt(float(p * (1 - p) / np.float32(99))))
     want = f"Final Winogrande score(100 tasks): {float(np.float32(100) * p):.4f} +/- {float(sigma):.4f}\n"
     assert r.report().endswith("\n\n" + want)
+    n = 0  # each task's line: its number, the running accuracy, both scores, the pick and the answer
+    for i, (t, line) in enumerate(zip(r.tasks, r.report().split("\n"))):
+        n += t.correct
+        num, acc, rest = line.split("\t")
+        assert (num, acc) == (str(i + 1), f"{100 * n / (i + 1):.4f}"), line
+        assert rest.split() == [f"{t.scores[0]:.6f}", f"{t.scores[1]:.6f}", str(t.pred + 1), str(t.gold[0] + 1)]
+    assert 0 < n < 100
     assert r.stderr == pytest.approx(float(sigma) / 100, rel=1e-5)
     assert "Final" not in mc.winogrande(model, text, 99, **T).report()
 
