@@ -304,6 +304,9 @@ def test_multiple_choice_reader_and_writer():
     swapped = raw[:4] + struct.pack("<3I", pos[1], pos[0], pos[2]) + raw[16:]
     assert mc.read_multiple_choice(swapped, [0])[0].question == "Q two?"
     assert mc.read_multiple_choice(swapped)[0].question == "Q one?"
+    for bad in (-1, 3):  # a selection is task numbers, not Python indexes: -1 is not the last task
+        with pytest.raises(ValueError, match=f"task {bad} is outside the file's 3 tasks"):
+            mc.read_multiple_choice(raw, [0, bad])
     with pytest.raises(ValueError, match=r"task 2 of 3: mc1's 1 labels at byte \d+: needs 4 bytes, 2 left"):
         mc.read_multiple_choice(raw[:-6])
     with pytest.raises(ValueError, match="no tasks"):
