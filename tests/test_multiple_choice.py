@@ -468,14 +468,16 @@ WG = (
     "0,The trophy did not fit in the suitcase because the _ was too big for it.,trophy,suitcase,1\n"
     "1,The cat chased the _.,dog,mouse,2\n"
     "2,Anna thanked Maria because _ had helped her move the heavy boxes upstairs.,Anna,Maria,2\n"
-    "3,The cat chased the _ away.,dog,mouse,2\n\n"  # 3 tokens after the shared part: not skipped either
+    "3,The cat chased the _ away.,dog,mouse,2\n"  # 3 tokens after the shared part: not skipped either
+    "4,The cat chased the _ away.,dog,big mouse,2\n"  # 3 after it in the first, 4 in the second: not skipped
+    "5,The cat chased the _ away.,big dog,mouse,1\n\n"  # and 4, 3
 )
 
 
 def test_winogrande_partial_scores_as_winogrande_score(model):
     r = mc.winogrande(model, WG, **ON)
     tasks, _ = mc.read_winogrande(WG)
-    assert len(r.tasks) == 4 and all(t.exact for t in r.tasks)
+    assert len(r.tasks) == 6 and all(t.exact for t in r.tasks)
     with model.context(n_ctx=256, **ON) as ctx:
         for t in r.tasks:
             w = tasks[t.task]
@@ -484,6 +486,8 @@ def test_winogrande_partial_scores_as_winogrande_score(model):
             cp = next(k for k in range(min(map(len, seqs))) if seqs[0][k] != seqs[1][k])
             lps = [alone_logprobs(model, ctx, s) for s in seqs]
             skip = all(len(s) - cp > 3 for s in seqs)
+            if t.task in (4, 5):  # the edge of llama-perplexity's k_min_trailing_ctx (3) in one choice only
+                assert [len(s) - cp for s in seqs] == ([3, 4] if t.task == 4 else [4, 3])
             ref = []
             for k, (s, lp) in enumerate(zip(seqs, lps)):
                 nb = n_base[k] if skip else cp
@@ -543,6 +547,7 @@ def test_multiple_choice_scores_and_final_lines(model):
     assert text.endswith(f"Random chance: {float(np.float32(100) * q):.4f} +/- {float(np.float32(100) * s):.4f}\n")
     some = mc.multiple_choice(model, None, 5, **T)
     assert [t.task for t in some.tasks] == R.pick_without_replacement(40, 5)
+    assert some.seconds > 0 and some.tasks_per_second == pytest.approx(5 / some.seconds)
 
 
 # -- refusals, all before any decode -------------------------------------------------------------
@@ -603,7 +608,7 @@ def test_cli_modes_print_the_api_report(model, tmp_path):
     r = cli("--winogrande", "-f", str(w), "-t", "1", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["n_tasks"] == 4 and d["skipped"] == [[1, "failed to find comma separators in <no,comma>"]]
+    assert d["n_tasks"] == 6 and d["skipped"] == [[1, "failed to find comma separators in <no,comma>"]]
     assert "winogrande: line 1 skipped: failed to find comma separators" in r.stderr
 
 
