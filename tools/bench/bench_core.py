@@ -191,12 +191,11 @@ WORKERS = {
 
 def worker(workload: str, model_path: str, s: dict) -> dict:
     """One workload's Python side, in this process: its result, as the native driver prints one."""
-    import pyllamacpp as pl
-
-    model = pl.Model(model_path)
     if workload not in WORKERS:
         raise SystemExit(f"unknown workload {workload}")
-    return WORKERS[workload](model, s)
+    import pyllamacpp as pl
+
+    return WORKERS[workload](pl.Model(model_path), s)
 
 
 def main(argv=None) -> int:
