@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,11 @@ def read_pin(path: str | os.PathLike) -> dict[str, str]:
     return pin
 
 
+def _project_name(spec: str) -> str:
+    """``llama-cpp-python==0.3.36`` -> ``llama-cpp-python`` (what ``--no-binary`` takes)."""
+    return re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0]
+
+
 def pip_download(spec: str, filename: str, sha256: str, dest: str | os.PathLike, *, binary: bool, log=None) -> Path:
     """Return ``dest/filename`` with the given sha256, running ``pip download`` if needed.
 
@@ -68,8 +74,10 @@ def pip_download(spec: str, filename: str, sha256: str, dest: str | os.PathLike,
         "pip",
         "download",
         "--no-deps",
+        # the sdist of this package only: ":all:" would also build its build requirements
+        # (CMake among them) from source to prepare its metadata, minutes on a small machine
         "--no-binary" if not binary else "--only-binary",
-        ":all:",
+        _project_name(spec) if not binary else ":all:",
         spec,
         "-d",
         str(dest),
