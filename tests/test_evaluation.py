@@ -259,6 +259,51 @@ def test_progress_bar_on_stderr(model, capsys):
     assert capsys.readouterr().err == ""
 
 
+EMPTY = ("", " Paris")
+
+
+@pytest.mark.parametrize("where", ["alone", "first", "last", "among", "two alone"])
+@pytest.mark.parametrize("via", ["model", "context"])
+def test_an_empty_context_is_scored_after_bos_wherever_it_comes(model, via, where):
+    # issue 36: alone it raised an n_seq_max/outputs error (a context of 1 cell), among others it was BOS
+    others = [("The capital of France is", " Paris"), ("The capital of Spain is", " Madrid")]
+    reqs = {
+        "alone": [EMPTY],
+        "first": [EMPTY, *others],
+        "last": [*others, EMPTY],
+        "among": [others[0], EMPTY, others[1]],
+        "two alone": [EMPTY, ("", " Berlin")],  # two one-token leaves under the BOS node
+    }[where]
+    paris = model.tokenize(" Paris", False)
+    ((lps, greedy),) = alone(model, [(np.concatenate([[model.bos], paris]).astype(np.int32), 1)])
+    if via == "model":
+        res = pl.loglikelihood(model, reqs, **T)
+    else:
+        with model.context(n_ctx=64, n_batch=63, n_ubatch=63, n_seq_max=3, kv_unified=True, **T) as ctx:
+            res = pl.loglikelihood(ctx, reqs)
+    r = res[reqs.index(EMPTY)]
+    assert r.n_context == 1 and r.tokens.tolist() == paris.tolist()
+    assert np.array_equal(r.logprobs, lps) and r.is_greedy == bool(greedy.all())
+
+
+def test_an_empty_context_without_bos_names_the_request(model, monkeypatch):
+    monkeypatch.setattr(type(model), "bos", property(lambda self: -1))
+    with pytest.raises(ValueError, match=r"request 1: the context is empty and the model has no BOS token"):
+        pl.loglikelihood(model, [("The capital of France is", " Paris"), EMPTY], **T)
+    with pytest.raises(ValueError, match="no BOS token"):
+        encode_pair(model, "", " Paris")
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    # the lm-eval backend keeps lm-eval's own rule there: its prefix token, EOS without BOS
+    lm = PyllamacppLM(model=model, n_ctx=64, n_threads=1)
+    (got,) = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=EMPTY, idx=0)])
+    (want,) = pl.loglikelihood(model, [([model.eos], model.tokenize(" Paris", False))], **T)
+    assert got == (want.logprob, want.is_greedy)
+
+
 # -- the lm-evaluation-harness backend ------------------------------------------------------------
 TRAIN = [
     ("What is the capital of Italy?", ["Rome", "Paris", "Oslo", "Cairo"], 0),

@@ -52,9 +52,10 @@ string ``context + continuation`` too, and the continuation's tokens are the who
 after the first ``len(context tokens)``. When the whole string's tokenization does not start with
 the context's tokens (a merge across the boundary), lm-eval still scores the context's own tokens
 followed by that tail, and so does this function: the sequence scored is then not the
-tokenization of the whole string, as in lm-eval. An empty context text becomes the model's BOS
-token (its EOS when it has none), lm-eval's ``prefix_token_id``. Requests given as token ids are
-used as they are.
+tokenization of the whole string, as in lm-eval. An empty context text is the model's BOS token
+(lm-eval's ``prefix_token_id``): the continuation is scored after it, whether the request comes
+alone or among others; a model without BOS refuses it (ValueError naming the request). Requests
+given as token ids are used as they are (an empty token context is refused: give BOS yourself).
 
 Ctrl-C: the KeyboardInterrupt (a :class:`~pyllamacpp.errors.DecodeInterrupted` when it stopped a
 decode) propagates as it is, with ``results`` attached: the list of the requests' results so far,
@@ -176,6 +177,12 @@ def _token_array(model: Model, x: Any, i: int, what: str) -> np.ndarray:
     return a.astype(np.int32)
 
 
+_NO_BOS = (
+    "the context is empty and the model has no BOS token: an empty context is scored after BOS "
+    "(lm-eval's prefix token); give a context, or token ids"
+)
+
+
 def encode_pair(
     model: Model, context: str, continuation: str, *, parse_special: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -184,7 +191,7 @@ def encode_pair(
     Trailing spaces of the context go to the front of the continuation; the context is tokenized
     (``llama_tokenize`` with ``add_special``: BOS where the model adds one) and so is the whole
     string; the continuation is the whole string's tokens after the context's count. An empty
-    context is the model's BOS (EOS without one), lm-eval's ``prefix_token_id``.
+    context is the model's BOS, lm-eval's ``prefix_token_id``: the continuation is scored after it.
 
     Args:
         model: The model whose vocabulary tokenizes.
@@ -194,10 +201,16 @@ def encode_pair(
 
     Returns:
         ``(context tokens, continuation tokens)``, int32; the continuation may come out empty.
+
+    Raises:
+        ValueError: An empty context and a model without a BOS token (nothing to score the
+            continuation's first token after).
     """
     if context == "":
+        if model.bos < 0:
+            raise ValueError(_NO_BOS)
         cont = model.tokenize(continuation, False, parse_special)
-        prefix = model.bos if model.bos >= 0 else model.eos
+        prefix = model.bos
         if cont.size and int(cont[0]) == prefix:
             return cont[:1], cont[1:]
         return np.array([prefix], np.int32), cont
@@ -222,6 +235,8 @@ def _prepare(model: Model, requests: Iterable[Any], parse_special: bool) -> list
         if isinstance(c, str) and isinstance(x, str):
             if x == "":
                 raise ValueError(f"request {i}: the continuation is empty (nothing to score)")
+            if c == "" and model.bos < 0:
+                raise ValueError(f"request {i}: {_NO_BOS}")
             if c and not c[-1].isspace() and c in ctx_cache:  # the common case: one context, several endings
                 ctx = ctx_cache[c]
                 cont = model.tokenize(c + x, True, parse_special)[ctx.size :]
@@ -830,7 +845,8 @@ def loglikelihood(
         n_b = 63 if n_batch is None else int(n_batch)
         n_s = max(1, min(16 if n_seq_max is None else int(n_seq_max), len(leaves), n_b - 1))
         # one more sequence than slots: the graveyard that keeps finished branches' cells
-        kw: dict[str, Any] = {"n_ctx": cells, "n_batch": n_b, "n_ubatch": n_b, "n_seq_max": n_s + 1}
+        # n_ctx at least n_seq_max: llama.cpp reserves an output row per sequence, min(n_ctx, n_batch) of them
+        kw: dict[str, Any] = {"n_ctx": max(cells, n_s + 1), "n_batch": n_b, "n_ubatch": n_b, "n_seq_max": n_s + 1}
         kw["kv_unified"] = True
         if n_threads is not None:
             kw["n_threads"] = kw["n_threads_batch"] = int(n_threads)

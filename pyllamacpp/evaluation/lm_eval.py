@@ -15,7 +15,8 @@ imports it.
   Tokenization is lm-eval's ``TemplateLM._encode_pair`` (:func:`encode_pair`) with
   ``parse_special`` on (special-token text in a prompt is that token, as HF tokenizers read it);
   a request longer than ``max_length`` (``n_ctx``) keeps its last ``n_ctx + 1`` tokens, as lm-eval's
-  HF backend truncates.
+  HF backend truncates. An empty context is the prefix token (BOS; EOS on a model without BOS, as
+  lm-eval's ``TemplateLM`` does, where :func:`pyllamacpp.loglikelihood` refuses it).
 - ``loglikelihood_rolling``: lm-eval's rolling windows (``get_rolling_token_windows`` with
   ``context_len=1``, ``make_disjoint_window``, ``max_seq_len = n_ctx``), the model's BOS (its EOS
   without one) before the first; all windows of all documents in one engine call; each document's
@@ -195,7 +196,11 @@ class PyllamacppLM(LM):
         pairs = []
         for req in requests:
             c, x = req.args
-            pairs.append(self._fit(*encode_pair(self.model, c, x, parse_special=self.parse_special)))
+            if c == "" and self.model.bos < 0:  # lm-eval's TemplateLM: the prefix token, EOS without BOS
+                pair = (np.array([self.prefix_token_id], np.int32), self.model.tokenize(x, False, self.parse_special))
+            else:
+                pair = encode_pair(self.model, c, x, parse_special=self.parse_special)
+            pairs.append(self._fit(*pair))
         out = []
         for req, r in zip(requests, self._engine(pairs, disable_tqdm)):
             out.append((r.logprob, r.is_greedy))
