@@ -461,9 +461,9 @@ class Context(StateMethods, Owner):
             ub = int(s.error_pass) - (call.first_pass if call is not None else 0)
             if call is not None:
                 if call.ubatches is None:
-                    from .taps import _plan_ubatches
+                    from .taps import plan_ubatches
 
-                    call.ubatches = _plan_ubatches(self, call)
+                    call.ubatches = plan_ubatches(self, call)
                 if 0 <= ub < len(call.ubatches):
                     first: dict[int, int] = {}
                     for i in call.ubatches[ub]:
@@ -612,19 +612,15 @@ class Context(StateMethods, Owner):
             raise ValueError("prefill: no tokens")
         if start_pos is None:
             start_pos = self.memory.seq_pos_max(seq_id) + 1
-        batch = self._prefill_batch()
-        n_batch = self.n_batch
-        for i0 in range(0, toks.size, n_batch):
-            chunk = toks[i0 : i0 + n_batch]
-            batch.clear()
-            last = i0 + n_batch >= toks.size
-            batch.add_sequence(chunk, seq_id, start_pos + i0, logits="last" if last else "none")
-            try:
-                self.decode(batch)
-            except (DecodeAborted, DecodeInterrupted) as e:
-                # resume with prefill(tokens[e.resume_from:], seq_id) (positions follow)
-                e.resume_from = self.memory.seq_pos_max(seq_id) + 1 - start_pos
-                raise
+        from .packing import Segment, decode  # packing sits above context: a lazy import
+
+        try:
+            for _ in decode(self, [Segment(toks, seq_id, start_pos, "last")], batch=self._prefill_batch()):
+                pass
+        except (DecodeAborted, DecodeInterrupted) as e:
+            # resume with prefill(tokens[e.resume_from:], seq_id) (positions follow)
+            e.resume_from = self.memory.seq_pos_max(seq_id) + 1 - start_pos
+            raise
         return start_pos + toks.size
 
     # -- outputs (views) -----------------------------------------------------------------------
@@ -764,10 +760,10 @@ class Context(StateMethods, Owner):
             ContextError: The probe context could not be made.
             ClosedError: The context is closed.
         """
-        from .taps import _listing
+        from .taps import graph_listing
 
         self.ptr  # noqa: B018 - raises when closed
-        return _listing(self, int(n_tokens))
+        return graph_listing(self, int(n_tokens))
 
     def capture(
         self,
@@ -882,6 +878,8 @@ class Context(StateMethods, Owner):
         if vector is None:
             with _log.capture() as cap:
                 rc = lib.llama_set_adapter_cvec(ptr, ffi.NULL, 0, n_embd, -1, -1)
+            if rc == 0:
+                self._cvec_applied = None
         else:
             data = control_vector_data(vector, n_layer=self.model.n_layer, n_embd=n_embd, strength=strength)
             lo, hi = layers if layers is not None else (1, self.model.n_layer - 1)
@@ -890,10 +888,19 @@ class Context(StateMethods, Owner):
             self._cvec = data  # llama.cpp copies it, but keep what was applied readable
             with _log.capture() as cap:
                 rc = lib.llama_set_adapter_cvec(ptr, ffi.from_buffer("float[]", data), data.size, n_embd, lo, hi)
+            if rc == 0:
+                self._cvec_applied = (data, (lo, hi))
         if rc != 0:
             raise LlamaError(
                 "llama_set_adapter_cvec() failed", func="llama_set_adapter_cvec", code=rc, reason=cap.reason()
             )
+
+    @property
+    def control_vector_applied(self) -> tuple[np.ndarray, tuple[int, int]] | None:
+        """The control vector :meth:`control_vector` applied last and its layers ``(il_start,
+        il_end)``, or None (none applied, or cleared). The array is the buffer given to
+        ``llama_set_adapter_cvec`` (row 0 is layer 1)."""
+        return getattr(self, "_cvec_applied", None)
 
     def set_lora(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
         """Apply ``adapter`` at ``scale``, keeping the other adapters; 0 takes it off.

@@ -44,10 +44,13 @@ from ._records import (
 from ._sidecar import SIDECAR_FIELDS, model_facts, read_sidecar, sidecar_path, write_sidecar
 from ._state import KVState, parse
 from ._types import GGMLType, hadamard
+from ._write import join_cells, select_cells
 
 __all__ = [
     "parse",
     "KVState",
+    "select_cells",
+    "join_cells",
     "StateFormatError",
     "DumpKind",
     "Header",

@@ -126,3 +126,95 @@ def select_cells(
         layers=opts.get("layers"),
         partial=opts.get("partial"),
     )
+
+
+def join_cells(states: Sequence[KVState]) -> KVState:
+    """One dump holding the cells of ``states`` one after the other: the inverse of cutting a dump
+    into runs of cells with :func:`select_cells`.
+
+    Every dump must come from the same memory layout (the same parts, streams, layers and record
+    types, as dumps of one context's sequences are); the header (seq id, file tokens) is the first
+    dump's. Per stream: the cells of each dump in order, then each K and V record's rows joined in
+    that order (a transposed V record, ``v_trans`` 1, value-major: its values per embedding row).
+
+    Args:
+        states: The parsed dumps, at least one.
+
+    Returns:
+        The parsed new dump, backed by a writable bytearray.
+
+    Raises:
+        ValueError: No dumps, a metadata-only, dsv4 or recurrent dump, or dumps whose layouts
+            differ (which part, stream, record or type, said).
+    """
+    from ._state import parse
+
+    if not states:
+        raise ValueError("join_cells: no dumps")
+    first = states[0]
+    for i, st in enumerate(states):
+        if st.metadata_only:
+            raise ValueError(f"join_cells: dump {i} is metadata-only (StateFlags.ON_DEVICE): it has no rows")
+        if st.options.get("memory") == "dsv4" or any(p.kind != "kv" for p in st.parts):
+            raise ValueError(
+                f"join_cells: dump {i} holds a {st.options.get('memory')} memory; only KV caches can be joined "
+                "by cells (a recurrent state is one row per sequence, not one per position)"
+            )
+        if [(p.name, p.n_stream, len(p.streams)) for p in st.parts] != [
+            (p.name, p.n_stream, len(p.streams)) for p in first.parts
+        ]:
+            raise ValueError(f"join_cells: dump {i} has other memory parts or streams than dump 0")
+    buf0 = first._buf
+    chunks = [buf0.view(0, first.header.nbytes, "header").tobytes()]
+    for pi, p in enumerate(first.parts):
+        if p.n_stream is not None:
+            chunks.append(_u32(p.n_stream))
+        for si in range(len(p.streams)):
+            streams = [st.parts[pi].streams[si] for st in states]
+            full = [s for s in streams if s.cell_count]
+            n = sum(s.cell_count for s in full)
+            chunks.append(_u32(n))
+            if not full:
+                continue
+            ref = full[0]
+            want = (ref.v_trans, ref.n_layer, len(ref.records))
+            for s in full:
+                if (s.v_trans, s.n_layer, len(s.records)) != want:
+                    raise ValueError(
+                        f"join_cells: {p.name} stream {si}: v_trans, n_layer or record count differ "
+                        f"({(s.v_trans, s.n_layer, len(s.records))} against {want})"
+                    )
+            owners = [st for st, s in zip(states, streams) if s.cell_count]
+            for st, s in zip(owners, full):
+                chunks.append(st._buf.view(s.cells_offset, s.cells_nbytes, "cells").tobytes())
+            flags_at = ref.cells_offset + ref.cells_nbytes
+            chunks.append(owners[0]._buf.view(flags_at, 8, "v_trans, n_layer").tobytes())
+            for ri, r in enumerate(ref.records):
+                recs = [s.records[ri] for s in full]
+                for j, q in enumerate(recs):
+                    if (q.name, q.type, q.row_size if not q.transposed else q.n_embd) != (
+                        r.name,
+                        r.type,
+                        r.row_size if not r.transposed else r.n_embd,
+                    ):
+                        raise ValueError(
+                            f"join_cells: {p.name} stream {si} record {r.name}: dump {j} differs in type or size"
+                        )
+                chunks.append(owners[0]._buf.view(r.header_offset, r.data_offset - r.header_offset, "header").tobytes())
+                if r.transposed:
+                    el = r.type.type_size
+                    parts = [q.data.reshape(q.n_embd, q.n_cells, el) for q in recs]  # type: ignore[union-attr]
+                    chunks.append(np.concatenate(parts, axis=1).tobytes())
+                else:
+                    chunks.append(b"".join(q.rows.tobytes() for q in recs))
+    opts = first.options
+    return parse(
+        bytearray(b"".join(chunks)),
+        n_head_kv=first.n_head_kv,
+        memory=opts["memory"],
+        cell_ext=opts["cell_ext"],
+        has_v=opts["has_v"],
+        metadata_only=False,
+        layers=opts.get("layers"),
+        partial=opts.get("partial"),
+    )
