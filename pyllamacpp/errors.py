@@ -147,6 +147,12 @@ class BusyCoresWarning(RuntimeWarning):
     ggml's threads wait for each other at every step, so decoding can be slower than with one."""
 
 
+class TaskFileWarning(UserWarning):
+    """A task file of llama-perplexity's multiple-choice modes holds data its reader does not use
+    (a Winogrande line no newline ends, bytes after the last multiple-choice task): read as
+    ``llama-perplexity`` reads it, and said, since it says nothing there."""
+
+
 def check_ptr(
     ptr: Any, func: str, *, error: type[LlamaError] = LlamaError, reason: str | None = None, what: str = ""
 ) -> Any:

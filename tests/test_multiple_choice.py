@@ -335,6 +335,46 @@ def test_multiple_choice_reader_and_writer():
     assert mc.read_multiple_choice(raw + b"\n")[2].question == "Q three?"  # -f's trailing newline dropped
 
 
+def test_a_winogrande_line_without_newline_is_dropped_and_said(model):
+    # issue 36: 3 tasks in the file, 2 scored, nothing said; the reading stays llama-perplexity's
+    import warnings
+
+    from pyllamacpp.errors import TaskFileWarning
+
+    text = "0,Tom gave _ a book.,Ann,Bob,1\n1,The cat chased the _.,dog,mouse,2\n2,Last _ line.,a,b,2"
+    for data in (text, text + "\n", text.encode()):  # no newline, or only the one -f drops
+        with pytest.warns(TaskFileWarning, match=r"line 3: not read.* no newline ends it.*<2,Last _ line\.,a,b,2>"):
+            tasks, _ = mc.read_winogrande(data)
+        assert [t.index for t in tasks] == ["0", "1"]
+    with pytest.warns(TaskFileWarning, match="line 3: not read") as w:
+        r = mc.winogrande(model, text, **T)
+    assert r.n_tasks == 2 and w[0].filename == __file__  # at the caller's line, not the package's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TaskFileWarning)
+        assert len(mc.read_winogrande(text + "\n\n")[0]) == 3  # an empty last line: all read, nothing said
+        mc.read_winogrande(mc.sample_path("winogrande"))
+        mc.read_hellaswag(mc.sample_path("hellaswag"))  # getline without eof: HellaSwag loses no line
+        mc.read_multiple_choice(mc.sample_path("multiple-choice"))
+
+
+def test_multiple_choice_bytes_after_the_last_task_are_said():
+    # the binary reader's own silent loss: a task count smaller than the tasks written
+    import warnings
+
+    from pyllamacpp.errors import TaskFileWarning
+
+    t = [mc.MultipleChoiceTask("Q one?", ("a", "b"), (0, 1)), mc.MultipleChoiceTask("Q two?", ("c", "d"), (1, 0))]
+    raw = mc.write_multiple_choice(t)
+    one = mc.write_multiple_choice(t[:1])
+    lost = one + raw[4 + 8 + len(one) - 8 :]  # a count of 1, then both tasks' bytes
+    with pytest.warns(TaskFileWarning, match=r"\d+ byte\(s\) after the last of its 1 task\(s\) .* are not read"):
+        assert [x.question for x in mc.read_multiple_choice(lost)] == ["Q one?"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TaskFileWarning)
+        assert len(mc.read_multiple_choice(raw)) == 2
+        assert mc.read_multiple_choice(lost, [0])[0].question == "Q one?"  # a selection reads at the offsets
+
+
 # -- scoring, against each ending decoded alone ---------------------------------------------------
 def alone_logprobs(model, ctx, tokens: np.ndarray) -> np.ndarray:
     """float64 log-softmax rows of a sequence decoded on its own (row i predicts token i + 1)."""

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import TaskFileWarning
+
 __all__ = [
     "HellaswagTask",
     "WinograndeTask",
@@ -95,6 +97,20 @@ def _read(data: str | bytes | os.PathLike) -> bytes:
     else:
         raise TypeError(f"expected a path, a str or bytes, not {type(data).__name__}")
     return raw[:-1] if raw.endswith(b"\n") else raw
+
+
+def _warn(message: str) -> None:
+    """A :class:`TaskFileWarning` pointing at the caller's line outside the package."""
+    import sys
+    import types
+    import warnings
+
+    # the first frame outside pyllamacpp/ (as context.py's BusyCoresWarning does)
+    level, here = 2, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    f: types.FrameType | None = sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(here + os.sep):
+        level, f = level + 1, f.f_back
+    warnings.warn(message, TaskFileWarning, stacklevel=level)
 
 
 def _lines(raw: bytes) -> list[str]:
@@ -223,7 +239,8 @@ def read_winogrande(
     As there: a line whose commas, ``_`` or answer cannot be found is skipped; and the text's last
     line is not read when no newline ends it (its ``getline`` loop stops at the end of the text
     before using what it read), which, after ``-f`` has dropped the file's final newline, is the
-    last line of any file that does not end with an empty line.
+    last line of any file that does not end with an empty line. llama-perplexity says nothing of
+    that line; here a :class:`~pyllamacpp.errors.TaskFileWarning` names it.
 
     Args:
         data: The file's path, or its content; one trailing newline is dropped, as ``-f`` does.
@@ -233,13 +250,25 @@ def read_winogrande(
         ``(tasks, skipped)``: the tasks in file order, and ``(line number, reason)`` for each line
         skipped (the reason in llama-perplexity's words).
 
+    Warns:
+        TaskFileWarning: The last line has no newline after it, so it is not read (its number,
+            why, and its start).
+
     Raises:
         ValueError: ``strict`` and a line that would be skipped, or no task at all (the message
             names the first line skipped).
         OSError: The file cannot be read.
     """
     # each line is used only once a newline ends it: the piece after the text's last newline is not
-    lines = _read(data).decode("utf-8", "surrogateescape").split("\n")[:-1]
+    lines = _read(data).decode("utf-8", "surrogateescape").split("\n")
+    if lines[-1]:
+        short = lines[-1] if len(lines[-1]) <= 60 else lines[-1][:57] + "..."
+        _warn(
+            f"Winogrande data, line {len(lines)}: not read, as llama-perplexity does not read it: no newline "
+            f"ends it (its reader uses a line once a newline follows, and -f drops the file's last newline); "
+            f"end the file with an empty line to score it: <{short}>"
+        )
+    lines.pop()
     tasks: list[WinograndeTask] = []
     skipped: list[tuple[int, str]] = []
     for n, line in enumerate(lines, 1):
@@ -340,6 +369,9 @@ def read_multiple_choice(
 
     All tasks (``order`` None) are read one after the other from the end of the offset table, as
     llama-perplexity does when it uses them all; a selection is read at the offsets the table gives.
+    Bytes after the last task are not read there, and nothing is said; here a
+    :class:`~pyllamacpp.errors.TaskFileWarning` says how many (a task count smaller than the tasks
+    written loses the rest).
 
     Args:
         data: The file's path, or its bytes; one trailing newline byte is dropped, as ``-f`` does.
@@ -347,6 +379,9 @@ def read_multiple_choice(
 
     Returns:
         The tasks.
+
+    Warns:
+        TaskFileWarning: All tasks read and bytes left after the last one.
 
     Raises:
         ValueError: No tasks, a short read (what, where, the bytes needed and left), more than 100
@@ -360,6 +395,12 @@ def read_multiple_choice(
         for i in range(len(pos)):
             t, off = r.task(off, f"task {i} of {len(pos)}")
             out.append(t)
+        if off < len(r.raw):
+            _warn(
+                f"multiple-choice data: {len(r.raw) - off} byte(s) after the last of its {len(pos)} task(s) "
+                f"(bytes {off} to {len(r.raw)}) are not read, as llama-perplexity does not read them: it reads "
+                "the task count the file's first u32 gives"
+            )
         return out
     for i in order:
         if not 0 <= i < len(pos):
