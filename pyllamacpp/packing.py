@@ -211,13 +211,16 @@ class WorkOrder:
             batch's capacity).
     """
 
-    __slots__ = ("batch", "pieces", "n_outputs_max", "_rows")
+    __slots__ = ("batch", "pieces", "n_outputs_max", "_rows", "_raw")
 
     def __init__(self, batch: Batch, n_outputs_max: int | None = None) -> None:
         self.batch = batch
         self.pieces: list[Piece] = []
         self.n_outputs_max = n_outputs_max
         self._rows = 0
+        p = batch._p
+        # the C arrays for add_trusted, looked up once (the batch's views keep them alive)
+        self._raw = None if batch.n_embd else (p, p.token, p.pos, p.n_seq_id, p.seq_id, p.logits, batch.capacity)
         batch.clear()
 
     def clear(self) -> None:
@@ -302,6 +305,51 @@ class WorkOrder:
             self._rows += 1
         return i
 
+    def add_trusted(self, tokens: Sequence[int], pos: int, seq_id: int, output: bool) -> int:
+        """Slots ``pos, pos + 1, ...`` of one sequence, every one with an output or none, written
+        straight into the C arrays: the per-token path of a loop whose tokens are known good (sampled
+        by llama.cpp, or checked once when they came in) and whose seq id is the context's.
+
+        Only the room is checked (a write past the capacity would overrun the C arrays); a token
+        outside the vocabulary or a seq id past the context's ``n_seq_max`` is left to
+        ``llama_decode``'s own batch check. No piece: the first slot is returned, and the slots of
+        the run follow it (also its output rows when every slot before it asked for one).
+
+        Args:
+            tokens: The token ids, plain ints (``len(tokens)`` slots; none is allowed).
+            pos: The position of the first.
+            seq_id: The one sequence of every slot.
+            output: Whether every slot asks for an output (``llama_batch.logits``).
+
+        Returns:
+            The first slot's index.
+
+        Raises:
+            ValueError: Not enough room left in the batch.
+            TypeError: An embedding batch.
+        """
+        raw = self._raw
+        if raw is None:
+            raise TypeError("an embedding batch takes add_embd(), not add_trusted()")
+        p, token, bpos, n_seq_id, seq, logits, cap = raw
+        i0 = i = p.n_tokens
+        n = len(tokens)
+        if i + n > cap:
+            raise ValueError(f"batch capacity exceeded: {i} + {n} slots > capacity {cap}")
+        o = 1 if output else 0
+        for t in tokens:
+            token[i] = t
+            bpos[i] = pos
+            n_seq_id[i] = 1
+            seq[i][0] = seq_id
+            logits[i] = o
+            i += 1
+            pos += 1
+        p.n_tokens = i
+        if o:
+            self._rows += n
+        return i0
+
     def _placed(self, sl: slice, outputs, tag, segment, lo: int, pos: int) -> Piece:
         n = sl.stop - sl.start
         if isinstance(outputs, str):
@@ -355,7 +403,9 @@ def _mask_of(outputs, n: int) -> np.ndarray:
     return np.asarray(outputs, dtype=bool)
 
 
-def plan(segments: Sequence[Segment], n_batch: int, n_outputs_max: int | None = None) -> list[list[tuple[int, int, int]]]:
+def plan(
+    segments: Sequence[Segment], n_batch: int, n_outputs_max: int | None = None
+) -> list[list[tuple[int, int, int]]]:
     """Cut ``segments``, in order, into work orders of at most ``n_batch`` slots and
     ``n_outputs_max`` output rows.
 

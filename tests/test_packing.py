@@ -139,3 +139,27 @@ def test_fork_shares_a_prefix_with_other_sequences(model):
         ctx.prefill(toks, 0)
         with pytest.raises(ValueError, match="whole sequences"):
             fork(ctx, 0, [1], 0, 4)
+
+
+def test_add_trusted_fills_the_slots_add_token_fills(model):
+    """The unchecked per-token path writes what the checked one writes (after a multi-sequence
+    order in the same batch), returns the first slot of each run, counts the rows, and checks the room."""
+    ref, fast = pl.Batch(8, 2, model=model), pl.Batch(8, 2, model=model)
+    runs = [([5, 6, 7], 10, 1, False), ([], 13, 1, True), ([8, 9], 13, 1, True), ([3], 0, 0, True)]
+    wr, wf = WorkOrder(ref), WorkOrder(fast)
+    wf.join(wf.add([1, 2, 3, 4, 5, 6, 7, 8], 0, 0, "all"), 1)  # an earlier order: two seq ids per slot
+    wf.clear()
+    firsts = []
+    for toks, pos, sid, out in runs:
+        for j, t in enumerate(toks):
+            wr.add_token(t, pos + j, sid, out)
+        firsts.append(wf.add_trusted(toks, pos, sid, out))
+    assert firsts == [0, 3, 3, 5] and len(wf) == 6 and wf.n_outputs == wr.n_outputs == 3
+    for name in ("token", "pos", "n_seq_id", "logits"):
+        assert getattr(fast, name).tolist() == getattr(ref, name).tolist(), name
+    assert fast.seq_id[:, 0].tolist() == [1, 1, 1, 1, 1, 0]
+    with pytest.raises(ValueError, match="capacity exceeded: 6 \\+ 3 slots > capacity 8"):
+        wf.add_trusted([1, 2, 3], 20, 0, False)
+    assert len(wf) == 6
+    with pytest.raises(TypeError, match="embedding batch"):
+        WorkOrder(pl.Batch(4, 1, 8)).add_trusted([1], 0, 0, True)
