@@ -1,7 +1,7 @@
 """Every public function, class and method has a Google-style docstring and full annotations.
 
 Walks the public names of ``pyllamacpp``, ``pyllamacpp.state``, ``pyllamacpp.testing``,
-``pyllamacpp.rpc`` (their ``__all__``) and of each public module of ``pyllamacpp.experiments``
+``pyllamacpp.rpc``, ``pyllamacpp.ubatch`` (their ``__all__``) and of each public module of ``pyllamacpp.experiments``
 (its ``__all__``, else the functions and classes it defines), and the public methods and
 properties of every class among them (inherited ones too, where a package class defines them).
 For each object defined in the package:
@@ -33,6 +33,7 @@ import pyllamacpp.rpc
 import pyllamacpp.state
 import pyllamacpp.taps
 import pyllamacpp.testing
+import pyllamacpp.ubatch
 
 # Objects exempt from the checks, each with its reason.
 ALLOWED: dict[str, str] = {}
@@ -65,6 +66,7 @@ def _public(mod: Any) -> Iterator[tuple[str, Any]]:
 
 def _modules() -> list[Any]:
     mods = [pyllamacpp, pyllamacpp.state, pyllamacpp.testing, pyllamacpp.rpc, pyllamacpp.taps, pyllamacpp.cvec]
+    mods.append(pyllamacpp.ubatch)  # the batch split, once experiments.ubatch_plan (now forwards to it)
     for m in pkgutil.iter_modules(pyllamacpp.experiments.__path__):
         if not m.name.startswith("_"):
             mods.append(importlib.import_module(f"pyllamacpp.experiments.{m.name}"))

@@ -562,8 +562,8 @@ def test_rows_are_matched_by_token_and_position_when_the_plan_disagrees(model, m
 
     text, same = model.tokenize(A), [model.tokenize(" the")[-1]] * 7  # one token 7 times: only positions differ
     right = [run(text), run(same)]
-    plan = _capture._plan_ubatches
-    monkeypatch.setattr(_capture, "_plan_ubatches", lambda f, call: [u[::-1].copy() for u in plan(f, call)])
+    plan = _capture.plan_ubatches
+    monkeypatch.setattr(_capture, "plan_ubatches", lambda f, call: [u[::-1].copy() for u in plan(f, call)])
     wrong = [run(text), run(same)]
     for r, w in zip(right, wrong):
         assert [x.rows.tolist() for x in r.records if x.name == "l_out-3"] == [[0, 1, 2, 3], [4, 5, 6]]

@@ -132,6 +132,10 @@ def api_pages() -> dict[str, str]:
         )
     )
 
+    pages["reference/api/ubatch.md"] = "# `pyllamacpp.ubatch`\n\n" + _api_block("pyllamacpp.ubatch", 1).replace(
+        "heading_level: 1", "heading_level: 2\n      show_root_heading: false"
+    )
+
     import importlib.util
 
     if importlib.util.find_spec("pyllamacpp.text"):  # the text API's module, when present
@@ -160,7 +164,8 @@ def api_pages() -> dict[str, str]:
         "Each module is one `pyllamacpp` subcommand: `run(args)` returns the data, "
         "`print_report` prints it, `plot` draws it where the command has `-o`; but `common` "
         "(the commands' shared flags, model loading, progress and output) and `ubatch_plan` "
-        "(llama.cpp's batch split, replayed), which several commands share.",
+        "(the shape flags of the commands that plan a batch; the split itself is "
+        "[`pyllamacpp.ubatch`](ubatch.md)), which several commands share.",
         "",
     ]
     for mod in experiment_modules():

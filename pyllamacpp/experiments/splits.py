@@ -26,13 +26,13 @@ import html
 import json
 import os
 
+# BatchAllocr, PlanError, split_all: re-exported, as older code imports them from here
+from ..ubatch import BatchAllocr as BatchAllocr
+from ..ubatch import PlanError as PlanError
+from ..ubatch import pad, per_seq, plan
+from ..ubatch import split_all as split_all
 from .common import Command, add_kv_unified_flags
-
-# BatchAllocr, PlanError, split_all: re-exported, as the taps and older code import them from here
-from .ubatch_plan import BatchAllocr as BatchAllocr
-from .ubatch_plan import PlanError as PlanError
-from .ubatch_plan import add_plan_flags, pad, per_seq, plan, shape_from_args, summary_line
-from .ubatch_plan import split_all as split_all
+from .ubatch_plan import add_plan_flags, shape_from_args, summary_line
 
 
 def _flags(p: argparse.ArgumentParser) -> None:

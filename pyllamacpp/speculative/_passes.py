@@ -55,10 +55,10 @@ class PassCounter(_Closing):
         self._start = (0, 0)
         self._closed = (0, 0)  # the counts when close() stopped them
         if ctx is not None:
-            from ..taps import _listing, taps_of
+            from ..taps import graph_listing, taps_of
 
             taps = taps_of(ctx)  # TapError when the context cannot be tapped
-            taps.count(_listing(ctx, 3), True)  # the listing's first node starts a pass
+            taps.count(graph_listing(ctx, 3), True)  # the listing's first node starts a pass
             self._taps, self._ctx = taps, weakref.ref(ctx)
             self._start = taps.passes()
 

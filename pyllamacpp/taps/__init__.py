@@ -28,9 +28,10 @@ Pictures of a capture (matplotlib, optional): :func:`plot_attention`, :func:`plo
 from __future__ import annotations
 
 from ._capture import Capture, Patch
-from ._graph import Graph, GraphNode, NamesFilter, _listing, name_layer, resolve, split_name
+from ._graph import Graph, GraphNode, NamesFilter, name_layer, resolve, split_name
+from ._graph import _listing as graph_listing
 from ._plot import plot_attention, plot_mask, plot_residual_norms
-from ._rows import TapInfo, TapRecord, _plan_ubatches
+from ._rows import TapInfo, TapRecord, plan_ubatches
 from ._taps import Taps, taps_of
 
 __all__ = [
@@ -48,5 +49,6 @@ __all__ = [
     "plot_mask",
     "plot_residual_norms",
 ]
-# used by Context (lazily): _listing (graph_nodes), _plan_ubatches (a failed tap's rollback)
-_INTERNAL = (_listing, _plan_ubatches, Taps, taps_of)
+# the package's internal API, outside __all__: graph_listing (Context.graph_nodes, the pass
+# counter of speculative), plan_ubatches (Context's rollback of a failed tap), Taps and taps_of
+_INTERNAL = (graph_listing, plan_ubatches, Taps, taps_of)

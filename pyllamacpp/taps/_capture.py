@@ -10,7 +10,7 @@ import numpy as np
 from .._lib import ffi, lib
 from ..errors import TapError
 from ._graph import _AUTO_INPUTS, _NUMPY, GraphNode, NamesFilter, _listing, _n_dims, _op_name, resolve, split_name
-from ._rows import TapInfo, TapRecord, _Call, _plan_ubatches, _rows_along, _Splitting, _token_axis, _type_id_name
+from ._rows import TapInfo, TapRecord, _Call, _rows_along, _Splitting, _token_axis, _type_id_name, plan_ubatches
 from ._taps import taps_of
 
 if TYPE_CHECKING:
@@ -232,7 +232,7 @@ class Capture:
             rows = None
             if meta is not None:
                 if meta.ubatches is None:
-                    meta.ubatches = _plan_ubatches(self._splitting, meta)
+                    meta.ubatches = plan_ubatches(self._splitting, meta)
                 if 0 <= ub < len(meta.ubatches):
                     rows = self._checked_rows(meta, ub, pass_index)
             rws, seq_ids, pos, outs = _rows_along(node, ne, rows, meta)

@@ -1,5 +1,5 @@
 """What a captured or patched tensor is: :class:`TapRecord`, :class:`TapInfo`, and which batch
-rows a pass holds (llama.cpp's batch split, replayed)."""
+rows a pass holds (llama.cpp's batch split, replayed by :mod:`pyllamacpp.ubatch`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 
 from .._lib import lib
 from ..errors import TapError
+from ..ubatch import BatchAllocr, PlanError, split_all
 from ._graph import _NUMPY, GraphNode, _n_dims, _type_name
 
 if TYPE_CHECKING:
@@ -248,11 +249,18 @@ class _Splitting:
         )
 
 
-def _plan_ubatches(ctx: Context | _Splitting, call: _Call) -> list[np.ndarray]:
+def plan_ubatches(ctx: Context | _Splitting, call: _Call) -> list[np.ndarray]:
     """Batch indices per ubatch, as llama.cpp's batch allocator splits this call's batch
-    (``llama_kv_cache::init_batch`` and the recurrent / hybrid memories' equivalents)."""
-    from ..experiments.ubatch_plan import BatchAllocr, PlanError, split_all
+    (``llama_kv_cache::init_batch`` and the recurrent / hybrid memories' equivalents).
 
+    Args:
+        ctx: The context the call was decoded on, or what its allocator splits with.
+        call: The decode call (its rows' sequence ids and output flags).
+
+    Returns:
+        One array of batch indices per ubatch, in the order they run; empty when llama.cpp
+        would not split the batch (:class:`~pyllamacpp.ubatch.PlanError`).
+    """
     f = ctx if isinstance(ctx, _Splitting) else _Splitting.of(ctx)
     all_out = call.outputs is not None and bool(call.outputs.all())
     if f.recurrent or f.hybrid:

@@ -14,7 +14,7 @@ from .._handle import view
 from .._lib import ffi, lib
 from ..errors import CaptureLimitError, TapError
 from ._graph import _NUMPY, Graph, GraphNode, _n_dims, _op_name, _type_name
-from ._rows import TapInfo, _Call, _plan_ubatches, _rows_along, _token_axis
+from ._rows import TapInfo, _Call, _rows_along, _token_axis, plan_ubatches
 
 if TYPE_CHECKING:
     from ..context import Context
@@ -260,7 +260,7 @@ class Taps:
         rows = None
         if meta is not None:
             if meta.ubatches is None:
-                meta.ubatches = _plan_ubatches(self.ctx(), meta)
+                meta.ubatches = plan_ubatches(self.ctx(), meta)
             if 0 <= ub < len(meta.ubatches):
                 rows = meta.ubatches[ub]
         ne = tuple(int(t.ne[k]) for k in range(4))
