@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import math
 import os
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
+
+from ._gguf_writer import write_gguf
 
 __all__ = ["ARCHS", "make_lora", "make_model"]
 
@@ -287,35 +287,7 @@ def make_model(
         for name, ne, kind in tensors:
             writer.add_tensor(name, _weights(rng, ne, kind, wtype))
 
-    return _write_gguf(path, arch, fill, split_max_tensors)
-
-
-def _write_gguf(
-    path: str | os.PathLike, arch: str, fill: Callable[[gguf.GGUFWriter], None], split_max_tensors: int = 0
-) -> Path:
-    """Write a GGUF whose keys and tensors ``fill`` adds: into a temporary file beside ``path``,
-    renamed onto it once whole (a split model: its shards in place). Returns the first file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # a unique name beside the target; created by the writer, so it gets the umask's permissions
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    split = split_max_tensors > 0
-    writer = gguf.GGUFWriter(path if split else tmp, arch, split_max_tensors=split_max_tensors)
-    try:
-        fill(writer)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        shards = writer.format_shard_names(path) if split else []
-        writer.close()
-        if split:
-            return shards[0]
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return write_gguf(path, arch, fill, split_max_tensors)
 
 
 def _lfm2(kv: dict, tensors: list, opt: dict, *, n_layer: int, n_embd: int, n_head, n_head_kv, head_dim, n_ff) -> int:
@@ -490,4 +462,4 @@ def make_lora(
         for name, arr in arrays:
             writer.add_tensor(name, arr)
 
-    return _write_gguf(path, arch, fill)
+    return write_gguf(path, arch, fill)

@@ -34,7 +34,7 @@ def layer_skip_gguf(source: str | os.PathLike, n_layer: int, *, cache: str | os.
     import gguf
 
     from .._fetch import cache_dir
-    from ..testing import _write_gguf
+    from .._gguf_writer import write_gguf
 
     src = Path(source).resolve()
     st = src.stat()
@@ -82,7 +82,7 @@ def layer_skip_gguf(source: str | os.PathLike, n_layer: int, *, cache: str | os.
             if not _dropped_layer(t.name, n_layer):  # the bytes as they are, quantized blocks included
                 writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type, tensor_endianess=reader.endianess)
 
-    _write_gguf(out, arch, fill)
+    write_gguf(out, arch, fill)
     side.write_text(json.dumps(ident) + "\n")
     return out
 
