@@ -171,6 +171,44 @@ def test_tokenization_at_the_boundary_is_lm_evals(model):
     assert ctx.tolist() == [model.bos] and cont.tolist() == model.tokenize("Hello", False).tolist()
 
 
+def test_all_trailing_whitespace_of_the_context_moves_to_the_continuation(model):
+    # issue 36, section 2: newlines and tabs too, not only spaces (lm-eval's context.rstrip())
+    for c, x in [("Question: 2+2?\nAnswer:\n", "4"), ("Answer:\t", "4"), ("Answer: \n\t", "four")]:
+        tail = c[len(c.rstrip()) :]
+        want_ctx = model.tokenize(c.rstrip(), True)
+        want_cont = model.tokenize(c.rstrip() + tail + x, True)[want_ctx.size :]
+        ctx, cont = encode_pair(model, c, x)
+        assert (ctx.tolist(), cont.tolist()) == (want_ctx.tolist(), want_cont.tolist()), (c, x)
+        # through the engine too, twice with one context (the second from its cache of contexts)
+        res = pl.loglikelihood(model, [(c, x), (c, x + "!")], **T)
+        assert res[0].n_context == want_ctx.size and res[0].tokens.tolist() == want_cont.tolist(), (c, x)
+        assert res[1].n_context == want_ctx.size and res[1].tokens[:1].tolist() == want_cont[:1].tolist()
+
+
+def test_a_context_that_ends_inside_a_node_asks_rows_only_for_the_continuation(model):
+    # issue 36, section 2: each request's context ends inside its leaf (the endings follow different
+    # questions): n_outputs is the continuation tokens, not every row of the node
+    reqs = [("The capital of France is", " Paris, the city of light"), ("The capital of Spain is", " Madrid")]
+    res = pl.loglikelihood(model, reqs, **T)
+    assert res.n_nodes == 3  # the shared start, then one leaf per request holding context and continuation
+    assert res.n_outputs == sum(r.n_tokens for r in res) == len(model.tokenize(" Paris, the city of light", False)) + 1
+    ref = alone(model, pairs_of(model, reqs))
+    for r, (lps, _) in zip(res, ref):
+        assert np.array_equal(r.logprobs, lps)
+
+
+def test_the_same_tokens_split_at_two_context_lengths_are_two_requests(model):
+    # issue 36, section 2: (X, Y) and (X + Y[0], Y[1:]) are one path in the trie, two results
+    x = model.tokenize("The capital of France is", True)
+    y = model.tokenize(" Paris, of course", False)
+    res = pl.loglikelihood(model, [(x, y), (np.concatenate([x, y[:1]]), y[1:]), (x, y)], **T)
+    assert res.n_requests == 3 and res.n_unique == 2 and res.n_nodes == 1
+    assert (res[0].n_context, res[0].n_tokens) == (x.size, y.size) and res[2] is res[0]
+    assert (res[1].n_context, res[1].n_tokens) == (x.size + 1, y.size - 1)
+    assert np.array_equal(res[1].logprobs, res[0].logprobs[1:])
+    assert res[1].logprob == float(res[0].logprobs[1:].sum()) and res[1].logprob > res[0].logprob
+
+
 def test_bad_input_is_refused_before_any_decode(model):
     with model.context(n_ctx=128, n_seq_max=2, kv_unified=True, **T) as ctx:
         ctx.prefill(model.tokenize("kept"), 0)
@@ -499,6 +537,44 @@ def test_lm_eval_generate_until_sizes_its_context_to_the_requests(model, monkeyp
     longest = max(model.tokenize(p, True).size for p in prompts)
     (kw,) = made
     assert kw["n_seq_max"] == 3 and kw["n_ctx"] == 3 * (longest + 5) and kw["kv_unified"] is True
+
+
+def test_lm_eval_generate_until_keeps_a_long_prompts_last_tokens(model, monkeypatch):
+    # issue 36, section 2: a prompt longer than n_ctx - max_gen_toks keeps its end (the question), not its start
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+    from pyllamacpp.scheduler import Scheduler
+
+    submitted = []
+    real = Scheduler.submit
+
+    def spy(self, prompt, *a, **kw):
+        submitted.append(np.asarray(prompt).tolist())
+        return real(self, prompt, *a, **kw)
+
+    monkeypatch.setattr(Scheduler, "submit", spy)
+    prompt = "One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve,"
+    toks = model.tokenize(prompt, True)
+    lm = PyllamacppLM(model=model, n_ctx=16, n_threads=1)
+    assert toks.size > 16
+    gen = {"until": ["\n"], "max_gen_toks": 4, "do_sample": False}
+    (out,) = lm.generate_until([Instance(request_type="generate_until", doc={}, arguments=(prompt, gen), idx=0)])
+    assert submitted == [toks[-12:].tolist()]
+    assert out == _stop_at_first(generate_alone_tokens(model, toks[-12:], 4), ["\n"])
+
+
+def generate_alone_tokens(model, toks, n: int) -> str:
+    with model.context(n_ctx=toks.size + n, n_batch=63, n_ubatch=63, **T) as ctx:
+        d = pl.Detokenizer(model)
+        return "".join(d.feed(t) for t in pl.generate(ctx, toks, n)) + d.flush()
+
+
+def _stop_at_first(text: str, until: list[str]) -> str:
+    for t in until:
+        text = text.split(t)[0]
+    return text
 
 
 def test_lm_eval_by_name_and_from_the_command_line(model_path, tmp_path, offline, capsys):

@@ -546,6 +546,31 @@ def test_winogrande_partial_scores_as_winogrande_score(model):
     assert "Final" not in r.report()  # under 100 tasks, as there
 
 
+def test_winogrande_one_token_after_the_choice_word_is_scored_over_it(model):
+    # issue 36, section 2: "without the last token when more than one remain": with exactly one
+    # after the choice word (and more than 3 after the shared part: partial scoring), that one is scored
+    first, second = "Anna could not lift the box that ", "."
+    choices = ("the big heavy wooden crate", "the small light paper bag")
+    r = mc.winogrande(model, f"0,{first}_{second},{choices[0]},{choices[1]},2\n\n", **ON)
+    (t,) = r.tasks
+    with model.context(n_ctx=64, **ON) as ctx:
+        for k, c in enumerate(choices):
+            seq = model.tokenize(first + c + second)
+            n_base = len(model.tokenize(first + c))
+            assert seq.size - n_base == 1  # the "." alone after the choice word
+            lp = alone_logprobs(model, ctx, seq)
+            assert abs(t.scores[k] - lp[n_base - 1, seq[n_base]]) < F.tie_margin(model.n_vocab) / 2, (t, k)
+
+
+def test_multiple_choice_file_with_100_answers_round_trips():
+    # issue 36, section 2: the binary format's limit (100 answers, llama-perplexity's) is allowed, not refused
+    answers = tuple(f"answer {i}" for i in range(100))
+    t = mc.MultipleChoiceTask("Which one?", answers, (0,) * 99 + (1,), answers[:3], (1, 0, 1))
+    (back,) = mc.read_multiple_choice(mc.write_multiple_choice([t]))
+    fields = ("question", "answers", "labels", "mc2_answers", "mc2_labels")
+    assert [getattr(back, f) for f in fields] == [getattr(t, f) for f in fields]
+
+
 def test_winogrande_selection_and_final_score(model):
     lines = [f"{i},{'AB'[i % 2]} met _ today.,{'xyzw'[i % 4]},{'pqrs'[i % 3]},{1 + i % 2}" for i in range(110)]
     text = "\n".join(lines) + "\n\n"
