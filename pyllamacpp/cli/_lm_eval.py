@@ -22,7 +22,7 @@ SUBCOMMANDS = ("run", "ls", "list", "validate")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the ``lm-eval`` subcommand to ``sub`` (cli.py's subparsers); lm-eval is not imported.
+    """Add the ``lm-eval`` subcommand to ``sub`` (the ``pyllamacpp`` parser's subparsers); lm-eval is not imported.
 
     Args:
         sub: The ``add_subparsers()`` object of the ``pyllamacpp`` parser.
@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"pyllamacpp lm-eval: lm-eval is not installed ({e}): {INSTALL}", file=sys.stderr)
         return 2
-    from . import lm_eval as _backend  # noqa: F401  (registers "pyllamacpp")
+    from ..evaluation import lm_eval as _backend  # noqa: F401  (registers "pyllamacpp")
 
     saved = sys.argv
     sys.argv = lm_eval_argv(args.args)

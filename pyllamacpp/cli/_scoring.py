@@ -10,16 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .experiments.common import add_model_path_flag
+from .flags import add_cache_and_thread_flags, add_model_path_flag
 
 _MODES = ("hellaswag", "winogrande", "multiple_choice")
 
 
 def add_parser(sub: Any) -> None:
-    """Add the ``perplexity`` subcommand to ``sub`` (cli.py's subparsers)."""
+    """Add the ``perplexity`` subcommand to ``sub`` (the ``pyllamacpp`` parser's subparsers)."""
     import argparse
-
-    from .experiments.common import add_cache_and_thread_flags
 
     p = sub.add_parser(
         "perplexity",
@@ -115,8 +113,8 @@ def _isatty(f: Any) -> bool:
 def _cmd_perplexity(args: Any) -> int:
     import json
 
-    from .model import Model
-    from .scoring import KL_HEADER, BaseLogits, _kl_row, kl_divergence, perplexity, sample_text_path
+    from ..model import Model
+    from ..scoring import KL_HEADER, BaseLogits, _kl_row, kl_divergence, perplexity, sample_text_path
 
     kw = dict(
         n_ubatch=args.ubatch_size,
@@ -194,9 +192,9 @@ def _cmd_multiple_choice(args: Any, mode: str, kw: dict, say: Any) -> int:
     import dataclasses
     import json
 
-    from .evaluation import _mc_data
-    from .evaluation.llama_perplexity import hellaswag, multiple_choice, winogrande
-    from .model import Model
+    from ..evaluation import _mc_data
+    from ..evaluation.llama_perplexity import hellaswag, multiple_choice, winogrande
+    from ..model import Model
 
     flag = mode.replace("_", "-")
     n_tasks = getattr(args, f"{mode}_tasks")

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._state import parse
+from ..state import parse
 
 
 def _heads_kwargs(args) -> dict:
