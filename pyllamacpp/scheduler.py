@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from . import packing
 from ._lib import lib
 from .batch import Batch
 from .errors import DecodeAborted, KVCacheFullError
@@ -323,7 +324,7 @@ class Scheduler:
         self._n_vocab = self.model.n_vocab
         self._n_ctx_seq = ctx.n_ctx_seq
         self._batch = Batch(self.n_batch, 1, model=self.model)
-        self._batch._n_seq_id[:] = 1  # one seq id per token, in every slot, for good
+        self._order = packing.WorkOrder(self._batch)  # each step's batch
         # per sequence: how many tokens its cells hold (positions 0..n-1: the first n of its last
         # request's prompt + sampled tokens), that request, who runs in it, when it was last used
         self._n_held = [0] * n_seq
@@ -515,11 +516,11 @@ class Scheduler:
             self._admit()
         if not (self._gen or self._prefill):
             return events
-        batch = self._batch
+        order = self._order
         while True:
-            self._fill(batch)
+            self._fill(order)
             try:
-                self.ctx.decode(batch)
+                order.decode(self.ctx)
                 break
             except KVCacheFullError as e:
                 if e.__context__ is not None:
@@ -558,11 +559,9 @@ class Scheduler:
         return np.concatenate([r.prompt, np.asarray(r.tokens[: n - r.prompt.size], np.int32)])
 
     def _lcp(self, s: int, toks: np.ndarray) -> int:
+        """How many of ``toks`` sequence ``s`` holds, from its first position."""
         n = min(self._n_held[s], toks.size)
-        if n == 0:
-            return 0
-        d = np.flatnonzero(self._held(s, n) != toks[:n])
-        return int(d[0]) if d.size else n
+        return packing.common_prefix(self._held(s, n), toks) if n else 0  # a sequence never used has no owner
 
     def _drop(self, s: int) -> None:
         self.ctx.memory.seq_rm(s)
@@ -598,9 +597,7 @@ class Scheduler:
         n_max = r.prompt.size - 1
         held = max((min(self._lcp(s, r.prompt), n_max) for s in range(self.n_seq_max)), default=0)
         for p in self._prefill:
-            n = min(p.prompt.size, r.prompt.size)
-            d = np.flatnonzero(p.prompt[:n] != r.prompt[:n])
-            if min(int(d[0]) if d.size else n, n_max) >= held + self.defer_min_tokens:
+            if min(packing.common_prefix(p.prompt, r.prompt), n_max) >= held + self.defer_min_tokens:
                 return True
         return False
 
@@ -629,7 +626,7 @@ class Scheduler:
         else:
             if self._n_held[s]:
                 mem.seq_rm(s)
-            mem.seq_cp(src, s, 0, reuse)
+            packing.fork(self.ctx, src, (s,), 0, reuse)
         self._n_held[s], self._owner[s] = reuse, r  # what s holds is a prefix of r's prompt
         r.seq_id, r._s, r.n_prompt_reused, r._i = s, s, reuse, reuse
         r.reused_from = src if reuse else None
@@ -641,30 +638,26 @@ class Scheduler:
         self._running[s] = r
         self._prefill.append(r)
 
-    def _fill(self, batch: Batch) -> None:
-        # the pending tokens: sampled by llama.cpp from this vocabulary, seq ids of this context, so
-        # written through cffi without Batch.add's checks (one seq id per slot is set once)
-        p, n_held, i = batch._p, self._n_held, 0
-        token, pos, seq_id, logits = p.token, p.pos, p.seq_id, p.logits
+    def _fill(self, order: packing.WorkOrder) -> None:
+        """The step's work order: each generating request's pending token (and its drafted tokens),
+        every one with an output, then prompt chunks of the admitted requests in what is left.
+        A request's ``_out`` is the batch slot of its (first) row, as ``llama_sampler_sample`` takes it."""
+        order.clear()
+        # the pending tokens were sampled by llama.cpp from this vocabulary (drafts are checked by
+        # _draft), the seq ids are this context's: the order's unchecked per-token path
+        add, n_held = order.add_trusted, self._n_held
         slack = 0 if self._no_drafts else self.n_batch - len(self._gen)  # rows drafts may take
         for r in self._gen:
             s = r._s
-            token[i], pos[i], logits[i] = r._pending, n_held[s], 1
-            seq_id[i][0] = s
-            r._out = i
-            r._sptr = r.sampler.ptr  # a closed sampler raises here, before the decode changes anything
-            i += 1
-            if r.draft is not None:
+            r._sptr = r.sampler.ptr  # a closed sampler raises here, before a draft or the decode runs
+            if r.draft is None:
+                r._out = add((r._pending,), n_held[s], s, True)
+            else:
                 d = self._draft(r, slack) if slack > 0 else []
                 r._drafted = d
-                p0 = n_held[s] + 1
-                for j, t in enumerate(d):
-                    token[i], pos[i], logits[i] = t, p0 + j, 1
-                    seq_id[i][0] = s
-                    i += 1
+                r._out = add([r._pending, *d], n_held[s], s, True)
                 slack -= len(d)
-        p.n_tokens = i
-        budget = self.n_batch - i
+        budget = order.room
         for r in self._prefill:
             n = min(budget, r.prompt.size - r._i)
             r._chunk = n
@@ -673,8 +666,8 @@ class Scheduler:
             last = r._i + n == r.prompt.size
             if last:
                 r._sptr = r.sampler.ptr
-            sl = batch.add_sequence(r.prompt[r._i : r._i + n], r._s, r._i, logits="last" if last else "none")
-            r._out = sl.stop - 1
+            piece = order.add(r.prompt[r._i : r._i + n], r._s, r._i, "last" if last else "none")
+            r._out = piece.slots.stop - 1
             budget -= n
 
     def _draft(self, r: Request, slack: int) -> list[int]:
