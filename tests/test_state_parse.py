@@ -509,3 +509,25 @@ def test_layout_is_a_sequence_of_its_rows(runs):
     assert len(lay) == len(lay.rows) == 2 * N_LAYER
     assert list(lay) == list(lay.rows) and lay[0] is lay.rows[0] and lay[-1].kind == "V"
     assert sum(r.nbytes for r in lay) == lay.payload_bytes
+
+
+def test_n_layer_names_the_layer_count(model, runs, tmp_path):
+    # issue 36: len(st.k) worked and was documented nowhere; n_layer names it, for every layout
+    st = state.parse(runs("f16-fa")["seq"], n_head_kv=N_HEAD_KV)
+    assert st.n_layer == N_LAYER == len(st.k) == st.stream().n_layer
+    with context(model, kv_unified=False, n_seq_max=3) as ctx:
+        decode(ctx, PROMPT_TOKENS, seq_ids=(0,))
+        decode(ctx, PROMPT_TOKENS[:3], seq_ids=(1,))
+        whole, empty = context_dump(ctx), seq_dump(ctx, 2)
+    w = state.parse(whole, n_head_kv=N_HEAD_KV)
+    with pytest.raises(ValueError, match="streams"):
+        w.k  # a stream per sequence: k needs one picked, the count does not
+    assert w.n_layer == N_LAYER
+    assert state.parse(empty, n_head_kv=N_HEAD_KV).n_layer == 0  # no cells: no records written
+    for arch, kw, want in (
+        ("gemma2", dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_swa=4), 2),  # base + swa
+        ("mamba", dict(n_layer=2, n_embd=32), 2),  # recurrent: its R and S records per layer
+        ("lfm2", dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2), 4),  # attention + conv layers
+    ):
+        d = sh._synthetic(tmp_path, arch, **kw)
+        assert state.parse(d["one"], n_head_kv=d["n_head_kv"] or None).n_layer == want, arch

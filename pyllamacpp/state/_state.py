@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -290,6 +291,21 @@ class KVState:
     def layers(self) -> dict | None:
         """The layer map in use, ``{part: [il of each record]}``, or None (numbers are indices)."""
         return self.options.get("layers")
+
+    @property
+    def n_layer(self) -> int:
+        """Layers the dump holds memory for: each attention and recurrent part's layers (its
+        records of one kind in a stream: K, or R), added over the parts. For a plain KV cache
+        that is the model's ``llama_model_n_layer`` and ``len(state.k)``; iSWA's base and swa
+        layers, and a hybrid model's attention and recurrent layers, add up (a recurrent part's
+        own ``n_layer`` field is the model's, whatever it holds). 0 when no part wrote any record
+        (a KV cache with no cells writes none)."""
+        n = 0
+        for p in self.parts:
+            if p.kind in ("kv", "recurrent"):
+                per_kind = [Counter(r.kind for r in s.records) for s in p.streams]
+                n += max((max(c.values(), default=0) for c in per_kind), default=0)
+        return n
 
     # --- picking a part, a stream, a record ----------------------------------------------------------
     def part(self, name: str | None = None) -> MemoryPart:
