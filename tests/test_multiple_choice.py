@@ -443,6 +443,42 @@ def test_packing_and_pieces_of_n_batch_give_the_same_scores(model):
     assert with_ctx.report() == base.report()
 
 
+def test_each_decode_is_llama_perplexitys_batch_cut_every_n_batch(model, monkeypatch):
+    """hellaswag_score's batch, slot for slot: per task its endings' shared tokens once, carrying
+    every ending's seq id, a row at their last; then each ending's own tokens in its sequence, rows
+    but at its last; the tasks of a batch one after the other; cut every n_batch tokens, the memory
+    cleared between batches (8 sequences: tasks 0 and 1, then task 2)."""
+    seen: list[tuple] = []
+    decode = pl.Context.decode
+
+    def spy(ctx, batch, *args, **kwargs):
+        n = len(batch)
+        ids = [tuple(batch.seq_id[i, : batch.n_seq_id[i]].tolist()) for i in range(n)]
+        seen.append((batch.token.tolist(), batch.pos.tolist(), ids, batch.logits.astype(bool).tolist()))
+        return decode(ctx, batch, *args, **kwargs)
+
+    monkeypatch.setattr(pl.Context, "decode", spy)
+    r = mc.hellaswag(model, None, 3, n_parallel=8, n_batch=16, **ON)
+    tasks = mc.read_hellaswag(mc.sample_path("hellaswag"))
+    want: list[list[tuple]] = []
+    for group in ([0, 1], [2]):
+        slots: list[tuple] = []
+        for k, i in enumerate(group):
+            h = tasks[r.tasks[i].task]
+            seqs = [model.tokenize(h.context + " " + e, True, False).tolist() for e in h.endings]
+            cp = 0
+            while all(len(s) > cp and s[cp] == seqs[0][cp] for s in seqs):
+                cp += 1
+            ids = tuple(range(4 * k, 4 * k + 4))
+            slots += [(t, j, ids, j == cp - 1) for j, t in enumerate(seqs[0][:cp])]
+            for e, s in enumerate(seqs):
+                slots += [(s[j], j, (4 * k + e,), j < len(s) - 1) for j in range(cp, len(s))]
+        want += [slots[a : a + 16] for a in range(0, len(slots), 16)]
+    got = [list(zip(*b)) for b in seen]
+    assert [len(b) for b in got] == [len(b) for b in want]
+    assert got == want
+
+
 def test_wilson_interval_is_the_textbook_one():
     """hellaswag_score's interval, in its order of operations, is Wilson's 95% score interval:
     (p + z²/2n ± z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n). Counts away from 0 too: at 0 of n the

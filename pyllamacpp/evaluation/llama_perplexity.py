@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,7 @@ from ._mc_random import hellaswag_order, pick_without_replacement
 if TYPE_CHECKING:
     from ..context import Context
     from ..model import Model
+    from ..packing import Segment
 
 __all__ = [
     "hellaswag",
@@ -214,16 +215,11 @@ class _Prep:
         return 1 + sum(len(s) - self.cp - (0 if out_last else 1) for s in self.seqs)
 
 
-def _common_prefix(seqs: Sequence[np.ndarray]) -> int:
-    n = min(len(s) for s in seqs)
-    a = np.stack([s[:n] for s in seqs])
-    diff = np.flatnonzero((a != a[0]).any(axis=0))
-    return int(diff[0]) if diff.size else n
-
-
 def _prep(model: Model, texts: list[str], what: str) -> _Prep:
+    from ..packing import common_prefix  # lazy: the task readers here import without the extension
+
     seqs = [model.tokenize(t.encode("utf-8", "surrogateescape"), True, False) for t in texts]
-    cp = _common_prefix(seqs)
+    cp = common_prefix(*seqs)
     if cp == 0:
         raise ValueError(f"{what}: its endings share no token (llama-perplexity needs a shared first token)")
     for k, s in enumerate(seqs):
@@ -247,9 +243,9 @@ def _check_fits(preps: list[_Prep], n_ctx: int) -> None:
 def _context(
     model_or_ctx: Model | Context, n_ctx: int, n_batch: int, n_parallel: int, ctx_kwargs: dict
 ) -> tuple[Model, Context, bool]:
-    from ..scoring import _split
+    from ..packing import model_and_context
 
-    model, ctx = _split(model_or_ctx)
+    model, ctx = model_and_context(model_or_ctx)
     if ctx is not None:
         if ctx_kwargs:
             raise ValueError("context keywords are for a Model; this Context has its own")
@@ -302,29 +298,35 @@ def _groups(preps: list[_Prep], n_ctx: int, max_seq: int, per_task: int | None) 
     return out
 
 
-def _segments(preps: list[_Prep], i0: int, i1: int, out_last: bool):
-    """The batch of tasks ``[i0, i1)``: ``(tokens, seq_ids, first position, logits mask)`` pieces
-    in llama-perplexity's order."""
+def _segments(preps: list[_Prep], i0: int, i1: int, out_last: bool) -> list[Segment]:
+    """The batch of tasks ``[i0, i1)`` in llama-perplexity's order, each segment tagged with its
+    task: the endings' shared tokens once, in every ending's sequence, a row at their last; then
+    each ending's own tokens, rows where a next token is scored."""
+    from ..packing import Segment
+
+    segs = []
     s0 = 0
-    for p in preps[i0:i1]:
+    for i, p in enumerate(preps[i0:i1], i0):
         k = len(p.seqs)
-        mask = np.zeros(p.cp, bool)
-        mask[-1] = True
-        yield p.seqs[0][: p.cp], list(range(s0, s0 + k)), 0, mask
+        segs.append(Segment(p.seqs[0][: p.cp], tuple(range(s0, s0 + k)), 0, "last", tag=i))
         for s, seq in enumerate(p.seqs):
             rest = seq[p.cp :]
-            m = np.ones(rest.size, bool)
-            if not out_last:
+            if out_last:
+                segs.append(Segment(rest, s0 + s, p.cp, "all", tag=i))
+            else:
+                m = np.ones(rest.size, bool)
                 m[-1] = False  # its last token predicts nothing
-            yield rest, s0 + s, p.cp, m
+                segs.append(Segment(rest, s0 + s, p.cp, m, tag=i))
         s0 += k
+    return segs
 
 
 def _decode_groups(ctx, model, preps, groups, out_last: bool, finish, stats) -> None:
-    """Decode each group in pieces of ``n_batch`` tokens and call ``finish(i, rows)`` for each task
-    with its output rows (a view valid until the next decode, or a copy for a task that straddles
-    two pieces)."""
+    """Decode each group in work orders of ``n_batch`` tokens (:func:`pyllamacpp.packing.decode`)
+    and call ``finish(i, rows)`` for each task once its last row is out, with its output rows (a
+    view valid until the next decode, or a copy for a task that straddles two orders)."""
     from ..batch import Batch
+    from ..packing import decode
 
     n_batch = ctx.n_batch
     width = max(len(p.seqs) for p in preps)
@@ -332,46 +334,34 @@ def _decode_groups(ctx, model, preps, groups, out_last: bool, finish, stats) -> 
     try:
         for i0, i1 in groups:
             ctx.memory.clear()
-            rows_of = [preps[i].rows(out_last) for i in range(i0, i1)]
-            starts = np.concatenate([[0], np.cumsum(rows_of)])
+            left = {i: preps[i].rows(out_last) for i in range(i0, i1)}  # rows still to come, per task
             pending: dict[int, list[np.ndarray]] = {}
-            o0 = 0
-            pieces = list(_segments(preps, i0, i1, out_last))
-            k = 0
-            off = 0  # tokens of pieces[k] already in a batch
-            while k < len(pieces):
-                batch.clear()
-                room = n_batch
-                while k < len(pieces) and room > 0:
-                    toks, ids, pos0, mask = pieces[k]
-                    take = min(room, len(toks) - off)
-                    batch.add_sequence(toks[off : off + take], ids, pos0 + off, logits=mask[off : off + take])
-                    room -= take
-                    off += take
-                    if off == len(toks):
-                        k, off = k + 1, 0
-                ctx.decode(batch)
+            for order in decode(ctx, _segments(preps, i0, i1, out_last), batch=batch, n_batch=n_batch):
                 stats[0] += 1
-                stats[1] += len(batch)
-                n_out = batch.n_outputs
-                if n_out == 0:
+                stats[1] += len(order)
+                if order.n_outputs == 0:
                     continue
                 logits = ctx.logits_all()
-                o1 = o0 + n_out
-                for t in range(i1 - i0):
-                    r0, r1 = int(starts[t]), int(starts[t + 1])
-                    if r1 <= o0 or r0 >= o1:
+                pieces = order.pieces
+                k, n = 0, len(pieces)
+                while k < n:  # a task's pieces are consecutive, and so are their rows
+                    i, r0 = pieces[k].tag, pieces[k].rows.start
+                    while k + 1 < n and pieces[k + 1].tag == i:
+                        k += 1
+                    r1 = pieces[k].rows.stop
+                    k += 1
+                    if r1 == r0:
                         continue
-                    here = logits[max(r0, o0) - o0 : min(r1, o1) - o0]
-                    if r1 <= o1:  # the task's last row is here
-                        rows = np.concatenate([*pending.pop(t), here]) if t in pending else here
-                        finish(i0 + t, rows)
+                    here = logits[r0:r1]
+                    left[i] -= r1 - r0
+                    if left[i] == 0:  # the task's last row is here
+                        rows = np.concatenate([*pending.pop(i), here]) if i in pending else here
+                        finish(i, rows)
                         del rows
                     else:
-                        pending.setdefault(t, []).append(here.copy())
+                        pending.setdefault(i, []).append(here.copy())
                     del here
                 del logits
-                o0 = o1
     finally:
         batch.close()
 
