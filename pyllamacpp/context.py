@@ -77,15 +77,22 @@ def _loadavg() -> tuple[float, int] | None:
         return None
 
 
+_busy_cores_warned = False
+"""Whether this process has said :class:`BusyCoresWarning` already (it is said once)."""
+
+
 def _warn_if_cores_busy(params: ContextParams) -> None:
     """A :class:`BusyCoresWarning` when more than one thread would compute and the load average
     is at least the CPU count: ggml's threads meet at a barrier after every op, and one that waits
     for a core holds up the others (on the 2-core development machine at load 5.5, 2 threads
     decoded 16 tokens in 4.1-5.7 s, 1 thread in 0.8-1.0 s). A warning, not a log line: the
-    package's logger has no handler unless the application adds one, and this must be seen."""
+    package's logger has no handler unless the application adds one, and this must be seen. Once
+    per process: a script that makes six contexts needs to read it once, not six times."""
+    global _busy_cores_warned
     n = max(params.n_threads, params.n_threads_batch)
-    load = _loadavg() if n > 1 else None
+    load = _loadavg() if n > 1 and not _busy_cores_warned else None
     if load is not None and load[0] >= load[1]:
+        _busy_cores_warned = True
         import os
         import sys
         import types
@@ -148,8 +155,9 @@ class Context(StateMethods, Owner):
     Defaults that differ from ``llama_context_default_params()``: ``n_ctx`` not given (None) is
     ``min(model.n_ctx_train, 4096)`` (``n_ctx=0`` is llama.cpp's "all of ``n_ctx_train``"), and
     ``n_threads`` / ``n_threads_batch`` are the physical core count
-    (:func:`pyllamacpp.params.default_n_threads`). ``self.params`` holds the values asked for,
-    with ``n_ctx`` resolved.
+    (:func:`pyllamacpp.params.default_n_threads`). A keyword ``n_threads`` without a keyword
+    ``n_threads_batch`` sets both (``n_threads=1`` means one thread, for prompts too).
+    ``self.params`` holds the values asked for, with ``n_ctx`` resolved.
 
     With ``handle_sigint`` (the default), Ctrl-C during a decode on the main thread stops it
     through the abort callback and raises :class:`DecodeInterrupted` (a KeyboardInterrupt); the
@@ -178,6 +186,8 @@ class Context(StateMethods, Owner):
         **kwargs: Any,
     ) -> None:
         self.model = model
+        if "n_threads" in kwargs and "n_threads_batch" not in kwargs:  # one thread count asked: both
+            kwargs["n_threads_batch"] = kwargs["n_threads"]
         self.params = context_params(params, **kwargs)
         if self.params.n_ctx is None:  # the default: what the model was trained for, capped
             self.params = dataclasses.replace(self.params, n_ctx=default_n_ctx(model.n_ctx_train))

@@ -353,6 +353,21 @@ def test_default_context_fits_the_model_and_the_machine(model):
         assert ctx.n_ctx == model.n_ctx_train and ctx.n_threads == 1
 
 
+def test_n_threads_sets_n_threads_batch_unless_it_is_given(model):
+    # issue 36: model.context(n_threads=1) left n_threads_batch at the core count
+    from pyllamacpp.params import default_n_threads
+
+    with model.context(n_ctx=64, n_threads=1) as ctx:
+        assert ctx.params.n_threads_batch == 1 == lib.llama_n_threads_batch(ctx.ptr) == lib.llama_n_threads(ctx.ptr)
+    with pl.Context(model, n_ctx=64, n_threads=1, n_threads_batch=2) as ctx:  # given: kept
+        assert (ctx.params.n_threads, ctx.params.n_threads_batch) == (1, 2)
+        assert (lib.llama_n_threads(ctx.ptr), lib.llama_n_threads_batch(ctx.ptr)) == (1, 2)
+    with model.context(pl.ContextParams(n_ctx=64, n_threads_batch=2), n_threads=1) as ctx:  # a keyword sets both
+        assert (ctx.params.n_threads, ctx.params.n_threads_batch) == (1, 1)
+    with model.context(pl.ContextParams(n_ctx=64, n_threads=1)) as ctx:  # a ContextParams keeps its fields
+        assert ctx.params.n_threads_batch == default_n_threads()
+
+
 def test_gil_is_released_during_decode(model):
     toks = np.resize(model.tokenize(PROMPT), 512)
     ticks = []

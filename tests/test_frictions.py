@@ -191,6 +191,7 @@ def load(monkeypatch):
 
     def set_load(avg: float | None, cpus: int = 2) -> None:
         monkeypatch.setattr(context_module, "_loadavg", lambda: None if avg is None else (avg, cpus))
+        monkeypatch.setattr(context_module, "_busy_cores_warned", False)  # said once per process
 
     return set_load
 
@@ -210,6 +211,18 @@ def test_busy_cores_warn_at_context_creation(model, load):
     with warnings.catch_warnings():  # one thread waits for nobody
         warnings.simplefilter("error", BusyCoresWarning)
         model.context(n_ctx=256, n_threads=1, n_threads_batch=1).close()
+
+
+def test_busy_cores_warn_once_per_process(model, load):
+    # issue 36: the getting-started script made six contexts and read the warning six times
+    load(5.5, 2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")  # not Python's once-per-line: three lines would warn three times
+        model.context(n_ctx=256, n_threads=2).close()
+        model.context(n_ctx=128, n_threads=2).close()
+        with model.context(n_ctx=64, n_threads=2):
+            pass
+    assert [type(x.message) for x in w] == [BusyCoresWarning], [str(x.message) for x in w]
 
 
 def test_the_command_says_the_warning_without_a_file_path():
