@@ -504,28 +504,32 @@ def test_kvprobe_loads_a_seq_file_too(model, tmp_path, capsys):
 def test_experiments_import_only_the_shared_modules_and_the_package():
     """No experiment reaches into another's module: relative imports inside
     ``pyllamacpp.experiments`` name only the shared ``common`` and ``ubatch_plan`` (splits
-    re-exports the planner's names for older code, which is its only import of them), and a
-    command's own private parts, ``_<command>_<part>`` (mask.py and ``_mask_rule``, ``_mask_run``,
-    ``_mask_report``); every module is a file (no subpackage escapes the walk)."""
+    re-exports the planner's names for older code, which is its only import of them); a command
+    with parts is a subpackage (``mask/``: ``__init__`` and ``_rule``, ``_run``, ``_report``) whose
+    files also import their own package's parts. The walk reads every file of the folder and of
+    each such subpackage (no deeper subpackage escapes it)."""
     import ast
     import pkgutil
-    import re
+    from pathlib import Path
 
     import pyllamacpp.experiments as ex
 
     shared = {"common", "ubatch_plan"}
-    found = {}
+    root = Path(ex.__path__[0])
+    files = {}  # module -> (file, the import level that names pyllamacpp.experiments from it)
     for m in pkgutil.iter_modules(ex.__path__):
-        assert not m.ispkg, f"{m.name}: a subpackage of pyllamacpp.experiments (this walk reads files only)"
-        own = m.name.lstrip("_").split("_")[0] if m.name.startswith("_") else m.name  # _mask_run: mask's
-        path = f"{ex.__path__[0]}/{m.name}.py"
-        with open(path) as f:
-            tree = ast.parse(f.read())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                name = node.module or ""
-                if name not in shared and not re.fullmatch(rf"_{own}_\w+", name):
-                    found.setdefault(m.name, []).append(node.module or ", ".join(a.name for a in node.names))
+        if not m.ispkg:
+            files[m.name] = (root / f"{m.name}.py", 1)
+            continue
+        files[m.name] = (root / m.name / "__init__.py", 2)
+        for part in pkgutil.iter_modules([str(root / m.name)]):
+            assert not part.ispkg, f"{m.name}.{part.name}: a subpackage of an experiment (this walk reads one level)"
+            files[f"{m.name}.{part.name}"] = (root / m.name / f"{part.name}.py", 2)
+    found = {}
+    for name, (path, level) in files.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == level and (node.module or "") not in shared:
+                found.setdefault(name, []).append(node.module or ", ".join(a.name for a in node.names))
     assert not found, found
 
 

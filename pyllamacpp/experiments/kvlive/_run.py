@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._kvlive_compare import compare_seq, memory_order
-from ._kvlive_watch import watch
+from ._compare import compare_seq, memory_order
+from ._watch import watch
 
 if TYPE_CHECKING:
-    from ..model import Model
+    from ...model import Model
 
 
 def schedule(model: Model, prompts: Sequence[str]) -> list[tuple[int, np.ndarray, int]]:
@@ -69,7 +69,7 @@ def run_mode(
     """
     if layout not in ("unified", "split") or flash_attn not in ("on", "off"):
         raise ValueError(f"kv-live: a mode is unified|split:on|off, got {layout}:{flash_attn}")
-    from ..batch import Batch
+    from ...batch import Batch
 
     calls = schedule(model, prompts)
     n_seq = len(prompts)

@@ -24,11 +24,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ._kvlive_compare import compare, compare_seq, memory_order
-from ._kvlive_report import plot, print_report
-from ._kvlive_run import run_mode, schedule
-from ._kvlive_watch import KVTensor, KVWatch, watch
-from .common import Command, Interrupted, add_context_flags, add_model_path_flag, load_model, progress
+from ..common import Command, Interrupted, add_context_flags, add_model_path_flag, load_model, progress
+from ._compare import compare, compare_seq, memory_order
+from ._report import plot, print_report
+from ._run import run_mode, schedule
+from ._watch import KVTensor, KVWatch, watch
 
 __all__ = [
     "KVTensor",

@@ -1,6 +1,6 @@
 """The decode ``pyllamacpp mask`` checks: the batch described, decoded with taps on the KQ masks
 and the cell indices; the cells before it, from a whole-context state dump; each captured mask
-checked against the rule (``_mask_rule``), and the facts the report states.
+checked against the rule (``_rule``), and the facts the report states.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._mask_rule import (
+from ..common import progress, prompt_tokens
+from ..ubatch_plan import N_PAD, layout_rows, pad
+from ._rule import (
     GRID_CHARS,
     KEEP,
     OTHER_SEQ,
@@ -23,11 +25,9 @@ from ._mask_rule import (
     check_mask,
     engine_seq_order,
 )
-from .common import progress, prompt_tokens
-from .ubatch_plan import N_PAD, layout_rows, pad
 
 if TYPE_CHECKING:
-    from ..model import Model
+    from ...model import Model
 
 # models/<arch>.cpp set hparams.swa_type; the other SWA archs are LLAMA_SWA_TYPE_STANDARD
 _ARCH_SWA_TYPE = {"llama4": "chunked", "gemma-embedding": "symmetric", "modern-bert": "symmetric"}
@@ -55,7 +55,7 @@ def _parts_by_first_use(graph, model: Model, leaf: str) -> dict[int, str]:
     name (``kq_soft_max-3``) or, for an unnamed one (``FLASH_ATTN_EXT``, the ``SET_ROWS`` into
     ``cache_k_l3``), in its sources' names; the layer's cache from pyllamacpp.state's layer map.
     """
-    from ..state import model_facts
+    from ...state import model_facts
 
     if sum(1 for i in graph.inputs if i.name == leaf) == 1:
         return {0: "kv"}
@@ -181,9 +181,9 @@ def run_mask(
             streams), or a model without a KQ mask (recurrent memory).
         DecodeError: llama.cpp refused a decode.
     """
-    from ..batch import Batch
-    from ..context import Context
-    from ..state import parse
+    from ...batch import Batch
+    from ...context import Context
+    from ...state import parse
 
     n_seqs = len(tokens)
     past = list(past)
@@ -237,7 +237,7 @@ def run_mask(
         }
     out = _check_records(cap.records, masks, parts, kparts, cells, unified, model, problems)
     if any(not e["layers"] for e in out["masks"]):  # flash attention: the readers are unnamed
-        from ..state import model_facts
+        from ...state import model_facts
 
         by_part = model_facts(model).get("layers") or {}
         for e in out["masks"]:

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from ._kvlive_compare import _ranges
+from ._compare import _ranges
 
 
 def print_report(data: dict, *, all_tensors: bool = False) -> None:
@@ -19,7 +19,7 @@ def print_report(data: dict, *, all_tensors: bool = False) -> None:
         data: What :func:`run` returned.
         all_tensors: List every tensor (otherwise the first six and the last two).
     """
-    from .common import print_table
+    from ..common import print_table
 
     print(f"model {data['model']}; prompts: " + "; ".join(f"seq {i}: {p!r}" for i, p in enumerate(data["prompts"])))
     for m in data["modes"]:
@@ -101,7 +101,7 @@ def plot(data: dict, path: str | os.PathLike) -> None:
     """
     from matplotlib.patches import ConnectionPatch
 
-    from .common import figure
+    from ..common import figure
 
     m = data["modes"][0]
     seq = m["seqs"][0]

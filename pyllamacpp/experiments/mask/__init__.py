@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 
-from ._mask_report import grid_text, plot, print_report
-from ._mask_rule import (
+from ..common import Command, add_model_flags, context_kwargs, run_on_model
+from ..ubatch_plan import PlanError, add_plan_flags, per_seq, shape_from_args
+from ._report import grid_text, plot, print_report
+from ._rule import (
     EMPTY,
     FUTURE,
     GRID_CHARS,
@@ -48,9 +50,7 @@ from ._mask_rule import (
     is_masked_swa,
     mask_rule,
 )
-from ._mask_run import batch_rows, run_mask
-from .common import Command, add_model_flags, context_kwargs, run_on_model
-from .ubatch_plan import PlanError, add_plan_flags, per_seq, shape_from_args
+from ._run import batch_rows, run_mask
 
 __all__ = [
     "KEEP",

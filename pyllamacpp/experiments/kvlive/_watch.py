@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..context import Context
+    from ...context import Context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,14 +97,14 @@ class KVTensor:
             return cols[:n, idx, :]
         rows = per_stream.reshape(self.kv_size, int(self.nb[1]))
         if n_embd is not None:
-            from .._lib import lib
+            from ..._lib import lib
 
             return rows[idx, : int(lib.ggml_row_size(_type_id(self.type), int(n_embd)))]
         return rows[idx]
 
 
 def _type_id(name: str) -> int:
-    from .._lib import ffi, lib
+    from ..._lib import ffi, lib
 
     for t in range(lib.GGML_TYPE_COUNT):
         p = lib.ggml_type_name(t)
@@ -203,8 +203,8 @@ class KVWatch:
             last[r.name] = r
         if not last:
             raise ValueError("kv-live: no forward pass ran inside the with block")
-        from .._handle import view
-        from .._lib import ffi, lib
+        from ..._handle import view
+        from ..._lib import ffi, lib
 
         v_trans = not self.ctx.flash_attn
         out = []
@@ -285,7 +285,7 @@ def watch(ctx: Context) -> KVWatch:
 
 
 def _check_plain_kv(ctx: Context) -> None:
-    from .._lib import lib
+    from ..._lib import lib
 
     if not ctx._plain_kv:
         raise ValueError(

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._kvlive_watch import KVTensor, KVWatch
+from ._watch import KVTensor, KVWatch
 
 if TYPE_CHECKING:
-    from ..context import Context
-    from ..state import KVState
+    from ...context import Context
+    from ...state import KVState
 
 
 def memory_order(tensors: Sequence[KVTensor]) -> dict:
@@ -143,7 +143,7 @@ def compare_seq(ctx: Context, w: KVWatch, seq_id: int, *, dump: np.ndarray | Non
             (positions, or count): a memory op moved them since (then the watch cannot say where
             the sequence is), or no row of it was written while watching.
     """
-    from .. import state as st
+    from ... import state as st
 
     blob = ctx.seq_state(seq_id).data if dump is None else dump
     parsed = st.parse(blob, model=ctx.model)

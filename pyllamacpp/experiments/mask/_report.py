@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._mask_rule import GRID_CHARS, PADDING, RULES, _seqs
-from .common import figure, print_table
+from ..common import figure, print_table
+from ._rule import GRID_CHARS, PADDING, RULES, _seqs
 
 _TEXT_ROWS, _TEXT_COLS = 48, 48  # the text grid is printed up to this size; -o draws any size
 
