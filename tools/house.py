@@ -62,6 +62,7 @@ class Layer:
 
     modules: list[str]
     independent: bool
+    label: str = ""  # the comment line above it in pyproject.toml
 
 
 @dataclass
@@ -125,7 +126,9 @@ def load_contracts(pyproject: Path = HERE / "pyproject.toml") -> dict[str, Contr
 
         layers = [Layer(list(spec["modules"]), True)] if spec["type"] == "independence" else []
         for raw in reversed(spec.get("layers", [])):  # import-linter lists the top layer first
-            layers.append(Layer([full(p) for p in re.split(r"[|:]", raw)], ":" not in raw))
+            said = re.search(r"#[ \t]*(.*)\n[ \t]*" + re.escape(f'"{raw}"'), text)
+            label = said.group(1).strip() if said else ""
+            layers.append(Layer([full(p) for p in re.split(r"[|:]", raw)], ":" not in raw, label))
         exceptions = []
         for line in spec.get("ignore_imports", []):
             a, b = (s.strip() for s in line.split("->"))
@@ -134,9 +137,11 @@ def load_contracts(pyproject: Path = HERE / "pyproject.toml") -> dict[str, Contr
     return out
 
 
-def _only_this_copy(tree: Path) -> None:
-    # An editable install puts a finder before sys.path that would hand grimp another checkout's
-    # package: put ``tree`` first on the path, then drop every finder that places the package elsewhere.
+def build_graph(tree: Path = HERE) -> grimp.ImportGraph:
+    """The package's import graph in ``tree``, every import counted (lazy and type-only too)."""
+    # grimp finds the package by its import spec: let that be ``tree``'s copy for the call, whatever
+    # an editable install's finder (before sys.path) or an earlier import says, then put all back.
+    saved = sys.path[:], sys.meta_path[:], sys.modules.pop(PACKAGE, None)
     sys.path.insert(0, str(tree))
     keep = []
     for finder in sys.meta_path:
@@ -148,16 +153,12 @@ def _only_this_copy(tree: Path) -> None:
         if spec is None or origin.resolve().is_relative_to(tree.resolve()):
             keep.append(finder)
     sys.meta_path[:] = keep
-
-
-def build_graph(tree: Path = HERE) -> grimp.ImportGraph:
-    """The package's import graph in ``tree``, every import counted (lazy and type-only too)."""
-    loaded = sys.modules.get(PACKAGE)
-    if loaded is None:
-        _only_this_copy(tree)
-    elif not Path(loaded.__file__ or "").resolve().is_relative_to(tree.resolve()):
-        raise RuntimeError(f"{PACKAGE} is already imported from elsewhere than {tree}")
-    return grimp.build_graph(PACKAGE, cache_dir=None)
+    try:
+        return grimp.build_graph(PACKAGE, cache_dir=None)
+    finally:
+        sys.path[:], sys.meta_path[:] = saved[0], saved[1]
+        if saved[2] is not None:
+            sys.modules[PACKAGE] = saved[2]
 
 
 def _is_type_checking(test: ast.expr) -> bool:
