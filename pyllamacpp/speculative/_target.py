@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..batch import Batch
+from ..packing import WorkOrder
 from ._checkpoint import _Rollback
 
 if TYPE_CHECKING:
@@ -26,25 +27,18 @@ class _Target:
         self.rb = _Rollback(ctx, seq_id)
         self.replay: list[int] = []
         self.since: list[int] = []  # tokens decoded after the checkpoint (positions rb.base ...)
-        self.batch = b = Batch(ctx.n_batch, 1, model=ctx.model)
-        b._n_seq_id[:] = 1  # one sequence, in every slot, for good
-        b._seq[:, 0] = seq_id
+        self.order = WorkOrder(Batch(ctx.n_batch, 1, model=ctx.model))
         self.out0 = 0  # the batch index of the row of the last token
 
-    def _fill(self, quiet: list[int], rows: list[int], pos: int) -> None:
-        """The batch: ``quiet`` (no logits) then ``rows`` (logits), from position ``pos``. Written
-        through cffi: after a decode numpy's calls cost tens of µs each with the caches it left
-        cold, more than a round's Python otherwise (the tokens are checked by then)."""
-        p = self.batch._p
-        token, bpos, logits = p.token, p.pos, p.logits
-        i = 0
-        for t in quiet:
-            token[i], bpos[i], logits[i] = t, pos + i, 0
-            i += 1
-        for t in rows:
-            token[i], bpos[i], logits[i] = t, pos + i, 1
-            i += 1
-        p.n_tokens = i
+    def _fill(self, quiet: list[int], rows: list[int], pos: int) -> int:
+        """The work order: ``quiet`` (no logits) then ``rows`` (logits), from position ``pos``;
+        returns the batch index of the first row. Through the order's unchecked path (the tokens
+        are checked by then): after a decode numpy's calls cost tens of µs each with the caches it
+        left cold, more than a round's Python otherwise."""
+        o = self.order
+        o.clear()
+        o.add_trusted(quiet, pos, self.seq, False)
+        return o.add_trusted(rows, pos + len(quiet), self.seq, True)
 
     def verify(self, id_last: int, draft: list[int]) -> None:
         rb, st, r = self.rb, self.st, self.replay
@@ -58,16 +52,16 @@ class _Target:
                 rb.base = -1  # a round without a draft keeps its one row: nothing to restore to
             st.t_rollback += time.perf_counter() - t
         rows = [id_last, *draft]
-        self._fill(r, rows, self.end - len(r))
+        out0 = self._fill(r, rows, self.end - len(r))
         p0 = self.passes.n_passes if self.passes is not None else 0
         t = time.perf_counter()
-        self.ctx.decode(self.batch)  # KVCacheFullError: nothing of the batch reached memory
+        self.order.decode(self.ctx)  # KVCacheFullError: nothing of the batch reached memory
         st.t_target += time.perf_counter() - t
         if self.passes is not None:
             st.verify_passes.append(self.passes.n_passes - p0)
         st.verify_rows.append(len(r) + len(rows))
         st.n_replayed += len(r)
-        self.out0 = len(r)
+        self.out0 = out0
         if rb.base >= 0:
             self.since += r
             self.since += rows
@@ -101,7 +95,7 @@ class _Target:
         self._fill(r, [], self.end - len(r))
         p0 = self.passes.n_passes if self.passes is not None else 0
         t = time.perf_counter()
-        self.ctx.decode(self.batch)
+        self.order.decode(self.ctx)
         self.st.t_target += time.perf_counter() - t
         if self.passes is not None:
             self.st.n_replay_passes += self.passes.n_passes - p0
