@@ -75,6 +75,11 @@ def layer_counts():
     return contract, members, between, inside, exceptions
 
 
+def _apex(span: int) -> float:
+    # how far right of the boxes an arc over ``span`` layers reaches (inches): each span its own lane
+    return 0.3 + 0.32 * span
+
+
 def figure(fmt: str = "svg") -> bytes:
     """The layer figure, as SVG (or another format matplotlib writes)."""
     import matplotlib
@@ -94,7 +99,7 @@ def figure(fmt: str = "svg") -> bytes:
     heights = [0.55 + 0.17 * (len(mods) + len(note)) for _, mods, note in texts]
     bottoms = [sum(heights[:i]) + gap * i for i in range(n)]
     top = bottoms[-1] + heights[-1]
-    reach = max((0.5 * (0.55 + 0.04 * (a - b)) * (a - b) * (top / n) for a, b in between), default=1.0)
+    reach = max((_apex(a - b) for a, b in between), default=1.0)
     right = x1 + reach + 0.3
     fig, ax = plt.subplots(figsize=(right + 0.6, top + 1.0))
     ax.set_xlim(0, right + 0.6)
@@ -132,16 +137,15 @@ def figure(fmt: str = "svg") -> bytes:
         out_of[a] += 1
         into[b] += 1
         count, colour = between[(a, b)], edges[a % len(edges)]
-        rad = 0.55 + 0.04 * (a - b)
+        rad = 2 * _apex(a - b) / (ya - yb)  # arc3 bends by rad * the chord; its middle lies half that out
         ax.add_patch(
             FancyArrowPatch(
                 (x1, ya), (x1 + 0.02, yb), connectionstyle=f"arc3,rad={-rad}", arrowstyle="-|>",
                 mutation_scale=9, color=colour, lw=0.7 + 0.3 * count**0.5, alpha=0.9,
             )
         )  # fmt: skip
-        # a quadratic Bezier's middle is half the control point's offset away from the chord's middle
         ax.text(
-            x1 + 0.5 * rad * (ya - yb), (ya + yb) / 2, str(count), ha="center", va="center", fontsize=7.5,
+            x1 + _apex(a - b), (ya + yb) / 2, str(count), ha="center", va="center", fontsize=7.5,
             color=colour, bbox={"boxstyle": "round,pad=0.12", "fc": "white", "ec": colour, "lw": 0.6},
         )  # fmt: skip
 
