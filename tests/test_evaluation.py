@@ -5,7 +5,9 @@ lm-eval is installed, the lm-evaluation-harness backend run by lm-eval itself on
 
 from __future__ import annotations
 
+import io
 import signal
+import sys
 
 import numpy as np
 import pytest
@@ -287,6 +289,10 @@ def test_ctrl_c_keeps_what_was_scored(model, sigint_raises):
         for i in done:
             assert np.array_equal(part[i].logprobs, full[i].logprobs)
         assert all(ctx.memory.seq_pos_max(s) == -1 for s in range(3))
+        # issue 36: the part has the run's counts so far, as the whole has them
+        counts = part.summary()
+        assert counts.keys() == full.summary().keys() and counts["n_requests"] == len(reqs)
+        assert 0 < counts["n_decoded"] < full.n_decoded and counts["n_decodes"] == 3 and counts["seconds"] > 0
 
 
 def test_progress_bar_on_stderr(model, capsys):
@@ -295,6 +301,31 @@ def test_progress_bar_on_stderr(model, capsys):
     assert "loglikelihood" in capsys.readouterr().err
     pl.loglikelihood(model, reqs, **T)  # a short list: no bar
     assert capsys.readouterr().err == ""
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_by_tokens_for_one_long_request(model, monkeypatch):
+    # issue 36: one 5,000-token request ran two minutes without a line; the bar counts tokens
+    from pyllamacpp.evaluation import _engine
+
+    monkeypatch.setattr(_engine, "_PROGRESS_TOKENS", 100)  # the threshold, small for the test
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    ctx_text = " ".join(["one two three four five six seven eight nine ten"] * 12)
+    with model.context(n_ctx=256, n_batch=16, n_ubatch=16, n_seq_max=2, kv_unified=True, **T) as ctx:
+        res = pl.loglikelihood(ctx, [(ctx_text, " eleven")])  # one request, on a terminal: a bar
+        assert "decode" not in vars(ctx)  # the bar's hook on ctx.decode is gone after the call
+    text = err.getvalue()
+    assert "loglikelihood" in text and "tok" in text and "1 requests" in text, text
+    assert res.n_decodes > 1  # many decodes: the bar moved while the one request was decoded
+    short = _Terminal()
+    monkeypatch.setattr(sys, "stderr", short)
+    pl.loglikelihood(model, [("The sky is", " blue")], **T)  # a few tokens: no bar
+    assert short.getvalue() == ""
 
 
 EMPTY = ("", " Paris")
@@ -539,6 +570,36 @@ def test_lm_eval_generate_until_sizes_its_context_to_the_requests(model, monkeyp
     assert kw["n_seq_max"] == 3 and kw["n_ctx"] == 3 * (longest + 5) and kw["kv_unified"] is True
 
 
+def test_lm_eval_says_what_the_trie_saved(model):
+    # issue 36: at the end of an lm-eval run, the tokens decoded against request by request
+    import logging
+
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("lm_eval.models.pyllamacpp")  # under lm-eval's logger: its CLI prints it
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        lm = PyllamacppLM(model=model, n_ctx=256, n_threads=1)
+        reqs = [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=i) for i, r in enumerate(few_shot())]
+        lm.loglikelihood(reqs)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    s = lm.last_stats
+    (line,) = lines
+    assert line.startswith(f"pyllamacpp loglikelihood: {s['n_requests']} requests ({s['n_unique']} distinct), ")
+    assert f"{s['n_decoded']:,} tokens decoded where request by request would decode {s['n_unshared']:,} (" in line
+    assert f"({s['n_unshared'] / s['n_decoded']:.1f}x fewer), in {s['n_decodes']} decodes" in line
+
+
 def test_lm_eval_generate_until_keeps_a_long_prompts_last_tokens(model, monkeypatch):
     # issue 36, section 2: a prompt longer than n_ctx - max_gen_toks keeps its end (the question), not its start
     pytest.importorskip("lm_eval")
@@ -584,7 +645,7 @@ def test_lm_eval_by_name_and_from_the_command_line(model_path, tmp_path, offline
     from lm_eval.api.registry import get_model
 
     from pyllamacpp import cli
-    from pyllamacpp.cli._lm_eval import lm_eval_argv
+    from pyllamacpp.evaluation._cli import lm_eval_argv
     from pyllamacpp.evaluation.lm_eval import PyllamacppLM
 
     assert get_model("pyllamacpp") is PyllamacppLM

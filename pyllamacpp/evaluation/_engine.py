@@ -58,10 +58,11 @@ alone or among others; a model without BOS refuses it (ValueError naming the req
 given as token ids are used as they are (an empty token context is refused: give BOS yourself).
 
 Ctrl-C: the KeyboardInterrupt (a :class:`~pyllamacpp.errors.DecodeInterrupted` when it stopped a
-decode) propagates as it is, with ``results`` attached: the list of the requests' results so far,
-None where a request was not scored yet (as ``Context.prefill`` attaches ``resume_from``). Not a
-return: a caller that computes a metric from what it gets back must not get a part of it by
-accident, and a Ctrl-C must still stop a script; one that wants the part catches it.
+decode) propagates as it is, with ``results`` attached (as ``Context.prefill`` attaches
+``resume_from``): a :class:`Loglikelihoods` of the requests' results so far, None where a request
+was not scored yet, with the counts so far (``summary()``). Not a return: a caller that computes
+a metric from what it gets back must not get a part of it by accident, and a Ctrl-C must still
+stop a script; one that wants the part catches it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ __all__ = ["Loglikelihood", "Loglikelihoods", "loglikelihood", "encode_pair"]
 
 _PROGRESS_MIN = 100
 """With ``progress=None``, a bar for lists of at least this many requests (on a terminal)."""
+_PROGRESS_TOKENS = 2048
+"""... or for work of at least this many tokens to decode (one long request takes minutes too)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -755,8 +758,8 @@ def loglikelihood(
             context gets one more, the graveyard).
         n_threads: ``n_threads`` and ``n_threads_batch`` of the context made (default: the
             physical cores).
-        progress: A tqdm bar on stderr over the requests (None: for at least 100 requests, when
-            stderr is a terminal).
+        progress: A tqdm bar on stderr over the tokens to decode, the requests scored beside it
+            (None: for at least 100 requests or 2,048 tokens, when stderr is a terminal).
         parse_special: ``llama_tokenize``'s ``parse_special`` for text requests.
         **ctx_kwargs: Other fields of :class:`ContextParams` for the context made (``flash_attn``,
             ``type_k``...).
@@ -772,7 +775,8 @@ def loglikelihood(
             than ``n_ctx`` (by how many tokens), context keywords with a Context, or a model whose
             memory cannot be cut at a position (recurrent, hybrid, sliding window).
         KeyboardInterrupt: Ctrl-C (:class:`DecodeInterrupted` during a decode), with ``results``:
-            the list so far, None for the requests not scored.
+            a :class:`Loglikelihoods` of what was scored, None for the requests not scored, and
+            the run's counts so far (``summary()``).
         DecodeError: A decode failed.
     """
     from ..context import Context
@@ -865,14 +869,24 @@ def loglikelihood(
         at_node.setdefault(id(e), []).append(k)
     mult = np.bincount(np.asarray(which, np.int64), minlength=len(uniq)) if which else np.zeros(0, np.int64)
     done: list[Loglikelihood | None] = [None] * len(uniq)
-    show = progress if progress is not None else (len(prepared) >= _PROGRESS_MIN and sys.stderr.isatty())
-    bar = None
+    n_feed = _trie_tokens(root)
+    big = len(prepared) >= _PROGRESS_MIN or n_feed >= _PROGRESS_TOKENS
+    show = progress if progress is not None else (big and sys.stderr.isatty())
+    bar: Any = None
+    n_done = 0  # requests scored (duplicates counted)
     if show:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(prepared), desc="loglikelihood", unit="req", file=sys.stderr, leave=False)
+        # by tokens, the work itself (one request may be thousands), with the requests scored beside
+        bar = tqdm(total=n_feed, desc="loglikelihood", unit="tok", unit_scale=True, file=sys.stderr, leave=False)
+        bar.set_postfix_str(f"0/{len(prepared)} requests", refresh=False)
+
+    def tick() -> None:
+        # tokens decoded for the first time (a node decoded again in a new epoch is no new work)
+        bar.update(out.n_decoded - out.n_redecoded - bar.n)
 
     def scored(node: _Node) -> None:
+        nonlocal n_done
         n = 0
         for k in at_node.get(id(node), ()):
             if done[k] is None:
@@ -880,9 +894,20 @@ def loglikelihood(
                 done[k] = _result(seq, c, ends[k], nb)
                 if done[k] is not None:
                     n += int(mult[k])
+        n_done += n
         if bar is not None and n:
-            bar.update(n)
+            bar.set_postfix_str(f"{n_done}/{len(prepared)} requests", refresh=False)
+            tick()
 
+    own_decode = "decode" in vars(ctx)  # a caller's own ctx.decode (a test's spy) is put back after
+    real_decode = ctx.decode
+    if bar is not None:  # the bar moves before each decode: one long node is many decodes
+
+        def decode(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            tick()
+            return real_decode(batch, *args, **kwargs)
+
+        ctx.decode = decode  # type: ignore[method-assign]
     t0 = time.perf_counter()
     try:
         ctx.memory.clear()
@@ -894,12 +919,19 @@ def loglikelihood(
             if done[k] is None:
                 seq, c, nb = uniq[k]
                 done[k] = _result(seq, c, ends[k], nb)
-        e.results = [done[k] for k in which]  # type: ignore[attr-defined]
+        part = Loglikelihoods(done[k] for k in which)  # what was scored, with the run's counts so far
+        part.__dict__.update(vars(out))
+        part.seconds = time.perf_counter() - t0
+        e.results = part  # type: ignore[attr-defined]
         raise
     finally:
         out.seconds = time.perf_counter() - t0
         if bar is not None:
             bar.close()
+            if own_decode:
+                ctx.decode = real_decode  # type: ignore[method-assign]
+            else:
+                del ctx.decode
         if own:
             ctx.close()
         elif not ctx.closed:

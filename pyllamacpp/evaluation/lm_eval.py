@@ -15,8 +15,11 @@ imports it.
   Tokenization is lm-eval's ``TemplateLM._encode_pair`` (:func:`encode_pair`) with
   ``parse_special`` on (special-token text in a prompt is that token, as HF tokenizers read it);
   a request longer than ``max_length`` (``n_ctx``) keeps its last ``n_ctx + 1`` tokens, as lm-eval's
-  HF backend truncates. An empty context is the prefix token (BOS; EOS on a model without BOS, as
-  lm-eval's ``TemplateLM`` does, where :func:`pyllamacpp.loglikelihood` refuses it).
+  HF backend truncates. Each call logs what the trie saved (logger ``lm_eval.models.pyllamacpp``,
+  so lm-eval's CLI prints it with its own lines): requests, tokens decoded against the tokens a
+  request-by-request backend decodes, decodes, seconds. An empty context is the prefix token (BOS;
+  EOS on a model without BOS, as lm-eval's ``TemplateLM`` does, where
+  :func:`pyllamacpp.loglikelihood` refuses it).
 - ``loglikelihood_rolling``: lm-eval's rolling windows (``get_rolling_token_windows`` with
   ``context_len=1``, ``make_disjoint_window``, ``max_seq_len = n_ctx``), the model's BOS (its EOS
   without one) before the first; all windows of all documents in one engine call; each document's
@@ -47,6 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["PyllamacppLM"]
 
 log = logging.getLogger(__name__)
+# lm-eval's own logger tree: its handler (lm-eval's CLI, simple_evaluate(verbosity=...)) shows these lines
+run_log = logging.getLogger("lm_eval.models.pyllamacpp")
 
 
 def _stop_at(text: str, until: list[str]) -> str:
@@ -165,10 +170,11 @@ class PyllamacppLM(LM):
             return None
         return self.model.meta("tokenizer.chat_template")
 
-    def _engine(self, pairs: list, disable_tqdm: bool) -> list:
+    def _engine(self, pairs: list, disable_tqdm: bool, what: str = "loglikelihood") -> list:
         kw: dict[str, Any] = {"n_batch": self.n_batch, "n_seq_max": self.n_seq_max, "n_threads": self.n_threads}
         res = loglikelihood(self.model, pairs, progress=False if disable_tqdm else None, **kw, **self.ctx_kwargs)
         self.last_stats = res.summary()
+        run_log.info(_saved(what, res))
         return res
 
     def _fit(self, ctx: np.ndarray, cont: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -230,7 +236,7 @@ class PyllamacppLM(LM):
                 pairs.append((np.asarray(ctx, np.int32), np.asarray(pred, np.int32)))
                 owner.append(i)
         sums = [0.0] * len(requests)
-        for i, r in zip(owner, self._engine(pairs, disable_tqdm) if pairs else []):
+        for i, r in zip(owner, self._engine(pairs, disable_tqdm, "loglikelihood_rolling") if pairs else []):
             sums[i] += r.logprob
         for req, v in zip(requests, sums):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, v)
@@ -313,6 +319,17 @@ class PyllamacppLM(LM):
             if bar is not None:
                 bar.close()
         return out
+
+
+def _saved(what: str, res: Any) -> str:
+    """What the trie saved in one engine call, in a line: the tokens decoded against the tokens a
+    request-by-request backend decodes (lm-eval's others feed each request's context + continuation)."""
+    ratio = f"{res.n_unshared / res.n_decoded:.1f}x fewer" if res.n_decoded else "none decoded"
+    return (
+        f"pyllamacpp {what}: {res.n_requests:,} requests ({res.n_unique:,} distinct), {res.n_decoded:,} tokens "
+        f"decoded where request by request would decode {res.n_unshared:,} ({ratio}), in {res.n_decodes:,} "
+        f"decodes, {res.seconds:.1f} s"
+    )
 
 
 def _sampler(gen: dict[str, Any]) -> Any:
