@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import numpy.typing as npt
 
+from . import packing
 from ._lib import lib
 from .batch import Batch
 from .errors import KVCacheFullError
@@ -352,18 +353,15 @@ def _parallel(
     ptrs = [c.ptr for c in chains]  # raises for a closed chain; the chains stay referenced till the end
     if shared_prompt is None:
         shared_prompt = bool(ctx.params.kv_unified) or n_parallel == 1
-    n_batch = ctx.n_batch
-    batch = Batch(max(n_batch, n_parallel), ctx.n_seq_max, model=model)
+    batch = Batch(max(ctx.n_batch, n_parallel), ctx.n_seq_max, model=model)
     if shared_prompt:
-        for i0 in range(0, tokens.size, n_batch):
-            batch.clear()
-            last = i0 + n_batch >= tokens.size
-            batch.add_sequence(tokens[i0 : i0 + n_batch], seqs, i0, logits="last" if last else "none")
-            ctx.decode(batch)
+        # one segment carrying every seq id: each prompt token stored once, in all the sequences
+        prompt = [packing.Segment(tokens, seqs, 0, "last")] if tokens.size else []
+        for _ in packing.decode(ctx, prompt, batch=batch):
+            pass
     else:
         ctx.prefill(tokens, 0, 0)
-        for s in seqs[1:]:
-            ctx.memory.seq_cp(0, s)
+        packing.fork(ctx, 0, seqs[1:])
     toks_of = [r.tokens for r in results]
     live = seqs if n_predict > 0 else []
     if not live:
