@@ -16,16 +16,17 @@ computes them (``tools/perplexity/perplexity.cpp``).
   llama-perplexity's), mean KL divergence and its percentiles, top-1 agreement, Δp, PPL ratios.
 
 The modules, bottom to top: ``_rows`` (the C row loops over threads, :func:`log_softmax`),
-``_inputs`` (a Model or a Context, a text or tokens, the shipped text), ``_base_logits`` (the
-base-logits file), ``_kl_stats`` (llama-perplexity's sums, uncertainties, percentiles and printed
-lines; numpy only), then ``_score``, ``_perplexity`` (its chunks and batches too), ``_kl`` and
+``_inputs`` (a text or tokens, the shipped text), ``_base_logits`` (the base-logits file),
+``_kl_stats`` (llama-perplexity's sums, uncertainties, percentiles and printed lines; numpy only),
+then ``_score``, ``_perplexity`` (its chunks, decoded through the packing core) and ``_kl``, and
 ``_logprobs`` (``complete(..., logprobs=k)``).
 """
 
 from __future__ import annotations
 
+from ..packing import model_and_context
 from ._base_logits import MAGIC, BaseLogits
-from ._inputs import _split, sample_text, sample_text_path
+from ._inputs import sample_text, sample_text_path
 from ._kl import kl_divergence
 from ._kl_stats import (
     KL_HEADER,
@@ -59,6 +60,8 @@ __all__ = [
     "sample_text",
     "sample_text_path",
 ]
+# the former name of packing.model_and_context, till evaluation.llama_perplexity stops importing it
+_split = model_and_context
 # names of the module this package was, outside __all__: constants, and what others use:
 # _split (evaluation.llama_perplexity), _LogprobsRecorder (text), KL_HEADER and _kl_row
 # (_scoring_cli), the statistics helpers (tests/test_statistics.py)

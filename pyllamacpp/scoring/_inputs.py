@@ -1,5 +1,5 @@
-"""What the scoring functions take: a Model or a Context, a text or its tokens; and the text
-shipped with the package to score."""
+"""What the scoring functions take: a text or its tokens (a Model or a Context is told apart by
+``packing.model_and_context``); and the text shipped with the package to score."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from ..packing import model_and_context
+
 if TYPE_CHECKING:
-    from ..context import Context
     from ..model import Model
 
 
@@ -44,12 +45,5 @@ def _tokens_of(model: Model, text: str | bytes | npt.ArrayLike, add_special: boo
     return t
 
 
-def _split(model_or_ctx: Model | Context) -> tuple[Model, Context | None]:
-    from ..context import Context
-    from ..model import Model
-
-    if isinstance(model_or_ctx, Context):
-        return model_or_ctx.model, model_or_ctx
-    if isinstance(model_or_ctx, Model):
-        return model_or_ctx, None
-    raise TypeError(f"expected a Model or a Context, not {type(model_or_ctx).__name__}")
+# the former name of packing.model_and_context, till evaluation.llama_perplexity stops importing it
+_split = model_and_context

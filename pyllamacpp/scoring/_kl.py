@@ -12,8 +12,8 @@ import numpy as np
 
 from .._cpu import default_n_threads
 from .._lib import lib
+from ..packing import model_and_context
 from ._base_logits import BaseLogits
-from ._inputs import _split
 from ._kl_stats import KLDivergence, _kl_result, _KLSums
 from ._perplexity import _check_vocab_flags, _chunk_batches, _chunk_plan
 from ._rows import _row_loop, _rows, _targets
@@ -76,7 +76,7 @@ def kl_divergence(
     """
     from ..batch import Batch
 
-    model, ctx = _split(model_or_ctx)
+    model, ctx = model_and_context(model_or_ctx)
     b = base if isinstance(base, BaseLogits) else BaseLogits(base)
     if b.n_vocab != model.n_vocab:
         raise ValueError(f"inconsistent vocabulary: the base file has {b.n_vocab} tokens, the model {model.n_vocab}")

@@ -15,8 +15,9 @@ import numpy.typing as npt
 
 from .._cpu import default_n_threads
 from .._lib import lib
+from ..packing import Segment, decode, model_and_context
 from ._base_logits import MAGIC, _nv
-from ._inputs import _split, _tokens_of
+from ._inputs import _tokens_of
 from ._rows import _row_loop, _rows, _targets, log_softmax
 
 if TYPE_CHECKING:
@@ -101,31 +102,25 @@ def _check_vocab_flags(model: Model) -> bool:
 
 
 def _chunk_batches(ctx, batch, tokens, add_bos, bos, i, n_seq_batch, n_ctx, n_batch, first):
-    """Decode chunks ``i .. i + n_seq_batch - 1`` as llama-perplexity does (one batch per ``n_batch``
-    positions, sequences one after the other in it, logits at ``pos >= first``); yield, after each
-    decode, ``(rows, seq, p0)``: the output rows of sequence ``seq`` and the position of its first."""
+    """Decode chunks ``i .. i + n_seq_batch - 1`` as llama-perplexity does: one segment per chunk,
+    sequence ``seq`` for chunk ``i + seq``, logits at ``pos >= first``, packed in order into batches
+    of ``n_batch`` slots (a chunk longer than that is cut every ``n_batch`` positions; else whole
+    chunks, one after the other, share a batch); yield, after each decode, ``(r0, n_out, seq, p0)``:
+    the first output row and the rows of sequence ``seq`` and the position of its first."""
     ctx.memory.clear()
-    num_batches = (n_ctx + n_batch - 1) // n_batch
-    for j in range(num_batches):
-        b_start = j * n_batch
-        b_size = min(n_ctx - b_start, n_batch)
-        pos = np.arange(b_start, b_start + b_size)
-        need = pos >= first
-        batch.clear()
-        for seq in range(n_seq_batch):
-            s0 = (i + seq) * n_ctx + b_start
-            toks = tokens[s0 : s0 + b_size]
-            if add_bos and j == 0:
-                toks = toks.copy()
-                toks[0] = bos
-            batch.add_sequence(toks, seq, b_start, logits=need)
-        ctx.decode(batch)
-        n_out = int(need.sum())
-        if n_out == 0:
-            continue
-        p0 = int(pos[need][0])
-        for seq in range(n_seq_batch):
-            yield seq * n_out, n_out, seq, p0
+    need = np.arange(n_ctx) >= first
+    chunks = []
+    for seq in range(n_seq_batch):
+        s0 = (i + seq) * n_ctx
+        toks = tokens[s0 : s0 + n_ctx]
+        if add_bos:
+            toks = toks.copy()
+            toks[0] = bos
+        chunks.append(Segment(toks, seq, 0, need))
+    for order in decode(ctx, chunks, batch=batch, n_batch=n_batch):
+        for piece in order.pieces:
+            if piece.n_outputs:  # a chunk starts at position 0: its offsets are positions
+                yield piece.rows.start, piece.n_outputs, piece.segment, int(piece.at[0])
 
 
 def perplexity(
@@ -182,7 +177,7 @@ def perplexity(
     """
     from ..batch import Batch
 
-    model, ctx = _split(model_or_ctx)
+    model, ctx = model_and_context(model_or_ctx)
     n_ctx, n_batch = int(n_ctx), int(n_batch)
     if ctx is None and not (n_batch < n_ctx or n_batch % n_ctx == 0):
         raise ValueError(f"n_batch {n_batch} must be less than n_ctx {n_ctx} or a multiple of it (as llama-perplexity)")

@@ -12,7 +12,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .._cpu import default_n_threads
-from ._inputs import _split, _tokens_of
+from ..packing import Segment, decode, model_and_context
+from ._inputs import _tokens_of
 from ._rows import log_softmax
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ def score(
     """
     from ..params import default_n_ctx
 
-    model, ctx = _split(model_or_ctx)
+    model, ctx = model_and_context(model_or_ctx)
     tokens = _tokens_of(model, text, add_special, parse_special)
     n = int(tokens.size)
     if n < 2:
@@ -150,7 +151,7 @@ def _score(ctx: Context, tokens: np.ndarray, W: int, top_k: int, keep: int | Non
     from ..batch import Batch
 
     model = ctx.model
-    n, n_batch = int(tokens.size), ctx.n_batch
+    n = int(tokens.size)
     if W < 2:
         raise ValueError(f"score: a window of {W} token(s) scores nothing")
     bos = model.bos
@@ -165,7 +166,7 @@ def _score(ctx: Context, tokens: np.ndarray, W: int, top_k: int, keep: int | Non
     top_ids = np.empty((n - 1, k), np.int32) if k else None
     top_lp = np.empty((n - 1, k), np.float64) if k else None
     n_threads = ctx.params.n_threads_batch or default_n_threads()
-    batch = Batch(n_batch, 1, model=model)
+    batch = Batch(ctx.n_batch, 1, model=model)
     windows: list[tuple[int, int]] = []
     t0 = time.perf_counter()
     target = 1  # the next token to score
@@ -178,24 +179,20 @@ def _score(ctx: Context, tokens: np.ndarray, W: int, top_k: int, keep: int | Non
         first_row = target - 1 - start + len(pre)
         windows.append((start, target))
         ctx.memory.seq_rm(seq_id)
-        for b0 in range(0, feed.size, n_batch):
-            chunk = feed[b0 : b0 + n_batch]
-            j = np.arange(b0, b0 + chunk.size)
-            mask = (j >= first_row) & (j < feed.size - 1)
-            batch.clear()
-            batch.add_sequence(chunk, seq_id, b0, logits=mask)
-            ctx.decode(batch)
-            if not mask.any():
-                continue
-            js = j[mask]
-            tgt_idx = start - len(pre) + js + 1  # text indices of the targets
-            _score_outputs(ctx, tokens[tgt_idx], tgt_idx - 1, logprobs, top_ids, top_lp, k, n_threads)
+        j = np.arange(feed.size)
+        window = Segment(feed, seq_id, 0, (j >= first_row) & (j < feed.size - 1))
+        for order in decode(ctx, [window], batch=batch):
+            for piece in order.pieces:
+                if not piece.n_outputs:
+                    continue
+                tgt_idx = start - len(pre) + piece.at + 1  # text indices of the targets
+                _score_outputs(ctx, piece.rows, tokens[tgt_idx], tgt_idx - 1, logprobs, top_ids, top_lp, k, n_threads)
         target = end
     return Scores(tokens, logprobs, top_ids, top_lp, W, windows, time.perf_counter() - t0)
 
 
-def _score_outputs(ctx, targets, where, logprobs, top_ids, top_lp, k, n_threads) -> None:
-    out = log_softmax(ctx.logits_all(), targets, top_k=k, n_threads=n_threads)  # the view dies here
+def _score_outputs(ctx, rows, targets, where, logprobs, top_ids, top_lp, k, n_threads) -> None:
+    out = log_softmax(ctx.logits_all()[rows], targets, top_k=k, n_threads=n_threads)  # the view dies here
     assert out.target is not None
     logprobs[where] = out.target
     if k:
