@@ -256,6 +256,7 @@ def _probe(ctx: Context, shapes: Sequence[tuple[int, bool]]) -> list[list[dict]]
     context with ``ctx``'s parameters (its memory cleared between them)."""
     from ..batch import Batch
     from ..context import Context
+    from ..packing import WorkOrder
 
     nodes: list[dict] = []
     err: list[BaseException] = []
@@ -295,15 +296,15 @@ def _probe(ctx: Context, shapes: Sequence[tuple[int, bool]]) -> list[list[dict]]
     )
     out = []
     try:
-        batch = Batch(most, 1, model=model)
+        order = WorkOrder(Batch(most, 1, model=model))
         n_vocab = model.n_vocab
         for n_tokens, all_outputs in shapes:
-            batch.clear()
+            order.clear()
             toks = [(7 + 13 * i) % n_vocab for i in range(n_tokens)]
-            batch.add_sequence(toks, 0, 0, logits="all" if all_outputs else "last")
+            order.add(toks, 0, 0, "all" if all_outputs else "last")
             probe.memory.clear()
             nodes = []
-            probe.decode(batch)
+            order.decode(probe)
             if err:
                 raise err[0]
             out.append(nodes)
