@@ -83,25 +83,6 @@ def parse_buffer_sizes(lines: Iterable[tuple[int, str]]) -> dict[str, dict[str, 
     return out
 
 
-def _embd_normalize(x: np.ndarray, p: int) -> np.ndarray:
-    """Each row of ``x`` as ``common_embd_normalize(inp, out, n, p)`` (llama.cpp's common.cpp)
-    writes it: divided by its max-abs / 32760 (p = 0), its p-norm (p >= 1), or unchanged (p = -1),
-    the sum in float64 and the factor ``1 / sum`` cast to float32 (0 for a zero row)."""
-    x = np.asarray(x, np.float32)
-    if p < 0:
-        return x.copy()
-    a = np.abs(x.astype(np.float64))
-    if p == 0:
-        s = a.max(axis=-1, keepdims=True) / 32760.0
-    elif p == 2:
-        s = np.sqrt((x * x).astype(np.float64).sum(axis=-1, keepdims=True))  # float products, a double sum
-    else:
-        s = (a**p).sum(axis=-1, keepdims=True) ** (1.0 / p)
-    with np.errstate(divide="ignore"):
-        norm = np.where(s > 0.0, 1.0 / s, 0.0).astype(np.float32)
-    return x * norm
-
-
 def _string(fn, *args, size: int = 256) -> str:
     """Call a llama.cpp ``(..., char *buf, size_t size)`` function that returns the needed length."""
     buf = ffi.new("char[]", size)
@@ -750,7 +731,8 @@ class Model(Owner):
         texts are tokenized (``llama_tokenize``, by default with ``parse_special`` as the example
         does), packed one sequence each into batches of up to ``n_batch`` tokens, the memory cleared
         before each ``llama_decode``; then each vector is normalized as ``common_embd_normalize``
-        does with ``--embd-normalize`` (sums in float64). The context is closed afterwards.
+        does with ``--embd-normalize`` (sums in float64). The context is closed afterwards. See
+        :func:`pyllamacpp.embeddings.embed`, which this calls.
 
         Args:
             texts: A text, or a list of texts.
@@ -780,74 +762,17 @@ class Model(Owner):
             DecodeError: ``llama_decode`` failed.
             ClosedError: The model is closed.
         """
-        from .batch import Batch
+        from .embeddings import embed
 
-        single = isinstance(texts, str)
-        items = [texts] if isinstance(texts, str) else list(texts)
-        if not items:
-            raise ValueError("embed: no texts")
-        for i, text in enumerate(items):
-            if not isinstance(text, str):
-                raise TypeError(f"texts[{i}] must be a str, not {type(text).__name__}")
-        if int(normalize) < -1:
-            raise ValueError(f"normalize must be -1 (none), 0, 1, 2 or a p > 2, not {normalize}")
-        own = self.meta(f"{self.arch}.pooling_type")
-        if pooling is None:
-            pooling = {"1": "mean", "2": "cls", "3": "last", "4": "rank"}.get(own or "", "none")
-        if pooling not in ("none", "mean", "cls", "last", "rank"):
-            raise ValueError(f"pooling must be 'none', 'mean', 'cls', 'last', 'rank' or None, not {pooling!r}")
-        if pooling == "rank" and own != "4":
-            # without a classification head llama.cpp reads n_cls_out floats at offset
-            # seq_idx * n_cls_out of the pooled rows: sequence s gets element s of sequence 0's row
-            raise ValueError(f"pooling='rank' needs a reranker; {self.path.name} declares no rank pooling")
-        toks = [self.tokenize(text, add_special, parse_special) for text in items]
-        longest = max(t.size for t in toks)
-        for i, t in enumerate(toks):
-            if t.size == 0:
-                raise ValueError(f"texts[{i}] gave no tokens")
-        limit = self.n_ctx_train or longest
-        if longest > limit:
-            raise ValueError(f"a text of {longest} tokens is longer than the model's n_ctx_train {limit}")
-        n_batch = int(context_params.pop("n_batch", 0)) or min(max(longest, 512), max(limit, longest))
-        n_batch = max(n_batch, longest)
-        n_seq = min(len(toks), int(lib.llama_max_parallel_sequences()))
-        # llama.cpp's graph_reserve rounds n_ubatch up to a multiple of n_seq_max but not the outputs:
-        # with mean pooling the two no longer fit and ggml aborts in llama_init_from_model
-        n_batch = -(-n_batch // n_seq) * n_seq
-        kw: dict[str, Any] = {"n_ctx": n_batch, "n_seq_max": n_seq, **context_params}
-        kw.update(n_batch=n_batch, n_ubatch=n_batch, embeddings=True, pooling_type=pooling, kv_unified=True)
-        out: list[np.ndarray] = []
-        with self.context(**kw) as ctx:
-            batch = Batch(n_batch, 1, model=self)
-            group: list[np.ndarray] = []
-
-            def run() -> None:
-                batch.clear()
-                for s, t in enumerate(group):
-                    batch.add_sequence(t, s, 0, logits="all")
-                ctx.memory.clear()
-                ctx.decode(batch)
-                row = 0
-                for s, t in enumerate(group):
-                    if pooling == "none":
-                        v = np.stack([ctx.embeddings(i) for i in range(row, row + t.size)])  # batch slots
-                        row += t.size
-                    else:
-                        v = np.array(ctx.seq_embeddings(s))
-                    out.append(v if pooling == "rank" else _embd_normalize(v, int(normalize)))
-                group.clear()
-
-            used = 0
-            for t in toks:
-                if group and (used + t.size > n_batch or len(group) >= n_seq):
-                    run()
-                    used = 0
-                group.append(t)
-                used += t.size
-            run()
-        if pooling == "none":
-            return out[0] if single else out
-        return out[0] if single else np.stack(out)
+        return embed(
+            self,
+            texts,
+            pooling=pooling,
+            normalize=normalize,
+            add_special=add_special,
+            parse_special=parse_special,
+            **context_params,
+        )
 
     # -- scoring (pyllamacpp.scoring) -----------------------------------------------------------
     def score(self, text: str | bytes | Any, *, top_k: int = 0, **kwargs: Any) -> Scores:
