@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 FinishReason = Literal["eog", "n_predict", "ctx_full"]
 
 
-class _Outcome:
+class GenerationOutcome:
     """What a generation did, written by its generator (kept apart so that the generator holds no
     reference to the object the caller holds: dropping that one closes the generator at once)."""
 
@@ -79,7 +79,7 @@ class Generation:
         self.ctx, self.seq_id = ctx, seq_id
         toks = np.asarray(tokens, dtype=np.int32)
         self.n_prompt = int(toks.size)
-        self._out = _Outcome()
+        self._out = GenerationOutcome()
         self._it = _run(ctx, toks, int(n_predict), sampler or Sampler.greedy(), seq_id, self._out)
 
     @property
@@ -118,7 +118,7 @@ class Generation:
 
 
 def _run(
-    ctx: Context, tokens: np.ndarray, n_predict: int, sampler: Sampler, seq_id: int, res: _Outcome
+    ctx: Context, tokens: np.ndarray, n_predict: int, sampler: Sampler, seq_id: int, res: GenerationOutcome
 ) -> Generator[int, None, None]:
     is_eog = ctx.model.is_eog
     pos = ctx.prefill(tokens, seq_id)

@@ -36,7 +36,7 @@ from . import _log
 from ._handle import Handle, Owner, view
 from ._lib import ffi, lib
 from .errors import ModelLoadError, check_ptr
-from .model import _string
+from .model import c_string
 
 if TYPE_CHECKING:
     from .context import Context
@@ -125,7 +125,7 @@ class LoraAdapter(Owner):
         ptr = self.ptr
         if lib.llama_adapter_meta_val_str(ptr, key.encode(), ffi.NULL, 0) < 0:
             return None
-        return _string(lib.llama_adapter_meta_val_str, ptr, key.encode())
+        return c_string(lib.llama_adapter_meta_val_str, ptr, key.encode())
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -136,7 +136,7 @@ class LoraAdapter(Owner):
         """
         ptr = self.ptr
         return {
-            _string(lib.llama_adapter_meta_key_by_index, ptr, i): _string(
+            c_string(lib.llama_adapter_meta_key_by_index, ptr, i): c_string(
                 lib.llama_adapter_meta_val_str_by_index, ptr, i
             )
             for i in range(lib.llama_adapter_meta_count(ptr))

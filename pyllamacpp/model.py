@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,8 +83,21 @@ def parse_buffer_sizes(lines: Iterable[tuple[int, str]]) -> dict[str, dict[str, 
     return out
 
 
-def _string(fn, *args, size: int = 256) -> str:
-    """Call a llama.cpp ``(..., char *buf, size_t size)`` function that returns the needed length."""
+def c_string(fn: Callable[..., int], *args: Any, size: int = 256) -> str:
+    """The string a llama.cpp ``(..., char *buf, size_t buf_size)`` function writes, snprintf-style.
+
+    Such functions (``llama_model_desc``, ``llama_model_meta_val_str``,
+    ``llama_adapter_meta_val_str``...) return the length the whole string needs: when it did not
+    fit, the call is made again with a buffer that size.
+
+    Args:
+        fn: The llama.cpp function (from ``lib``).
+        *args: Its arguments before the buffer.
+        size: The first buffer's size.
+
+    Returns:
+        The string (UTF-8, undecodable bytes replaced); ``""`` when the function returns < 0.
+    """
     buf = ffi.new("char[]", size)
     n = fn(*args, buf, size)
     if n < 0:
@@ -185,7 +198,7 @@ class Model(Owner):
         Raises:
             ClosedError: The model is closed.
         """
-        return _string(lib.llama_model_desc, self.ptr)
+        return c_string(lib.llama_model_desc, self.ptr)
 
     @property
     def arch(self) -> str:
@@ -309,7 +322,7 @@ class Model(Owner):
         if self._metadata is None:
             ptr = self.ptr
             self._metadata = {
-                _string(lib.llama_model_meta_key_by_index, ptr, i): _string(
+                c_string(lib.llama_model_meta_key_by_index, ptr, i): c_string(
                     lib.llama_model_meta_val_str_by_index, ptr, i, size=1024
                 )
                 for i in range(lib.llama_model_meta_count(ptr))
@@ -321,7 +334,7 @@ class Model(Owner):
         value = self.meta(f"{self.arch}.{key}")
         n = self.n_layer
         if value is None:  # llama_model_meta_val_str leaves arrays out: read the GGUF itself
-            from .state._sidecar import gguf_field
+            from .state import gguf_field
 
             arr = gguf_field(self.path, f"{self.arch}.{key}") if self.path is not None else None
             if isinstance(arr, list) and len(arr) == n:

@@ -39,7 +39,7 @@ from .sampling import Sampler
 if TYPE_CHECKING:
     from .context import Context
     from .model import Model
-    from .scoring import CompletionLogprobs, _LogprobsRecorder
+    from .scoring import CompletionLogprobs, LogprobsRecorder
 
 TextFinishReason = Literal[FinishReason, "stop"]
 """How a text ended: :mod:`pyllamacpp.generation`'s reasons, and ``"stop"`` for a stop string."""
@@ -134,7 +134,7 @@ class _StreamState:
     own_sampler: bool
     seq_id: int
     stop: tuple[str, ...] = ()
-    logprobs: _LogprobsRecorder | None = None
+    logprobs: LogprobsRecorder | None = None
     pieces: list[str] = field(default_factory=list)
     generation: Generation | None = None
     finish_reason: TextFinishReason | None = None
@@ -200,9 +200,9 @@ class TextStream:
         stops = _stop_strings(stop)
         rec = None
         if logprobs is not None:  # text offsets count the prompt's characters, as llama-cpp-python's
-            from .scoring import _LogprobsRecorder
+            from .scoring import LogprobsRecorder
 
-            rec = _LogprobsRecorder(model, logprobs, len(model.detokenize(tokens)))
+            rec = LogprobsRecorder(model, logprobs, len(model.detokenize(tokens)))
         if tokens.size == 0:
             raise ValueError("the prompt gave no tokens")
         if not isinstance(seq_id, int) or seq_id < 0:

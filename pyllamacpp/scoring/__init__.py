@@ -41,7 +41,7 @@ from ._kl_stats import (
     _median,
     _percentile,
 )
-from ._logprobs import CompletionLogprobs, _LogprobsRecorder
+from ._logprobs import CompletionLogprobs, LogprobsRecorder
 from ._perplexity import PerplexityResult, perplexity
 from ._rows import LogSoftmax, log_softmax
 from ._score import Scores, score
@@ -63,7 +63,7 @@ __all__ = [
 # the former name of packing.model_and_context, till evaluation.llama_perplexity stops importing it
 _split = model_and_context
 # names of the module this package was, outside __all__: constants, and what others use:
-# _split (evaluation.llama_perplexity), _LogprobsRecorder (text), KL_HEADER and _kl_row
+# _split (evaluation.llama_perplexity), LogprobsRecorder (text), KL_HEADER and _kl_row
 # (_scoring_cli), the statistics helpers (tests/test_statistics.py)
-_INTERNAL = (MAGIC, KLD_PERCENTILES, P_DIFF_PERCENTILES, KL_HEADER, _split, _LogprobsRecorder, _kl_row)
+_INTERNAL = (MAGIC, KLD_PERCENTILES, P_DIFF_PERCENTILES, KL_HEADER, _split, LogprobsRecorder, _kl_row)
 _STATISTICS = (_KLSums, _kl_result, _mean_unc, _cov, _percentile, _median)

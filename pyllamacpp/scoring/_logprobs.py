@@ -32,9 +32,18 @@ class CompletionLogprobs(TypedDict):
     token_ids: list[int]
 
 
-class _LogprobsRecorder:
+class LogprobsRecorder:
     """Fills a :class:`CompletionLogprobs` token by token from the logits the token was sampled
-    from (``ctx.logits(-1)``, read in place, before the next decode overwrites it)."""
+    from (``ctx.logits(-1)``, read in place, before the next decode overwrites it).
+
+    Args:
+        model: The model (its vocabulary gives the top tokens' text).
+        top_k: How many most likely tokens to keep per position (0: none, the chosen one only).
+        offset: ``text_offset`` of the first generated token (the prompt's length in characters).
+
+    Raises:
+        ValueError: ``top_k`` is not an int in ``[0, n_vocab]``.
+    """
 
     def __init__(self, model: Model, top_k: int, offset: int) -> None:
         if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= model.n_vocab:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..generation import _Outcome as _GenOutcome
+from ..generation import GenerationOutcome
 
 
 @dataclass
@@ -126,7 +126,7 @@ class SpeculativeStats:
         return d
 
 
-class _Outcome(_GenOutcome):
+class _Outcome(GenerationOutcome):
     """What a speculative generation did (a generation's outcome and its figures)."""
 
     __slots__ = ("stats",)

@@ -25,7 +25,7 @@ The layout (llama-context.cpp, llama-kv-cache.cpp, llama-memory-recurrent.cpp at
 """
 
 from ._buffer import StateFormatError
-from ._layers import layer_map
+from ._layers import arch_keys, layer_map, rule_keys
 from ._memory import ON_DEVICE, PARTIAL_ONLY, memory_of, written_parts
 from ._parse import IO_MAGIC, SEQ_FILE_MAGIC, SEQ_FILE_VERSION, SESSION_MAGIC, SESSION_VERSION
 from ._records import (
@@ -41,7 +41,7 @@ from ._records import (
     Stream,
     TensorRecord,
 )
-from ._sidecar import SIDECAR_FIELDS, model_facts, read_sidecar, sidecar_path, write_sidecar
+from ._sidecar import SIDECAR_FIELDS, gguf_field, model_facts, read_sidecar, sidecar_path, write_sidecar
 from ._state import KVState, parse
 from ._types import GGMLType, hadamard
 from ._write import join_cells, select_cells
@@ -81,3 +81,6 @@ __all__ = [
     "memory_of",
     "written_parts",
 ]
+# the package's internal API, outside __all__: what Model and the context's state checks read from
+# a GGUF (llama.cpp's metadata leaves arrays out) and which keys a layer rule reads
+_INTERNAL = (gguf_field, arch_keys, rule_keys)
