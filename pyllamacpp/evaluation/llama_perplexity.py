@@ -103,8 +103,9 @@ class TaskResult:
 
     Attributes:
         task: The task's index among the file's tasks (0-based; Winogrande: among the lines read).
-        pred: The ending picked (0-based).
-        gold: The right ending(s) (0-based).
+        pred: The ending picked (0-based, in every mode: Winogrande's printed line shows
+            ``pred + 1``, its choice 1 or 2, as llama-perplexity numbers them).
+        gold: The right ending(s) (0-based; Winogrande's line shows the file's answer, ``gold[0] + 1``).
         scores: What was compared, one per ending: its mean log-probability (float32 values in
             llama-perplexity's arithmetic for Winogrande and for near ties; else from double sums).
         correct: Whether ``pred`` is right.

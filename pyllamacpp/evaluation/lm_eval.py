@@ -7,8 +7,8 @@ Importing this module registers it (lm-eval 0.4 has no plugin entry point); then
 
 or pass an instance (``model=PyllamacppLM(model=pl.Model(...))``); from the command line,
 ``pyllamacpp lm-eval --model_args model=PATH --tasks ...`` registers it and runs lm-eval's own
-CLI. It needs lm-eval (``pip install "pyllamacpp-cffi[eval]"``); nothing else in the package
-imports it.
+CLI. It needs lm-eval (from a clone, ``pip install ".[eval]"``; beside an installed wheel,
+``pip install "lm-eval>=0.4"``); nothing else in the package imports it.
 
 - ``loglikelihood``: every request of the run in one :func:`pyllamacpp.loglikelihood` call, so the
   trie spans all of them (the few-shot header of a task is decoded once, each question once).
