@@ -15,6 +15,7 @@ import platform
 import pty
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -711,6 +712,49 @@ def test_cli_modes_print_the_api_report(model, tmp_path):
     d = json.loads(r.stdout)
     assert d["n_tasks"] == 6 and d["skipped"] == [[1, "failed to find comma separators in <no,comma>"]]
     assert "winogrande: line 1 skipped: failed to find comma separators" in r.stderr
+
+
+def test_cli_says_what_was_used_and_sums_up_on_stderr(tmp_path):
+    # issue 36: "400 task(s) asked" for a file of 2, and no summary at the end
+    hs = tmp_path / "hs.txt"
+    hs.write_text("".join(f"{t.context}\n{t.gold}\n" + "".join(e + "\n" for e in t.endings) for t in
+                          mc.read_hellaswag(mc.sample_path("hellaswag"))[:2]))  # fmt: skip
+    r = cli("--hellaswag", "-f", str(hs), "-t", "1")
+    assert r.returncode == 0, r.stderr
+    assert "hellaswag: hs.txt, 400 task(s) asked, 2 in the file: all 2 used, n_ctx 2048" in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"hellaswag: 2 task\(s\) scored, acc_norm \d+\.\d\d% \(95% interval \[.*\]\); "
+                        r"\d+ tokens in \d+ decodes, \d+\.\d s \(\d+\.\d\d tasks/s\)", last), last  # fmt: skip
+    assert "task(s) scored" not in r.stdout  # llama-perplexity's lines stay its own
+    w = tmp_path / "w.csv"
+    w.write_text(WG.rstrip("\n"))  # its last line without a newline: not read, and said once
+    r = cli("--winogrande", "-f", str(w), "-t", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("pyllamacpp perplexity: warning: Winogrande data, line 6: not read") == 1, r.stderr
+    assert re.search(r"winogrande: 5 task\(s\) scored, accuracy \d+\.\d\d% \+/- \d+\.\d\d; ", r.stderr)
+
+
+def test_cli_ctrl_c_says_how_many_tasks_were_scored():
+    from conftest import popen_command
+
+    proc = popen_command(["perplexity", "--hellaswag", "-t", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("2\t"):  # two tasks scored, the third being decoded
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "Traceback" not in err, err
+    done = sum(line[:1].isdigit() for line in "".join(out).splitlines() + rest.splitlines())
+    assert f"hellaswag: interrupted (Ctrl-C) after {done} of 40 task(s): the lines above are the tasks scored" in err
+    assert "400 task(s) asked, 40 in the file: all 40 used" in err
 
 
 def test_cli_refusals(tmp_path):

@@ -188,10 +188,13 @@ def _cmd_perplexity(args: Any) -> int:
 def _cmd_multiple_choice(args: Any, mode: str, kw: dict, say: Any) -> int:
     """``--hellaswag``, ``--winogrande``, ``--multiple-choice``: llama-perplexity's lines on stdout
     as each task is scored (the final figures, which it writes to stderr, in place), what was read
-    on stderr before them."""
+    on stderr before them, a summary line on stderr after them; Ctrl-C says how many were scored
+    (exit 130)."""
     import dataclasses
     import json
+    import warnings
 
+    from ..errors import TaskFileWarning
     from ..evaluation import _mc_data
     from ..evaluation.llama_perplexity import hellaswag, multiple_choice, winogrande
     from ..model import Model
@@ -205,18 +208,39 @@ def _cmd_multiple_choice(args: Any, mode: str, kw: dict, say: Any) -> int:
     fn = {"hellaswag": hellaswag, "winogrande": winogrande, "multiple_choice": multiple_choice}[mode]
     common = dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_parallel=args.parallel, **kw)
     if mode == "winogrande":
-        _, skipped = _mc_data.read_winogrande(path)  # checked before the model loads; said before the results
+        tasks, skipped = _mc_data.read_winogrande(path)  # checked before the model loads; said before the results
         for line, why in skipped:
             print(f"winogrande: line {line} skipped: {why}", file=sys.stderr)
+        n_file = len(tasks)
+    elif mode == "hellaswag":
+        n_file = len(_mc_data.read_hellaswag(path))
+    else:
+        n_file = _mc_data.multiple_choice_count(path)
+    n_used = n_file if n_tasks is None else min(n_tasks, n_file)
+    # HellaSwag asks 400 by default: a smaller file is used whole, and that is said
+    more = f", {n_file} in the file: all {n_file} used" if n_tasks is not None and n_tasks > n_file else ""
     n_seq = max(4, args.parallel)
     print(
-        f"{flag}: {path.name}, {'all' if n_tasks is None else n_tasks} task(s) asked, "
+        f"{flag}: {path.name}, {'all' if n_tasks is None else n_tasks} task(s) asked{more}, "
         f"n_ctx {n_seq * args.ctx_size} (n_seq_max {n_seq} x -c {args.ctx_size})",
         file=sys.stderr,
         flush=True,
     )
-    with Model(args.model, n_gpu_layers=args.n_gpu_layers) as model:
-        r = fn(model, path, n_tasks, on_text=say, **common)
+    n_done = 0
+
+    def task_line(text: str) -> None:
+        nonlocal n_done
+        n_done += text[:1].isdigit()  # a task's line starts with its number
+        say(text)
+
+    try:
+        with Model(args.model, n_gpu_layers=args.n_gpu_layers) as model, warnings.catch_warnings():
+            warnings.simplefilter("ignore", TaskFileWarning)  # said above, when the file was first read
+            r = fn(model, path, n_tasks, on_text=task_line, **common)
+    except KeyboardInterrupt:
+        print(f"{flag}: interrupted (Ctrl-C) after {n_done} of {n_used} task(s): the lines above are the tasks scored",
+              file=sys.stderr)  # fmt: skip
+        return 130
     if args.json:
         d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name not in ("tasks", "text")}
         d.update(n_tasks=r.n_tasks, n_correct=r.n_correct, accuracy=r.accuracy, interval=r.interval, stderr=r.stderr)
@@ -224,4 +248,18 @@ def _cmd_multiple_choice(args: Any, mode: str, kw: dict, say: Any) -> int:
         print(json.dumps(d, indent=2, default=str))
     else:
         print()  # the blank line llama-perplexity's main() prints after every mode
+    print(_summary(flag, r), file=sys.stderr)
     return 0
+
+
+def _summary(flag: str, r: Any) -> str:
+    """The run in one line, for stderr after llama-perplexity's lines (which stay its own)."""
+    if r.mode == "hellaswag":
+        lo, hi = r.interval
+        score = f"acc_norm {100 * r.accuracy:.2f}% (95% interval [{100 * lo:.2f}%, {100 * hi:.2f}%])"
+    else:
+        score = f"accuracy {100 * r.accuracy:.2f}% +/- {100 * r.stderr:.2f}"
+    return (
+        f"{flag}: {r.n_tasks} task(s) scored, {score}; {r.n_tokens:,} tokens in {r.n_decodes:,} decodes, "
+        f"{r.seconds:.1f} s ({r.tasks_per_second:.2f} tasks/s)"
+    )
