@@ -680,6 +680,18 @@ def test_lm_eval_subcommand_without_lm_eval(monkeypatch, capsys):
     assert 'pip install "pyllamacpp-cffi[eval]"' in capsys.readouterr().err
 
 
+def test_lm_eval_install_hint_works_from_a_clone(monkeypatch, capsys):
+    # issue 36: the extra's package name is not on the index yet; the hint gives what works today
+    import sys
+
+    from pyllamacpp import cli
+
+    monkeypatch.setitem(sys.modules, "lm_eval.__main__", None)
+    assert cli.main(["lm-eval", "--tasks", "x"]) == 2
+    err = capsys.readouterr().err
+    assert 'from a clone: pip install ".[eval]"' in err and 'pip install "lm-eval>=0.4"' in err
+
+
 def test_the_parser_does_not_import_lm_eval():
     import subprocess
     import sys

@@ -17,7 +17,11 @@ import argparse
 import sys
 from typing import Any
 
-INSTALL = 'pip install "pyllamacpp-cffi[eval]"'
+# the extra's name once the package is on the index; until then, from a clone or beside a wheel
+INSTALL = (
+    'pip install "pyllamacpp-cffi[eval]" (from a clone: pip install ".[eval]"; beside a wheel: '
+    'pip install "lm-eval>=0.4")'
+)
 SUBCOMMANDS = ("run", "ls", "list", "validate")
 
 
