@@ -501,38 +501,6 @@ def test_kvprobe_loads_a_seq_file_too(model, tmp_path, capsys):
     assert "(a sequence dump), pos 0..9" in got[5]["did"], got[5]
 
 
-def test_experiments_import_only_the_shared_modules_and_the_package():
-    """No experiment reaches into another's module: relative imports inside
-    ``pyllamacpp.experiments`` name only the shared ``common`` and ``ubatch_plan`` (splits
-    re-exports the planner's names for older code, which is its only import of them); a command
-    with parts is a subpackage (``mask/``: ``__init__`` and ``_rule``, ``_run``, ``_report``) whose
-    files also import their own package's parts. The walk reads every file of the folder and of
-    each such subpackage (no deeper subpackage escapes it)."""
-    import ast
-    import pkgutil
-    from pathlib import Path
-
-    import pyllamacpp.experiments as ex
-
-    shared = {"common", "ubatch_plan"}
-    root = Path(ex.__path__[0])
-    files = {}  # module -> (file, the import level that names pyllamacpp.experiments from it)
-    for m in pkgutil.iter_modules(ex.__path__):
-        if not m.ispkg:
-            files[m.name] = (root / f"{m.name}.py", 1)
-            continue
-        files[m.name] = (root / m.name / "__init__.py", 2)
-        for part in pkgutil.iter_modules([str(root / m.name)]):
-            assert not part.ispkg, f"{m.name}.{part.name}: a subpackage of an experiment (this walk reads one level)"
-            files[f"{m.name}.{part.name}"] = (root / m.name / f"{part.name}.py", 2)
-    found = {}
-    for name, (path, level) in files.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == level and (node.module or "") not in shared:
-                found.setdefault(name, []).append(node.module or ", ".join(a.name for a in node.names))
-    assert not found, found
-
-
 def test_the_source_folder_error_is_the_one_troubleshooting_quotes(tmp_path):
     """Python run in a clone's root after a plain install: ``import pyllamacpp`` succeeds (the
     compiled parts load on first use) and ``pl.Model()`` raises the ImportError that the
@@ -580,7 +548,8 @@ def test_the_source_folder_error_is_the_one_troubleshooting_quotes(tmp_path):
 
 def test_the_docs_extra_has_what_the_site_build_needs():
     """``pip install ".[docs]"`` then ``mkdocs serve``: the extra holds every mkdocs requirement
-    the test extra builds the site with (the same pins), and matplotlib for the build's figures."""
+    the test extra builds the site with (the same pins), matplotlib for the build's figures, and
+    import-linter (grimp) for the layer figure drawn from the import graph."""
     import re
     from pathlib import Path
 
@@ -598,6 +567,6 @@ def test_the_docs_extra_has_what_the_site_build_needs():
     site = {r for r in extras["test"] if name(r).startswith(("mkdocs", "pymdown"))}
     assert {name(r) for r in site} == {"mkdocs", "mkdocs-material", "mkdocstrings-python", "pymdown-extensions"}
     assert site <= set(extras["docs"]), sorted(site - set(extras["docs"]))
-    assert {name(r) for r in extras["docs"]} - {name(r) for r in site} == {"matplotlib"}
+    assert {name(r) for r in extras["docs"]} - {name(r) for r in site} == {"matplotlib", "import-linter"}
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert 'pip install -v ".[docs]"' in readme and "mkdocs serve" in readme

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "pyllamacpp"
 
@@ -185,3 +191,190 @@ def test_the_check_sees_each_kind_of_crossing(tmp_path):
         "pyllamacpp.b.mod -> pyllamacpp.a.mod._x",
     ], got
     assert len(got["pyllamacpp.b.mod -> pyllamacpp.a._own"]) == 3  # two imports of the module, one of the lazy
+
+
+# ---------------------------------------------------------------------------------------------
+# The import contracts: pyproject.toml's [tool.importlinter] (import-linter, in the test extra):
+# the layers bottom to top, the features' own order, the features that stand on the core alone,
+# and nothing below the commands importing experiments, cli or evaluation. The one written
+# exception, a convenience method of Model or Context importing upward inside its body, is each
+# contract's ignore_imports. docs/explain/architecture.md states the same layers.
+
+REPO = ROOT.parent
+
+# lint-imports in a child run in the folder to check: an editable install's import hook is taken
+# out (as in test_frictions' clone test), so grimp reads the package of that folder, not this
+# checkout's through the hook.
+_LINT = (
+    "import sys\n"
+    "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__]\n"
+    "from importlinter.cli import lint_imports\n"
+    "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True))\n"
+)
+
+
+def _lint(tree: Path) -> subprocess.CompletedProcess:
+    if importlib.util.find_spec("importlinter") is None:
+        pytest.skip("import-linter is not installed (it comes with the test extra)")
+    return subprocess.run([sys.executable, "-c", _LINT], cwd=tree, capture_output=True, text=True, timeout=600)
+
+
+def _contracts() -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    return {c["id"]: c for c in config["tool"]["importlinter"]["contracts"]}
+
+
+def _house():
+    # tools/house.py, loaded by path: tools/ is no package
+    if importlib.util.find_spec("grimp") is None:
+        pytest.skip("grimp is not installed (it comes with the test extra)")
+    spec = importlib.util.spec_from_file_location("pyllamacpp_tools_house", REPO / "tools" / "house.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_import_contracts_hold():
+    r = _lint(REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 broken" in r.stdout
+
+
+def _copy_sources(dst: Path) -> None:
+    def not_python(folder: str, names: list[str]) -> set[str]:
+        return {n for n in names if n == "__pycache__" or not (n.endswith(".py") or Path(folder, n).is_dir())}
+
+    shutil.copytree(ROOT, dst / "pyllamacpp", ignore=not_python)
+    shutil.copy(REPO / "pyproject.toml", dst / "pyproject.toml")
+
+
+def test_planted_imports_break_the_contracts(tmp_path):
+    """The package's sources copied: the copy passes; with ``from . import cli`` added to its
+    batch.py, the layers and the top's forbidden contract fail, and with ``from . import kvprobe``
+    in experiments/sweep.py, the experiments' independence fails, each naming the import."""
+    _copy_sources(tmp_path)
+    r = _lint(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    planted = {}
+    for rel, line, name in (
+        ("batch.py", "from . import cli  # planted", "pyllamacpp.batch -> pyllamacpp.cli"),
+        ("experiments/sweep.py", "from . import kvprobe  # planted", "pyllamacpp.experiments.sweep -> "
+         "pyllamacpp.experiments.kvprobe"),
+    ):  # fmt: skip
+        path = tmp_path / "pyllamacpp" / rel
+        path.write_text(path.read_text() + f"\n{line}\n")
+        planted[name] = len(path.read_text().splitlines())
+    r = _lint(tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    contracts = _contracts()
+    said = " ".join(r.stdout.split())
+    for cid in ("layers", "top", "experiments"):
+        assert f"{contracts[cid]['name']} BROKEN" in said, (cid, r.stdout)
+    for name, line in planted.items():
+        assert f"{name} (l.{line})" in r.stdout, r.stdout
+
+
+def _imports_in(path: Path, module: str) -> list[tuple[int, str, list[str]]]:
+    """(line, imported module or name, enclosing class and function names) of each import in a file."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: list[tuple[int, str, list[str]]] = []
+
+    def visit(node: ast.AST, scope: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ImportFrom):
+                parts = package.split(".")
+                base = parts[: len(parts) - (child.level - 1)] if child.level else []
+                stem = ".".join(base + ([child.module] if child.module else []))
+                out.append((child.lineno, stem, scope))
+                out.extend((child.lineno, f"{stem}.{alias.name}", scope) for alias in child.names)
+            elif isinstance(child, ast.Import):
+                out.extend((child.lineno, alias.name, scope) for alias in child.names)
+            inner = scope + [child.name] if isinstance(child, (ast.ClassDef, ast.FunctionDef)) else scope
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), [])
+    return out
+
+
+def test_the_written_exceptions_are_lazy_imports_in_model_and_context_methods():
+    """Each ``ignore_imports`` of the layers contract is a method of Model or Context importing
+    upward inside its body: no statement of that import runs at module level (one under
+    ``TYPE_CHECKING`` never runs), and each lazy one is in a method of the class."""
+    house = _house()
+    contract = _contracts()["layers"]
+    assert contract["ignore_imports"], "the layers contract lists its written exceptions"
+    for expression in contract["ignore_imports"]:
+        importer, imported = (s.strip() for s in expression.split("->"))
+        path = house.module_path(REPO, importer)
+        kinds = house.import_kinds(path.read_text())
+        found = [
+            (line, kinds[line], scope)
+            for line, name, scope in _imports_in(path, importer)
+            if name == imported or name.startswith(imported + ".")
+        ]
+        for line, kind, scope in found:
+            assert kind != "module", f"{expression}: {path.name}:{line} imports at module level"
+            if kind == "lazy":
+                assert scope[:1] in (["Model"], ["Context"]) and len(scope) >= 2, (expression, line, scope)
+        assert any(kind == "lazy" for _, kind, _ in found), f"{expression}: no lazy import; take it off the list"
+
+
+def test_the_contracts_agree_with_the_layers():
+    """The features' contracts list the layers contract's exceptions, and the forbidden contract's
+    sources are every module the layers place below the commands, but evaluation."""
+    contracts = _contracts()
+    layers = contracts["layers"]
+    for cid in ("features", "leaves"):
+        assert contracts[cid]["ignore_imports"] == layers["ignore_imports"], cid
+    below = set()
+    for layer in layers["layers"][1:]:
+        below |= {"pyllamacpp." + m.strip().strip("()") for m in layer.replace("|", ":").split(":")}
+    assert set(contracts["top"]["source_modules"]) == below - {"pyllamacpp.evaluation"}
+    assert set(contracts["top"]["forbidden_modules"]) == {
+        "pyllamacpp.experiments",
+        "pyllamacpp.cli",
+        "pyllamacpp.evaluation",
+    }
+
+
+def test_the_house_counts_hand_written_decode_loops():
+    """tools/house.py's count: ``ctx.decode(batch)`` and ``add_sequence`` are a hand-built batch;
+    the packing core's ``order.decode(ctx)`` and text decoding are not."""
+    house = _house()
+    assert house.decodes_by_hand("ctx.decode(batch)")
+    assert house.decodes_by_hand("self.ctx.decode(self.batch)")
+    assert house.decodes_by_hand("b.add_sequence(tokens, 0, 0)")
+    assert not house.decodes_by_hand("order.decode(ctx)\nwo.decode(self.ctx)")
+    assert not house.decodes_by_hand("data.decode('utf-8')\nself._decoder.decode(data)\nraw.decode()")
+
+
+def test_the_layer_figure_draws_the_contract():
+    """The docs build's figure (docs/hooks/layers.py): every top-level module in one box, no arc
+    going up, the written exceptions drawn apart as the contract lists them; the page shows it."""
+    pytest.importorskip("matplotlib", reason="the figure needs matplotlib (the test and docs extras)")
+    pytest.importorskip("mkdocs", reason="the hook needs mkdocs (the test and docs extras)")
+    house = _house()
+    spec = importlib.util.spec_from_file_location("pyllamacpp_docs_layers", REPO / "docs" / "hooks" / "layers.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    contract, members, between, inside, exceptions = hook.layer_counts()
+    drawn = sorted(m.rstrip("/") for box in members for m in box)
+    top_level = sorted({p.stem if p.is_file() else p.name for p in ROOT.glob("*") if _is_module(p)} - {"__init__"})
+    assert drawn == top_level
+    assert all(a > b for a, b in between), between
+    assert sum(between.values()) > 0 and sum(inside.values()) > 0
+    listed = {(a, b) for a, b, _ in house.load_contracts(REPO / "pyproject.toml")["layers"].exceptions}
+    assert {(a, b) for a, b, *_ in exceptions} == listed
+    assert all(a < b for *_, a, b in exceptions)  # each goes up
+    assert hook.figure().lstrip().startswith(b"<?xml")
+    page = (REPO / "docs" / "explain" / "architecture.md").read_text()
+    assert f"pyllamacpp-cffi/{hook.FIGURE})" in page
+
+
+def _is_module(p: Path) -> bool:
+    return (p.suffix == ".py") or (p.is_dir() and (p / "__init__.py").exists())
