@@ -23,8 +23,9 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from ..ubatch import PlanError, plan
 from .common import Command, add_model_flags, context_kwargs, progress, prompt_tokens, run_on_model
-from .ubatch_plan import PlanError, add_plan_flags, plan, shape_from_args, summary_line
+from .ubatch_plan import add_plan_flags, shape_from_args, summary_line
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -230,7 +231,7 @@ def trace(model: Model, shape: dict, *, tracer: EvalTrace | None = None, **ctx_k
 
     Args:
         model: The :class:`~pyllamacpp.Model`.
-        shape: Keywords of :func:`~pyllamacpp.experiments.ubatch_plan.plan` (the batch's shape).
+        shape: Keywords of :func:`~pyllamacpp.ubatch.plan` (the batch's shape).
         tracer: The :class:`EvalTrace` to use; None: a new one.
         **ctx_kw: :class:`~pyllamacpp.Context` keywords.
 

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import argparse
 
+from ...ubatch import PlanError, per_seq
 from ..common import Command, add_model_flags, context_kwargs, run_on_model
-from ..ubatch_plan import PlanError, add_plan_flags, per_seq, shape_from_args
+from ..ubatch_plan import add_plan_flags, shape_from_args
 from ._report import grid_text, plot, print_report
 from ._rule import (
     EMPTY,

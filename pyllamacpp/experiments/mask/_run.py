@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...ubatch import N_PAD, layout_rows, pad
 from ..common import progress, prompt_tokens
-from ..ubatch_plan import N_PAD, layout_rows, pad
 from ._rule import (
     GRID_CHARS,
     KEEP,
