@@ -78,11 +78,13 @@ import numpy as np
 import numpy.typing as npt
 
 from .._lib import lib
+from ..packing import WorkOrder, common_prefix, model_and_context
 from ..scoring import log_softmax
 
 if TYPE_CHECKING:
     from ..context import Context
     from ..model import Model
+    from ..packing import Piece
 
 __all__ = ["Loglikelihood", "Loglikelihoods", "loglikelihood", "encode_pair"]
 
@@ -308,12 +310,6 @@ class _Node:
         return self.start + int(self.tokens.size)
 
 
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    d = np.flatnonzero(a[:n] != b[:n])
-    return int(d[0]) if d.size else n
-
-
 def _build(seqs: list[np.ndarray]) -> tuple[_Node, list[_Node], list[_Node]]:
     """The trie of the unique sequences ``seqs`` (sorted): its root, the node where each sequence
     ends (in ``seqs`` order) and the leaves in depth-first order."""
@@ -321,7 +317,7 @@ def _build(seqs: list[np.ndarray]) -> tuple[_Node, list[_Node], list[_Node]]:
     stack = [root]
     prev = np.zeros(0, np.int32)
     for k, seq in enumerate(seqs):
-        n = _lcp(prev, seq)
+        n = common_prefix(prev, seq)
         while len(stack) > 1 and stack[-1].start >= n:
             stack.pop()
         top = stack[-1]
@@ -359,17 +355,14 @@ def _path(node: _Node) -> list[_Node]:
 
 # -- the walk ----------------------------------------------------------------------------------------
 class _Seg:
-    """A run of one node's tokens ``[j0, j1)`` in the batch (slots ``sl``), fed by ``slot``
-    and shared by ``joiners``."""
+    """The walk's tag on a piece of the work order (the piece's ``lo``/``hi`` are the node's tokens
+    ``[j0, j1)``): the node, the slot that feeds it and the slots that joined it."""
 
-    __slots__ = ("node", "j0", "j1", "slot", "sl", "joiners")
+    __slots__ = ("node", "slot", "joiners")
 
-    def __init__(self, node: _Node, j0: int, j1: int, slot: int, sl: slice) -> None:
-        self.node, self.j0, self.j1, self.slot, self.sl = node, j0, j1, slot, sl
+    def __init__(self, node: _Node, slot: int) -> None:
+        self.node, self.slot = node, slot
         self.joiners: list[int] = []
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.node, self.j0, self.j1, self.slot, self.sl, self.joiners))
 
 
 class _Walk:
@@ -390,7 +383,7 @@ class _Walk:
         self.used = 0  # cells taken in this epoch (all of them stay taken until it ends)
         self.live: set[_Node] = set()  # nodes with cells in this epoch
         self.reserved: set[_Node] = set()  # nodes the paths in flight still have to feed
-        self.batch = Batch(self.n_batch, max(1, n_seq), model=ctx.model)
+        self.order = WorkOrder(Batch(self.n_batch, max(1, n_seq), model=ctx.model))
         self.on_scored: Any = None  # called with each node whose last token's log-prob is known
         self.n_scored = self.n_scored_at_epoch = 0  # nodes scored (a guard: every epoch scores some)
 
@@ -493,7 +486,7 @@ class _Walk:
         self.held[s] = j
         return last
 
-    def _fill(self) -> list[_Seg]:
+    def _fill(self) -> list[Piece]:
         """The next batch: per slot with work, its path's next tokens, up to ``n_batch`` and the
         cells the epoch has left.
 
@@ -503,11 +496,10 @@ class _Walk:
         its endings go in one decode. A node the owner feeds over several batches is waited for,
         then taken with ``seq_cp``. Slots fill in index order, so the first slot with work always
         finishes its path within an epoch."""
-        batch = self.batch
-        batch.clear()
-        room = min(self.n_batch, self.n_ctx - self.used)
-        segs: list[_Seg] = []
-        whole: dict[int, _Seg] = {}  # id(node) -> its segment, for the nodes put whole in this batch
+        wo = self.order
+        wo.clear()
+        room = min(wo.room, self.n_ctx - self.used)
+        whole: dict[int, Piece] = {}  # id(node) -> its piece, for the nodes put whole in this order
         for s, path in enumerate(self.paths):
             if path is None or room == 0:
                 continue
@@ -516,21 +508,20 @@ class _Walk:
             while i <= last and room > 0:
                 node = path[i]
                 if node.owner not in (-1, s):
-                    seg = whole.get(id(node))
-                    if seg is None:
+                    piece = whole.get(id(node))
+                    if piece is None:
                         break  # another slot feeds it over several batches: wait for its cells
-                    k = int(batch.n_seq_id[seg.sl.start])
-                    batch.seq_id[seg.sl, k] = s
-                    batch.n_seq_id[seg.sl] = k + 1
-                    seg.joiners.append(s)
+                    wo.join(piece, s)
+                    piece.tag.joiners.append(s)
                     i += 1
                     continue
                 node.owner = s
                 j0 = node.n_dec
                 take = min(room, node.n_feed - j0)
                 j1 = j0 + take
-                flags = np.zeros(take, bool)
-                if not node.scored:  # a node decoded again needs no rows
+                flags: str | np.ndarray = "none"  # a node decoded again needs no rows
+                if not node.scored:
+                    flags = np.zeros(take, bool)
                     nxt = np.arange(j0 + 1, j1 + 1)
                     inside = nxt < node.tokens.size
                     flags[inside] = node.want[nxt[inside]]
@@ -538,58 +529,55 @@ class _Walk:
                         flags[-1] = True
                 else:
                     self.stats.n_redecoded += take
-                sl = batch.add_sequence(node.tokens[j0:j1], s, node.start + j0, logits=flags)
-                seg = _Seg(node, j0, j1, s, sl)
-                segs.append(seg)
+                piece = wo.add(node.tokens[j0:j1], s, node.start + j0, flags, tag=_Seg(node, s), lo=j0)
                 room -= take
                 if j1 < node.n_feed:
                     break  # the rest of it in the next batch
                 if j0 == 0:
-                    whole[id(node)] = seg
+                    whole[id(node)] = piece
                 i += 1  # this slot goes on in the same batch: same sequence, next positions
-        return segs
+        return wo.pieces
 
-    def _decoded(self, segs: list[_Seg]) -> None:
-        """After the decode: the rows' log-probabilities, the nodes' state."""
-        batch = self.batch
-        flags = batch.logits.astype(bool)
-        n_out = int(flags.sum())
-        self.used += len(batch)
+    def _decoded(self, pieces: list[Piece]) -> None:
+        """After the decode: the rows' log-probabilities (each piece's ``rows``), the nodes' state."""
+        n_out, n_tok = self.order.n_outputs, len(self.order)
+        self.used += n_tok
         self.stats.n_decodes += 1
-        self.stats.n_decoded += len(batch)
+        self.stats.n_decoded += n_tok
         self.stats.n_outputs += n_out
         scored_now: list[_Node] = []
         if n_out:
-            # per output row: the node and index of the token it predicts, and that token
-            rows_node: list[_Node] = []
-            rows_j: list[int] = []
-            targets: list[int] = []
+            # per output row the token it predicts: the node's next one, or (at the node's last
+            # token) the first token of its first child that wants it
+            targets = [0] * n_out
+            fed: list[tuple[_Node, int, list[int]]] = []  # per piece with rows: node, first row, tokens predicted
             extra: list[tuple[int, _Node]] = []  # (row, child) for the other children of a last row
-            k0 = 0
-            for seg in segs:
-                node, j0, j1 = seg.node, seg.j0, seg.j1
-                f = flags[k0 : k0 + (j1 - j0)]
-                k0 += j1 - j0
-                for j in (np.flatnonzero(f) + j0).tolist():
-                    if j + 1 < node.tokens.size:
-                        rows_node.append(node)
-                        rows_j.append(j + 1)
-                        targets.append(int(node.tokens[j + 1]))
-                    else:  # the last row predicts the first token of each child that wants it
+            for p in pieces:
+                if p.rows.start == p.rows.stop:
+                    continue
+                node = p.tag.node
+                size = node.tokens.size
+                js = (p.at + 1).tolist()
+                fed.append((node, p.rows.start, js))
+                for row, j in enumerate(js, p.rows.start):
+                    if j < size:
+                        targets[row] = int(node.tokens[j])
+                    else:
                         first, *others = node.out_children
-                        rows_node.append(first)
-                        rows_j.append(0)
-                        targets.append(int(first.tokens[0]))
-                        extra.extend((len(targets) - 1, ch) for ch in others)
+                        targets[row] = int(first.tokens[0])
+                        extra.extend((row, ch) for ch in others)
             logits = self.ctx.logits_all()
             r = log_softmax(logits, targets, argmax=True, n_threads=self.n_threads)
             assert r.target is not None and r.argmax is not None
-            argmax = r.argmax.tolist()
-            for node, j, lp, am, t in zip(rows_node, rows_j, r.target.tolist(), argmax, targets):
-                node.lp[j] = lp
-                node.greedy[j] = am == t
-                if j == node.tokens.size - 1:
-                    scored_now.append(node)
+            lps, argmax = r.target.tolist(), r.argmax.tolist()
+            for node, r0, js in fed:
+                size = node.tokens.size
+                for row, j in enumerate(js, r0):
+                    dst, jd = (node, j) if j < size else (node.out_children[0], 0)
+                    dst.lp[jd] = lps[row]
+                    dst.greedy[jd] = argmax[row] == targets[row]
+                    if jd == dst.tokens.size - 1:
+                        scored_now.append(dst)
             if extra:
                 # the same rows again (a copy of those few), the other children as targets
                 ex = log_softmax(logits[[k for k, _ in extra]], [int(ch.tokens[0]) for _, ch in extra])
@@ -600,13 +588,14 @@ class _Walk:
                     if ch.tokens.size == 1:
                         scored_now.append(ch)
             del logits, r  # no view of the outputs outlives this decode
-        for seg in segs:
+        for p in pieces:
+            seg = p.tag
             node = seg.node
-            node.n_dec = seg.j1
+            node.n_dec = p.hi
             node.holders.add(seg.slot)
             node.holders.update(seg.joiners)
             self.live.add(node)
-            if seg.j1 == node.n_feed:
+            if p.hi == node.n_feed:
                 node.owner = -1
                 node.scored = True
                 self.n_scored += 1
@@ -630,8 +619,8 @@ class _Walk:
                     raise AssertionError("a path does not fit in an empty epoch")
                 self._new_epoch()  # the next leaf does not fit in the cells left
                 continue
-            segs = self._fill()
-            if not segs:
+            pieces = self._fill()
+            if not pieces:
                 if all(self._done(s) for s in range(len(self.paths))):
                     continue  # scored by other slots' rows: free them and go on
                 if self.used >= self.n_ctx:
@@ -641,8 +630,8 @@ class _Walk:
                     self._new_epoch()
                     continue
                 raise AssertionError("the walk made no progress")  # a slot waits only on one that feeds
-            self.ctx.decode(self.batch)
-            self._decoded(segs)
+            self.order.decode(self.ctx)
+            self._decoded(pieces)
 
 
 def _shared(old: list[_Node] | None, held: int, path: list[_Node]) -> int:
@@ -779,18 +768,11 @@ def loglikelihood(
             the run's counts so far (``summary()``).
         DecodeError: A decode failed.
     """
-    from ..context import Context
-    from ..model import Model
     from ..params import default_n_ctx
 
-    if isinstance(model_or_ctx, Context):
-        model, ctx = model_or_ctx.model, model_or_ctx
-        if any(v is not None for v in (n_ctx, n_batch, n_seq_max, n_threads)) or ctx_kwargs:
-            raise ValueError("loglikelihood: n_ctx, n_batch, n_seq_max, n_threads and context keywords are for a Model")
-    elif isinstance(model_or_ctx, Model):
-        model, ctx = model_or_ctx, None
-    else:
-        raise TypeError(f"expected a Model or a Context, not {type(model_or_ctx).__name__}")
+    model, ctx = model_and_context(model_or_ctx)
+    if ctx is not None and (any(v is not None for v in (n_ctx, n_batch, n_seq_max, n_threads)) or ctx_kwargs):
+        raise ValueError("loglikelihood: n_ctx, n_batch, n_seq_max, n_threads and context keywords are for a Model")
     if model.n_swa or lib.llama_model_is_recurrent(model.ptr) or lib.llama_model_is_hybrid(model.ptr):
         raise ValueError(
             "loglikelihood needs a plain KV cache: a sliding window or a recurrent state cannot be cut "
