@@ -1,13 +1,13 @@
 """Sequence and whole-context state of a :class:`~pyllamacpp.context.Context`: get and set in
 memory, and seq dumps to files. ``StateMethods`` is a base of Context; its methods use the
-context's pointer, memory and parameters. It builds on mixins of one concept each:
+context's pointer, memory and parameters. It builds on mixins in ``pyllamacpp._context_state``:
 
-- ``_state_types.py``: ``StateFlags``, ``SeqState``, ``StateBuffer``, and what the mixins read
-  of a Context (``_StateBase``);
-- ``_state_facts.py``: the model's memory and layer map, flash attention, sidecar facts;
-- ``_state_check.py``: ``check_state``, a blob against this context before C sees it;
-- ``_state_room.py``: whether a load can fail on room, and the backup kept when it can;
-- ``_state_files.py``: seq and session files, ``check_state_file``."""
+- ``data.py``: ``StateFlags``, ``SeqState``, ``StateBuffer``, and what the mixins read of a
+  Context (``_StateBase``);
+- ``checks.py``: the model's memory and layer map, flash attention, sidecar facts;
+  ``check_state``, a blob against this context before C sees it; whether a load can fail on
+  room, and the backup kept when it can;
+- ``files.py``: seq and session files, ``check_state_file``."""
 
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _log
+from ._context_state.checks import _NOT_BACK
+from ._context_state.checks import _model_memory as _model_memory  # re-exported: tests check it on stand-ins
+from ._context_state.data import SeqState as SeqState
+from ._context_state.data import StateBuffer as StateBuffer
+from ._context_state.data import StateFlags as StateFlags
+from ._context_state.data import _as_uint8
+from ._context_state.files import StateFiles, _replacing
 from ._lib import ffi, lib
 from ._log import pending as _log_pending
-from ._state_facts import _model_memory as _model_memory  # re-exported: tests check it on stand-ins
-from ._state_files import StateFiles, _replacing
-from ._state_room import _NOT_BACK
-from ._state_types import SeqState as SeqState
-from ._state_types import StateBuffer as StateBuffer
-from ._state_types import StateFlags as StateFlags
-from ._state_types import _as_uint8
 from .errors import LlamaError, StateError
 
 # None: seq_state's own buffer comes from malloc inside one C call (pyl_state_seq_get). A function

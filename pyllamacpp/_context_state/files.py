@@ -13,12 +13,10 @@ from typing import Any, NoReturn, cast
 import numpy as np
 import numpy.typing as npt
 
-from . import _log
-from ._lib import ffi, lib
-from ._state_check import StateChecks
-from ._state_facts import _kv_has_v
-from ._state_room import _NOT_BACK, StateRoom
-from .errors import LlamaError, StateError
+from .. import _log
+from .._lib import ffi, lib
+from ..errors import LlamaError, StateError
+from .checks import _NOT_BACK, StateChecks, StateRoom, _kv_has_v
 
 
 @contextlib.contextmanager
@@ -81,7 +79,7 @@ class StateFiles(StateChecks, StateRoom):
             if n == 0:
                 raise OSError(f"llama_state_seq_save_file() could not write {path}: {cap.reason() or 'failed'}")
         if sidecar:
-            from .state import write_sidecar
+            from ..state import write_sidecar
 
             write_sidecar(path, **self.sidecar_facts(toks, flags=0))  # the file holds a flags-0 dump
         return int(n)
@@ -172,7 +170,7 @@ class StateFiles(StateChecks, StateRoom):
 
     def _check_file(self, path: str | os.PathLike, kind: str, cap_tokens: int, func: str) -> int:
         """check_state_file's checks; returns the cells of the file's state (all streams)."""
-        from . import state as st
+        from .. import state as st
 
         self.ptr  # noqa: B018 - raises ClosedError before the file is read
         path = Path(path)

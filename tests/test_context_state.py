@@ -1,0 +1,34 @@
+"""pyllamacpp.context_state: pickles made before ``SeqState`` and ``StateFlags`` moved (they name
+``pyllamacpp._state_types``) still load, as the classes of today."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from pyllamacpp.context_state import SeqState, StateFlags
+
+OLD = "pyllamacpp._state_types"
+# StateFlags.PARTIAL_ONLY as pickle.dumps(..., protocol=2) wrote it while the class lived there
+OLD_FLAGS = b"\x80\x02cpyllamacpp._state_types\nStateFlags\nq\x00K\x01\x85q\x01Rq\x02."
+
+
+def test_old_flags_pickle_loads():
+    assert pickle.loads(OLD_FLAGS) is StateFlags.PARTIAL_ONLY
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_old_seq_state_pickle_loads(protocol, monkeypatch):
+    st = SeqState(np.arange(10, dtype=np.uint8), 3, StateFlags.PARTIAL_ONLY)
+    with monkeypatch.context() as m:
+        # pickled as by the class before it moved (pickle checks that the old path gives the class)
+        m.setattr(SeqState, "__module__", OLD)
+        m.setattr(StateFlags, "__module__", OLD)
+        old = pickle.dumps(st, protocol=protocol)
+    assert OLD.encode() in old and SeqState.__module__.encode() not in old
+    back = pickle.loads(old)
+    assert type(back) is SeqState and type(back.flags) is StateFlags
+    assert (back.data == st.data).all() and back.seq_id == 3 and back.flags == StateFlags.PARTIAL_ONLY
+    assert back._cptr is None and len(back) == 10
