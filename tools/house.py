@@ -11,16 +11,17 @@ are gone since were renamed into the place in ``RENAMED`` (``_state_*.py`` becam
 What is counted (grimp reads the import graph; the standard library's ``ast`` says where each import
 stands):
 - modules: every module of the package (a package's ``__init__`` is one), and the top-level ones.
-- levels: the longest import chain, each cycle counted as one level: over all imports, and over the
+- levels: the longest import chain, each cycle counted as one level: over all imports, over the
+  imports the contracts read (type-only ones and the written exceptions left out), and over the
   imports that run at import time (module level, not under ``TYPE_CHECKING``).
 - imports: importer-imported pairs, each classed by its strongest statement: module level, lazy
   (inside a function) or type-only (under ``if TYPE_CHECKING:``); upward ones go from a lower layer
   of the contract to a higher one; the contract's ``ignore_imports`` are the written exceptions.
 - decode loops: files that fill a Batch and decode it themselves: a call ``X.add_sequence(...)``, or
-  ``X.decode(B)`` with one argument that is not a context and no text decoder as X (``ctx.decode(batch)``,
-  not ``order.decode(ctx)`` of the packing core nor ``bytes.decode("utf-8")``). ``packing.py`` is the
-  core and ``batch.py`` the Batch itself; ``experiments/`` is counted apart, since its batches are
-  hand-built on purpose (that is the experiment).
+  ``X.decode(B)`` with one argument, where X is no work order or text decoder and B no context
+  (``ctx.decode(batch)``; not the packing core's ``order.decode(probe)``, nor ``bytes.decode("utf-8")``).
+  ``packing.py`` is the core and ``batch.py`` the Batch itself; ``experiments/`` is counted apart,
+  since its batches are hand-built on purpose (that is the experiment).
 """
 
 from __future__ import annotations
@@ -73,27 +74,30 @@ class Contract:
     exceptions: list[tuple[str, str, str]] = field(default_factory=list)  # (importer, imported, comment)
     name: str = ""
 
+    def _held(self, module: str) -> list[tuple[int, str]]:
+        # (layer, the entry's module that holds ``module``: itself or an ancestor) for each entry
+        for pattern, new in RENAMED.items():
+            if re.fullmatch(pattern, module):
+                module = new
+        parts = module.split(".")
+        prefixes = [".".join(parts[:k]) for k in range(len(parts), 0, -1)]
+        return [
+            (i, next(p for p in prefixes if _matches(m, p)))
+            for i, layer in enumerate(self.layers)
+            for m in layer.modules
+            if any(_matches(m, p) for p in prefixes)
+        ]
+
     def layer_of(self, module: str) -> int | None:
         """The index (0 = bottom) of the layer holding ``module``, or None when no layer holds it."""
-        for pattern, new in RENAMED.items():
-            if re.fullmatch(pattern, module):
-                module = new
-        best, index = -1, None
-        for i, layer in enumerate(self.layers):
-            for m in layer.modules:
-                if (module == m or module.startswith(m + ".")) and len(m) > best:
-                    best, index = len(m), i
-        return index
+        held = self._held(module)
+        return max(held, key=lambda h: len(h[1]))[0] if held else None
 
     def sibling_of(self, module: str) -> str | None:
-        """The layer entry (a module or package) that holds ``module``."""
-        i = self.layer_of(module)
-        if i is None:
-            return None
-        for pattern, new in RENAMED.items():
-            if re.fullmatch(pattern, module):
-                module = new
-        return max((m for m in self.layers[i].modules if module == m or module.startswith(m + ".")), key=len)
+        """The module of its layer's entry that holds ``module`` (for ``pyllamacpp.experiments.*``: the
+        experiment), or None."""
+        held = self._held(module)
+        return max(held, key=lambda h: len(h[1]))[1] if held else None
 
     def is_exception(self, importer: str, imported: str) -> bool:
         """Whether an import is one of the contract's ``ignore_imports`` (``*`` one name, ``**`` any)."""
@@ -300,8 +304,10 @@ def decodes_by_hand(source: str) -> bool:
             arg, receiver = node.args[0], _name(node.func.value)
             if isinstance(arg, ast.Constant) or "decoder" in receiver.lower():
                 continue
-            if not re.fullmatch(r"(ctx|context|\w*_ctx)", _name(arg)):
-                return True
+            # the packing core's ``order.decode(ctx)``: a work order decoding itself
+            if re.fullmatch(r"(\w*_)?(order|wo)", receiver) or re.fullmatch(r"(ctx|context|\w*_ctx)", _name(arg)):
+                continue
+            return True
     return False
 
 
@@ -378,7 +384,8 @@ def measure(tree: Path, contracts: dict[str, Contract]) -> list[str]:
             continue
         if decodes_by_hand(f.read_text()):
             loops[rel.startswith("experiments/")].append(rel)
-    lines.append(f"decode loops by hand outside packing.py: {len(loops[False])} ({', '.join(loops[False])})")
+    named = f" ({', '.join(loops[False])})" if loops[False] else ""
+    lines.append(f"decode loops by hand outside packing.py: {len(loops[False])}{named}")
     lines.append(f"  in experiments/ (hand-built on purpose, counted apart): {len(loops[True])}")
     return lines
 
