@@ -343,13 +343,14 @@ def test_the_contracts_agree_with_the_layers():
 
 
 def test_the_house_counts_hand_written_decode_loops():
-    """tools/house.py's count: ``ctx.decode(batch)`` and ``add_sequence`` are a hand-built batch;
-    the packing core's ``order.decode(ctx)`` and text decoding are not."""
+    """tools/house.py's count: ``ctx.decode(batch)``, ``probe.decode(batch)`` and ``add_sequence``
+    are a hand-built batch; the packing core's ``order.decode(ctx)`` and text decoding are not."""
     house = _house()
     assert house.decodes_by_hand("ctx.decode(batch)")
     assert house.decodes_by_hand("self.ctx.decode(self.batch)")
+    assert house.decodes_by_hand("probe.decode(batch)")
     assert house.decodes_by_hand("b.add_sequence(tokens, 0, 0)")
-    assert not house.decodes_by_hand("order.decode(ctx)\nwo.decode(self.ctx)")
+    assert not house.decodes_by_hand("order.decode(ctx)\nwo.decode(self.ctx)\norder.decode(probe)")
     assert not house.decodes_by_hand("data.decode('utf-8')\nself._decoder.decode(data)\nraw.decode()")
 
 
