@@ -8,16 +8,23 @@ a chunk made under other settings is never loaded. Each chunk is a valid sequenc
 cells (``pyllamacpp parse-state`` reads it). :meth:`PrefixStore.restore` joins the longest run of
 stored chunks into one dump and loads it with ``llama_state_seq_set_data_ext``; the caller decodes
 the rest.
+
+Two backends: a local directory (:class:`DirectoryBackend`, the default) and a Redis server
+(:class:`RedisBackend`, a ``redis://`` URL; it needs the ``redis`` package, the ``store`` extra).
 """
 
 from ._directory import ChunkCorrupt, ChunkFile, DirectoryBackend, StoreError
-from ._store import PrefixStore, PrefixStoreWarning, context_identity
+from ._redis import RedisBackend, RedisChunk
+from ._store import PrefixStore, PrefixStoreWarning, context_identity, open_backend
 
 __all__ = [
     "PrefixStore",
     "PrefixStoreWarning",
     "DirectoryBackend",
+    "RedisBackend",
+    "open_backend",
     "ChunkFile",
+    "RedisChunk",
     "ChunkCorrupt",
     "StoreError",
     "context_identity",

@@ -62,6 +62,8 @@ class DirectoryBackend:
             format.
     """
 
+    format = FORMAT
+
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
         if self.root.exists() and not self.root.is_dir():
@@ -104,8 +106,9 @@ class DirectoryBackend:
                 return ChunkFile(key, name[len(prefix) : -len(_SUFFIX)], path, st.st_size, st.st_mtime)
         return None
 
-    def get(self, key: str) -> bytes | None:
-        """The chunk's bytes, checked; None when absent.
+    def get(self, key: str, *, touch: bool = True) -> bytes | None:
+        """The chunk's bytes, checked; None when absent (``touch=False``: the read is not counted
+        as a use, as for a check that should leave the eviction order alone).
 
         Raises:
             ChunkCorrupt: The bytes do not match their checksum (the file is removed first).
@@ -120,6 +123,8 @@ class DirectoryBackend:
         if hashlib.sha256(data).hexdigest() != f.checksum:
             _unlink(f.path)
             raise ChunkCorrupt(f"chunk {key[:16]}...: its bytes do not match their sha256 (removed)")
+        if not touch:
+            return data
         try:
             os.utime(f.path)  # least recently used: a read counts as a use
         except OSError:

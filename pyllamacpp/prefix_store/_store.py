@@ -16,10 +16,40 @@ import numpy.typing as npt
 from .._lib import build_info, lib
 from ..errors import StateError
 from ..state import join_cells, parse
-from ._directory import ChunkCorrupt, DirectoryBackend, is_disk_full
+from ._directory import _MANIFEST, ChunkCorrupt, DirectoryBackend, StoreError, is_disk_full
+from ._redis import RedisBackend, is_redis_url
 
 if TYPE_CHECKING:
     from ..context import Context
+
+
+Backend = DirectoryBackend | RedisBackend
+
+
+def open_backend(where: str | os.PathLike | Backend, *, create: bool = True) -> Backend:
+    """The backend ``where`` names: a ``redis://`` or ``rediss://`` URL is a :class:`RedisBackend`,
+    anything else a store directory (:class:`DirectoryBackend`); a backend is returned as it is.
+
+    Args:
+        where: A directory, a Redis URL, or a backend.
+        create: Make the store when it does not exist (False: refuse, as a command that inspects a
+            store does, so a mistyped path is not made into a new store).
+
+    Returns:
+        The backend.
+
+    Raises:
+        StoreError: A path that is a file or not a store; a Redis server that cannot be reached
+            (the message names the URL); a store of another format; with ``create=False``, no store.
+    """
+    if isinstance(where, (DirectoryBackend, RedisBackend)):
+        return where
+    if is_redis_url(where):
+        return RedisBackend(str(where), create=create)
+    if not create and not (Path(where) / _MANIFEST).is_file():
+        what = "no such directory" if not Path(where).exists() else "not a prefix store (no manifest)"
+        raise StoreError(f"{where}: {what}")
+    return DirectoryBackend(where)
 
 
 class PrefixStoreWarning(UserWarning):
@@ -129,24 +159,26 @@ class PrefixStore:
     same identity (:func:`context_identity`).
 
     Args:
-        where: A directory (made when missing) or a :class:`DirectoryBackend`.
+        where: A directory (made when missing), a Redis URL (``redis://host:port/db``, shared by
+            every machine that reaches the server), or a backend (:func:`open_backend`).
         chunk_size: Positions per chunk (LMCache's default, 256).
         max_bytes: Keep the store at most this large: after each save the least recently used
             chunks are evicted (None: no cap).
 
     Raises:
         ValueError: ``chunk_size`` < 1 or ``max_bytes`` < 0.
-        StoreError: ``where`` is a file, or a directory that is not a store of this format.
+        StoreError: ``where`` is a file, or a directory that is not a store of this format, or a
+            Redis server that cannot be reached (the message names the URL).
     """
 
     def __init__(
-        self, where: str | os.PathLike | DirectoryBackend, *, chunk_size: int = 256, max_bytes: int | None = None
+        self, where: str | os.PathLike | Backend, *, chunk_size: int = 256, max_bytes: int | None = None
     ) -> None:
         if int(chunk_size) < 1:
             raise ValueError(f"chunk_size must be at least 1, not {chunk_size}")
         if max_bytes is not None and int(max_bytes) < 0:
             raise ValueError(f"max_bytes must be at least 0, not {max_bytes}")
-        self.backend = where if isinstance(where, DirectoryBackend) else DirectoryBackend(where)
+        self.backend: Backend = open_backend(where)
         self.chunk_size = int(chunk_size)
         self.max_bytes = None if max_bytes is None else int(max_bytes)
         self.stats = StoreStats()
@@ -258,7 +290,11 @@ class PrefixStore:
             return 0
         t = np.asarray(tokens).reshape(-1)
         keys = self.keys(ctx, t)
-        missing = [(k, key) for k, key in enumerate(keys) if self.backend.find(key) is None]
+        try:
+            missing = [(k, key) for k, key in enumerate(keys) if self.backend.find(key) is None]
+        except OSError as e:  # a Redis server gone: the run goes on without storing
+            self._warn(f"looking up chunks failed ({e}); going on without storing")
+            return 0
         if not missing:
             return 0
         st = parse(ctx.seq_state(seq_id).data)
@@ -280,6 +316,9 @@ class PrefixStore:
                     self._no_writes = True
                     self._warn(f"the store's disk is full ({e}); going on without storing")
                     break
+                if isinstance(e, (ConnectionError, TimeoutError)):  # the server gone: not one wait per chunk
+                    self._warn(f"writing chunk {key[:16]}... failed ({e}); going on without storing")
+                    break
                 self._warn(f"writing chunk {key[:16]}... failed ({e}); going on without it")
                 continue
             if nb:
@@ -287,7 +326,10 @@ class PrefixStore:
                 self.stats.chunks_written += 1
                 self.stats.bytes_written += nb
         if written and self.max_bytes is not None:
-            self.backend.evict(self.max_bytes)
+            try:
+                self.backend.evict(self.max_bytes)
+            except OSError as e:
+                self._warn(f"evicting down to {self.max_bytes} bytes failed ({e})")
         return written
 
     def _warn(self, msg: str) -> None:
