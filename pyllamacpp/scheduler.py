@@ -29,6 +29,15 @@ drafted one (sample-and-compare, as :func:`~pyllamacpp.generate_speculative`), o
 token, and the cells of the rejected rows are removed (``llama_memory_seq_rm``). Drafts take
 batch rows before prompt chunks do, and only what the batch has left over one row per generating
 sequence. They need a plain KV cache (no sliding window, no recurrent state).
+
+Prefix store (the second tier, :class:`~pyllamacpp.prefix_store.PrefixStore`): with
+``prefix_store=``, a request whose prompt the store holds more of (in whole chunks, at most
+``n_prompt - 1`` tokens) than the prefix cache can give has its sequence emptied and the stored
+chunks loaded into it (``llama_state_seq_set_data_ext``) before its prefill; once its prompt is all
+decoded, the prompt's whole chunks the store lacks are stored. A restored cell holds the bytes a
+decode of those tokens wrote, so the exactness above holds (flash attention off; with it on, cells
+that land elsewhere can move logits in the last bits). It needs a plain KV cache; with
+``kv_unified=False`` chunks stored from any sequence load into any other.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from .sampling import Sampler
 if TYPE_CHECKING:
     from .context import Context
     from .model import _TokenTable
+    from .prefix_store import PrefixStore
 
 FinishReason = Literal["eog", "n_predict", "ctx_full", "cancelled"]
 
@@ -81,10 +91,12 @@ class Request:
         n_accepted: Drafted tokens its sampler agreed with.
         drafted_at: Per draft position (index 0: the first drafted token), steps that drafted it.
         accepted_at: Per draft position, steps that accepted it.
-        n_prompt_reused: Prompt tokens whose KV cells came from the prefix cache (not decoded).
+        n_prompt_reused: Prompt tokens whose KV cells came from the prefix cache or the prefix
+            store (not decoded).
+        n_prompt_restored: Of those, the tokens the prefix store loaded (0 without a store).
         n_prompt_decoded: Prompt tokens decoded for it.
         reused_from: The sequence whose cells it reused (its own, or the one ``seq_cp`` copied
-            from); None when it reused nothing.
+            from); None when it reused nothing or its cells came from the prefix store.
         t_submit: ``time.perf_counter()`` at submission.
         t_start: When it got a sequence (None while waiting).
         t_first_token: When its first token was sampled.
@@ -109,6 +121,7 @@ class Request:
         "finish_reason",
         "error",
         "n_prompt_reused",
+        "n_prompt_restored",
         "n_prompt_decoded",
         "reused_from",
         "t_submit",
@@ -149,6 +162,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.error: KVCacheFullError | None = None
         self.n_prompt_reused = 0
+        self.n_prompt_restored = 0
         self.n_prompt_decoded = 0
         self.reused_from: int | None = None
         self.t_submit = time.perf_counter()
@@ -224,7 +238,8 @@ class Request:
         Returns:
             ``id``, ``seq_id``, ``n_prompt``, ``n_prompt_reused``, ``n_prompt_decoded``,
             ``reused_from``, ``n_tokens``, ``finish_reason``, ``time_to_first_token_s``,
-            ``tokens_per_s``, ``text``; for a request with a draft also ``n_draft``,
+            ``tokens_per_s``, ``text``; with a prefix store also ``n_prompt_restored``; for a
+            request with a draft also ``n_draft``,
             ``n_drafted``, ``n_accepted``, ``acceptance_rate`` and ``acceptance_at`` (per draft
             position: steps that accepted it / steps that drafted it).
         """
@@ -241,6 +256,8 @@ class Request:
             "tokens_per_s": self.tokens_per_s,
             "text": self.text,
         }
+        if self._sched.prefix_store is not None:
+            out["n_prompt_restored"] = self.n_prompt_restored
         if self.draft is not None:
             out.update(
                 n_draft=self.n_draft,
@@ -293,10 +310,15 @@ class Scheduler:
             ``kv_unified=True``; otherwise a request reuses what its own sequence held. Off, whatever
             is asked, for a model with a sliding window (``n_swa > 0``) or a recurrent or hybrid
             memory (:attr:`prefix_cache` says which).
+        prefix_store: A :class:`~pyllamacpp.prefix_store.PrefixStore`: before a request's prefill
+            the longest stored prefix of its prompt is loaded when the prefix cache holds less of
+            it, and after it the prompt's new whole chunks are stored (None: no store).
 
     Raises:
         ValueError: ``n_batch`` is smaller than ``n_seq_max`` (a step could not hold one token per
-            sequence).
+            sequence), or a prefix store with a memory it cannot serve (a sliding window, a
+            recurrent or hybrid memory: the message says which).
+        TypeError: ``prefix_store`` is not a :class:`~pyllamacpp.prefix_store.PrefixStore`.
         ClosedError: The context is closed.
     """
 
@@ -304,7 +326,7 @@ class Scheduler:
     """A waiting request whose prompt shares at least this many more tokens with a prompt being
     prefilled than with any cache waits for that prefill (a step or so) and shares its cells."""
 
-    def __init__(self, ctx: Context, *, prefix_cache: bool = True) -> None:
+    def __init__(self, ctx: Context, *, prefix_cache: bool = True, prefix_store: PrefixStore | None = None) -> None:
         n_seq = ctx.n_seq_max
         if ctx.n_batch < n_seq:
             raise ValueError(f"n_batch {ctx.n_batch} < n_seq_max {n_seq}: a step needs one token per sequence")
@@ -321,6 +343,16 @@ class Scheduler:
         """Whether prompt prefixes are reused: as asked, and only with a plain KV cache."""
         self.kv_unified = bool(ctx.params.kv_unified) or n_seq == 1
         """Whether cells can be shared between sequences (one KV stream)."""
+        if prefix_store is not None:
+            from .prefix_store import PrefixStore
+
+            if not isinstance(prefix_store, PrefixStore):
+                raise TypeError(
+                    f"prefix_store must be a pyllamacpp.prefix_store.PrefixStore, got {type(prefix_store).__name__}"
+                )
+            prefix_store.keys(ctx, np.zeros(0, np.int32))  # refuses a memory it cannot serve, before any request
+        self.prefix_store = prefix_store
+        """The :class:`~pyllamacpp.prefix_store.PrefixStore` (the second tier), or None."""
         self._n_vocab = self.model.n_vocab
         self._n_ctx_seq = ctx.n_ctx_seq
         self._batch = Batch(self.n_batch, 1, model=self.model)
@@ -344,7 +376,9 @@ class Scheduler:
         self.n_prompt_decoded = 0
         """Prompt tokens decoded so far, all requests."""
         self.n_prompt_reused = 0
-        """Prompt tokens reused from the prefix cache so far, all requests."""
+        """Prompt tokens reused from the prefix cache or the prefix store so far, all requests."""
+        self.n_prompt_restored = 0
+        """Of those, the tokens the prefix store loaded."""
         self.n_tokens = 0
         """Tokens sampled so far, all requests."""
         for s in range(n_seq):  # one by one: a recurrent memory refuses seq_id -1
@@ -620,6 +654,9 @@ class Scheduler:
                         n = min(self._lcp(o, toks), n_max)
                         if n > reuse:
                             reuse, src = n, o
+        restored = 0
+        if self.prefix_store is not None and self._stored(toks) > reuse:
+            restored, reuse, src = self._restore(r, s, reuse, src)
         if src == s:
             if self._n_held[s] > reuse:
                 mem.seq_rm(s, reuse, -1)
@@ -629,14 +666,47 @@ class Scheduler:
             packing.fork(self.ctx, src, (s,), 0, reuse)
         self._n_held[s], self._owner[s] = reuse, r  # what s holds is a prefix of r's prompt
         r.seq_id, r._s, r.n_prompt_reused, r._i = s, s, reuse, reuse
-        r.reused_from = src if reuse else None
+        r.n_prompt_restored = restored
+        r.reused_from = src if reuse and not restored else None
         r.t_start = time.perf_counter()
         if r.draft is not None:
             r._hist = toks.tolist()
             r.draft.begin(list(r._hist))
         self.n_prompt_reused += reuse
+        self.n_prompt_restored += restored
         self._running[s] = r
         self._prefill.append(r)
+
+    def _stored(self, toks: np.ndarray) -> int:
+        """How many of the prompt's first tokens the store holds in whole chunks (all but the last
+        token at most), found by key without reading a chunk."""
+        store = self.prefix_store
+        assert store is not None
+        try:
+            keys = store.keys(self.ctx, toks[: toks.size - 1])
+            n = 0
+            while n < len(keys) and store.backend.find(keys[n]) is not None:
+                n += 1
+        except OSError:  # a store that cannot be reached: restore() says so when it is asked
+            return 0
+        return n * store.chunk_size
+
+    def _restore(self, r: Request, s: int, reuse: int, src: int) -> tuple[int, int, int]:
+        """Empty sequence ``s`` and load the longest stored prefix of ``r``'s prompt into it.
+
+        Returns ``(restored, reuse, src)`` for :meth:`_start`: when a chunk failed to load and the
+        prefix cache held more in another sequence, that sequence is forked from instead."""
+        store = self.prefix_store
+        assert store is not None
+        mem = self.ctx.memory
+        if self._n_held[s]:
+            mem.seq_rm(s)
+            self._n_held[s] = 0
+        got = store.restore(self.ctx, s, r.prompt)
+        if got < reuse and src != s:  # a chunk failed its checksum: the other sequence's cells give more
+            mem.seq_rm(s)
+            return 0, reuse, src
+        return got, got, s
 
     def _fill(self, order: packing.WorkOrder) -> None:
         """The step's work order: each generating request's pending token (and its drafted tokens),
@@ -737,10 +807,19 @@ class Scheduler:
             r._chunk = 0
             if r._i < r.prompt.size:
                 still.append(r)
-            elif r.n_predict == 0:
+                continue
+            # the whole prompt is in its cells: store its new chunks, after its first token is sampled
+            # (not in its time to first token) unless that ends it and frees the cells (no prefix cache)
+            store = self.prefix_store
+            if store is not None and (r.n_predict == 0 or not self.prefix_cache):
+                store.save(self.ctx, r._s, r.prompt)
+                store = None
+            if r.n_predict == 0:
                 self._end(r, "n_predict", ev)
             else:
                 self._sample(r, cptr, ev)
+                if store is not None:
+                    store.save(self.ctx, r._s, r.prompt)
         self._prefill = still
 
     def _sample(self, r: Request, cptr: Any, ev: Callable[[Event], None]) -> None:

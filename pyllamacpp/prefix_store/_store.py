@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from .._lib import build_info, lib
 from ..errors import StateError
-from ..state import join_cells, parse
+from ..state import KVState, join_cells, parse
 from ._directory import _MANIFEST, ChunkCorrupt, DirectoryBackend, StoreError, is_disk_full
 from ._redis import RedisBackend, is_redis_url
 
@@ -124,6 +124,28 @@ def _refuse_memory(ctx: Context) -> None:
             f"a prefix store cannot serve {m.path.name}: its sliding-window layers (n_swa {m.n_swa}) keep only "
             "the last window's cells, so a chunk of early positions is gone from their cache"
         )
+
+
+def _one_stream(chunks: list[KVState]) -> list[KVState]:
+    """The chunks with their cells moved to the first chunk's stream.
+
+    With a stream per sequence (``kv_unified=False``) a chunk holds its cells in the stream of the
+    sequence it was saved from; llama.cpp loads a sequence dump's cells into the destination's own
+    stream, but empties the sequence at each stream that has cells (``state_read_meta``), so a
+    joined dump must hold them all in one."""
+    want = next((s.index for s in chunks[0].parts[0].streams if s.cell_count), 0)
+    out = []
+    for st in chunks:
+        part = st.parts[0]
+        full = [s for s in part.streams if s.cell_count]
+        if len(st.parts) != 1 or len(full) != 1 or full[0].index == want:
+            out.append(st)
+            continue
+        raw, src = st.to_bytes(), full[0]
+        empty = (0).to_bytes(4, "little")  # an empty stream is its cell_count, 0
+        streams = [raw[src.offset : src.end] if i == want else empty for i in range(len(part.streams))]
+        out.append(parse(raw[: part.streams[0].offset] + b"".join(streams) + raw[part.end :]))
+    return out
 
 
 @dataclass
@@ -257,7 +279,7 @@ class PrefixStore:
         if not chunks:
             return 0
         try:
-            blob = chunks[0] if len(chunks) == 1 else join_cells([parse(c) for c in chunks]).to_bytes()
+            blob = chunks[0] if len(chunks) == 1 else join_cells(_one_stream([parse(c) for c in chunks])).to_bytes()
             ctx.set_seq_state(seq_id, blob, keep_on_error=False)
         except (StateError, ValueError) as e:
             ctx.memory.seq_rm(seq_id)

@@ -1,0 +1,175 @@
+"""The prefix store wired in: the Scheduler's second tier and pl.loglikelihood's trie.
+
+Exactness is claimed as the scheduler and the evaluation engine claim it, with flash attention off:
+a second scheduler in another context, given the same prompts, restores stored chunks and samples
+the same greedy tokens as each prompt generated alone (prompts whose greedy continuation has a
+clear winner, tests/test_scheduler.py); loglikelihood's numbers are bit-identical with and without
+the store.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyllamacpp as pl
+from pyllamacpp.experiments.prefix import LISTS, SYSTEM_PROMPT
+from pyllamacpp.prefix_store import PrefixStore
+from pyllamacpp.scheduler import Scheduler
+
+N = 8
+CHUNK = 8  # small chunks: the 34-token system prompt is 4 of them, each prompt 4 to 6
+
+
+def _ctx(model, n_seq_max=3, kv_unified=True, **kw):
+    args = dict(n_ctx=512, n_seq_max=n_seq_max, kv_unified=kv_unified, flash_attn="off", n_threads=1)
+    args.update(kw)
+    return model.context(**args)
+
+
+@pytest.fixture(scope="module")
+def solo(model):
+    """Each prompt generated alone (greedy, flash attention off) in a fresh sequence."""
+    out = {}
+    with _ctx(model, n_seq_max=1) as ctx:
+        for q in LISTS:
+            ctx.memory.seq_rm(-1)
+            out[q] = list(pl.generate(ctx, model.tokenize(SYSTEM_PROMPT + q), N))
+    return out
+
+
+def _run(sched, prompts):
+    reqs = [sched.submit(SYSTEM_PROMPT + q, N) for q in prompts]
+    list(sched.run())
+    return reqs
+
+
+@pytest.mark.parametrize(
+    ("kv_unified", "prefix_cache"), [(True, True), (True, False), (False, True)], ids=["unified", "no-cache", "streams"]
+)
+def test_a_second_scheduler_restores_the_prompts_and_samples_the_same_tokens(
+    model, solo, tmp_path, kv_unified, prefix_cache
+):
+    store = PrefixStore(tmp_path / "store", chunk_size=CHUNK)
+    prompts = LISTS[:6]
+    with _ctx(model, kv_unified=kv_unified) as ctx:
+        first = _run(Scheduler(ctx, prefix_cache=prefix_cache, prefix_store=store), prompts)
+    # the store was empty when the first three started; the later ones may find the system prompt
+    # the first ones stored after their prefill
+    assert all(r.n_prompt_restored == 0 for r in first[:3]) and store.stats.chunks_written > 0
+    for r, q in zip(first, prompts):
+        assert r.tokens == solo[q]
+        assert r.report()["n_prompt_restored"] == r.n_prompt_restored
+    # every prompt's whole chunks are stored (all but the last token of each is restorable)
+    restored0, hits0 = store.stats.tokens_restored, store.stats.hits
+    with _ctx(model, kv_unified=kv_unified) as ctx:
+        sched = Scheduler(ctx, prefix_cache=prefix_cache, prefix_store=store)
+        second = _run(sched, prompts)
+    for r, q in zip(second, prompts):
+        assert r.tokens == solo[q], (q, r)  # restored cells continue exactly as decoded ones
+        assert r.n_prompt_reused + r.n_prompt_decoded == r.n_prompt
+        assert r.n_prompt_restored % CHUNK == 0 and r.n_prompt_restored <= r.n_prompt_reused
+        if r.n_prompt_restored:
+            assert r.reused_from is None
+    assert second[0].n_prompt_restored == (second[0].n_prompt - 1) // CHUNK * CHUNK  # nothing cached yet
+    if not prefix_cache or not kv_unified:  # no sharing between sequences: each prompt comes from the store
+        assert all(r.n_prompt_restored == (r.n_prompt - 1) // CHUNK * CHUNK for r in second)
+    restored = sum(r.n_prompt_restored for r in second)
+    assert sched.n_prompt_restored == restored == store.stats.tokens_restored - restored0 > 0
+    assert store.stats.hits - hits0 == restored // CHUNK and store.stats.hit_rate > 0
+    assert sched.n_prompt_decoded == sum(r.n_prompt_decoded for r in second)
+
+
+def test_the_first_tier_comes_first_and_the_store_only_adds(model, solo, tmp_path):
+    store = PrefixStore(tmp_path / "store", chunk_size=CHUNK)
+    q = LISTS[0]
+    with _ctx(model, n_seq_max=2) as ctx:
+        sched = Scheduler(ctx, prefix_store=store)
+        (a,) = _run(sched, [q])
+        assert a.n_prompt_restored == 0
+        # the same prompt again: the prefix cache holds all of it but the last token, more than
+        # the store's whole chunks: nothing is loaded
+        (b,) = _run(sched, [q])
+        assert b.n_prompt_restored == 0 and b.n_prompt_reused == b.n_prompt - 1 and b.reused_from == a.seq_id
+        assert b.tokens == solo[q]
+        # the cache cleared: the store gives the whole chunks, the rest is decoded
+        sched.clear_cache()
+        (c,) = _run(sched, [q])
+        n = (c.n_prompt - 1) // CHUNK * CHUNK
+        assert c.n_prompt_restored == c.n_prompt_reused == n and c.n_prompt_decoded == c.n_prompt - n
+        assert c.tokens == solo[q] and sched.n_prompt_restored == n
+
+
+def test_a_corrupt_chunk_is_decoded_and_the_request_stays_exact(model, solo, tmp_path):
+    store = PrefixStore(tmp_path / "store", chunk_size=CHUNK)
+    q = LISTS[1]
+    with _ctx(model, n_seq_max=1) as ctx:
+        _run(Scheduler(ctx, prefix_store=store), [q])
+        keys = store.keys(ctx, ctx.model.tokenize(SYSTEM_PROMPT + q))
+    f = store.backend.find(keys[2])
+    assert f is not None
+    raw = bytearray(f.path.read_bytes())
+    raw[-7] ^= 0x10
+    f.path.write_bytes(bytes(raw))
+    with _ctx(model, n_seq_max=1) as ctx:
+        sched = Scheduler(ctx, prefix_store=store)
+        (r,) = _run(sched, [q])
+    assert r.n_prompt_restored == 2 * CHUNK and store.stats.corrupt == 1  # the chunks before it
+    assert r.tokens == solo[q]
+    assert store.backend.find(keys[2]) is not None  # stored again after the prefill
+
+
+def test_a_store_the_memory_cannot_use_is_refused_when_the_scheduler_is_made(model, tmp_path):
+    from pyllamacpp.testing import make_model
+
+    store = PrefixStore(tmp_path / "store", chunk_size=4)
+    with _ctx(model) as ctx, pytest.raises(TypeError, match="PrefixStore"):
+        Scheduler(ctx, prefix_store=str(tmp_path / "store"))
+    path = make_model(tmp_path / "swa.gguf", "gemma3", n_layer=2, n_embd=64, n_vocab=64, n_head=2, n_swa=16)
+    with pl.Model(path) as m, m.context(n_ctx=64, n_threads=1) as ctx:
+        with pytest.raises(ValueError, match="sliding-window"):
+            Scheduler(ctx, prefix_store=store)
+    assert list(store.backend.chunks()) == []
+
+
+def test_stored_chunks_from_other_streams_join_into_one(model, tmp_path):
+    """kv_unified=False: a chunk holds its cells in its sequence's stream; chunks saved from two
+    sequences load together into a third, and the logits after them are the decoded ones."""
+    toks = model.tokenize(SYSTEM_PROMPT + LISTS[0])
+    store = PrefixStore(tmp_path / "store", chunk_size=CHUNK)
+    with _ctx(model, kv_unified=False) as ctx:
+        ctx.prefill(toks[: 2 * CHUNK], 1, 0)
+        assert store.save(ctx, 1, toks[: 2 * CHUNK]) == 2  # chunks 0, 1 from stream 1
+        ctx.prefill(toks, 2, 0)
+        assert store.save(ctx, 2, toks) == toks.size // CHUNK - 2  # the rest from stream 2
+        want = np.array(ctx.logits(-1))
+    with _ctx(model, kv_unified=False) as ctx:
+        n = store.restore(ctx, 0, toks)
+        assert n == (toks.size - 1) // CHUNK * CHUNK > 2 * CHUNK
+        ctx.prefill(toks[n:], 0, n)
+        np.testing.assert_array_equal(np.array(ctx.logits(-1)), want)
+
+
+def test_a_chunk_that_fails_falls_back_to_the_running_sequence_that_holds_more(model, solo, tmp_path):
+    store = PrefixStore(tmp_path / "store", chunk_size=CHUNK)
+    p, q = LISTS[0], LISTS[4]  # "1, 2, ..." and "10, 20, ...": they share more than the system prompt
+    with _ctx(model, n_seq_max=1) as ctx:
+        _run(Scheduler(ctx, prefix_store=store), [q])
+        # its first chunk past the prefix it shares with p (positions 32..39; they share 36)
+        f = store.backend.find(store.keys(ctx, model.tokenize(SYSTEM_PROMPT + q))[4])
+    assert f is not None
+    raw = bytearray(f.path.read_bytes())
+    raw[-3] ^= 0x01
+    f.path.write_bytes(bytes(raw))
+    with _ctx(model, n_seq_max=2) as ctx:
+        sched = Scheduler(ctx, prefix_store=store)
+        d = sched.submit(SYSTEM_PROMPT + p, 20)
+        while len(d.tokens) < 3:  # running, its prompt in its cells
+            sched.step()
+        e = sched.submit(SYSTEM_PROMPT + q, N)
+        list(sched.run())
+    lcp = pl.packing.common_prefix(d.prompt, e.prompt)
+    assert 4 * CHUNK < lcp < (e.n_prompt - 1) // CHUNK * CHUNK  # the store would have given more
+    assert d.n_prompt_restored == 4 * CHUNK  # the chunks both share
+    assert store.stats.corrupt == 1 and e.n_prompt_restored == 0  # 4 chunks loaded, fewer than d holds
+    assert e.reused_from == d.seq_id and e.n_prompt_reused == lcp and e.tokens == solo[q]
