@@ -1,5 +1,6 @@
-"""pyllamacpp.context_state: pickles made before ``SeqState`` and ``StateFlags`` moved (they name
-``pyllamacpp._state_types``) still load, as the classes of today."""
+"""pyllamacpp.context_state: Context's state methods come from one class whose methods are
+functions of three modules, and pickles made before ``SeqState`` and ``StateFlags`` moved (they
+name ``pyllamacpp._state_types``) still load, as the classes of today."""
 
 from __future__ import annotations
 
@@ -32,3 +33,30 @@ def test_old_seq_state_pickle_loads(protocol, monkeypatch):
     assert type(back) is SeqState and type(back.flags) is StateFlags
     assert (back.data == st.data).all() and back.seq_id == 3 and back.flags == StateFlags.PARTIAL_ONLY
     assert back._cptr is None and len(back) == 10
+
+
+# every public state method and property of Context, as before they were functions
+STATE_API = {
+    "seq_state", "set_seq_state", "state", "set_state", "flash_attn", "sidecar_facts", "check_state",
+    "save_seq_state", "load_seq_state", "check_state_file", "save_state", "load_state", "save_seq_dump",
+}  # fmt: skip
+
+
+def test_context_gets_its_state_methods_from_one_class():
+    from pyllamacpp._handle import Owner
+    from pyllamacpp.context import Context
+    from pyllamacpp.context_state import StateMethods
+
+    assert Context.__mro__ == (Context, StateMethods, Owner, object)  # no mixin chain
+    members = {
+        n: v.fget if isinstance(v, property) else v for n, v in vars(StateMethods).items() if not n.startswith("__")
+    }
+    assert STATE_API <= set(members)
+    funcs = {n: f for n, f in members.items() if callable(f)}
+    assert {f.__module__ for f in funcs.values()} == {
+        "pyllamacpp._context_state.data",
+        "pyllamacpp._context_state.checks",
+        "pyllamacpp._context_state.files",
+    }
+    for name in STATE_API:  # each is the context's own, bound to it
+        assert getattr(Context, name) is vars(StateMethods)[name]

@@ -167,7 +167,7 @@ def test_one_context_from_two_threads_raises(model):
 def test_failed_save_keeps_the_earlier_file(model, tmp_path, monkeypatch):
     import errno
 
-    import pyllamacpp.context_state as context_mod  # where save_seq_dump opens its file
+    import pyllamacpp._context_state.files as context_mod  # where save_seq_dump opens its file
 
     with model.context(n_ctx=256, n_threads=2) as ctx:
         ctx.prefill(model.tokenize(PROMPT))

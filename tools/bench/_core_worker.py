@@ -321,11 +321,11 @@ def state_workload(model, s: dict) -> dict:
     # The default get / set again with the dump at page offsets 0, 512 ... 3584 of one buffer,
     # as native_driver.c does: llama.cpp's copy runs ~15% faster or slower depending on the
     # destination's place in its page, and the two processes' heaps put a fresh buffer at
-    # different places. seq_state takes a function context_state._new_state_buffer, when set,
+    # different places. seq_state takes a function _context_state.data._new_state_buffer, when set,
     # for its buffer instead of malloc: pointed here at the chosen place. That path makes the
     # size and copy calls from Python (under a log capture) instead of one C call; the result
     # is an own, read-only state as by default.
-    import pyllamacpp.context_state as cs
+    import pyllamacpp._context_state.data as cs
 
     default_buffer = cs._new_state_buffer
     big = np.empty(size + 8192, dtype=np.uint8)
