@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     _scoring.add_parser(sub)
     for experiment in (kvtypes, speculative, mask, rowaudit, kvlive, profile):
         experiment.add_parser(sub)
+    importlib.import_module("._prefix_store", __name__).add_parser(sub)
     _lm_eval.add_parser(sub)
     return ap
 
