@@ -16,10 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent / "pyllamacpp"
 # Crossings other engineers are removing this session, each with who and why; the second test
 # fails on an entry that no longer crosses, so the set shrinks to empty.
 KNOWN_CROSSINGS: dict[str, str] = {
-    # engineer C: the context's state files move into a package of their own (state.__init__
-    # exports gguf_field, arch_keys and rule_keys for them)
-    "pyllamacpp._state_facts -> pyllamacpp.state._layers": "engineer C (context state files)",
-    "pyllamacpp._state_facts -> pyllamacpp.state._sidecar": "engineer C (context state files)",
     # engineer D2: the command line in one place
     "pyllamacpp.cli._scoring -> pyllamacpp.evaluation._mc_data": "engineer D2 (cli)",
     "pyllamacpp.cli._scoring -> pyllamacpp.scoring._kl_row": "engineer D2 (cli)",
