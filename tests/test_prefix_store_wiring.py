@@ -173,3 +173,93 @@ def test_a_chunk_that_fails_falls_back_to_the_running_sequence_that_holds_more(m
     assert d.n_prompt_restored == 4 * CHUNK  # the chunks both share
     assert store.stats.corrupt == 1 and e.n_prompt_restored == 0  # 4 chunks loaded, fewer than d holds
     assert e.reused_from == d.seq_id and e.n_prompt_reused == lcp and e.tokens == solo[q]
+
+
+# -- pl.loglikelihood ---------------------------------------------------------------------------------
+HEADER = (
+    "Answer each question with one word, as the examples do. The capital of France is Paris. "
+    "The sky on a clear day is blue. Water at room temperature is wet. Snow is cold. "
+)
+DOCS = ["The cat sat on the mat. ", "A dog ran in the park today. ", "Numbers: one two three four. "]
+LL_CHUNK = 16
+
+
+def _requests():
+    reqs = [(HEADER + d + q, " " + a) for d in DOCS for q, a in [("Where? ", "home"), ("Who? ", "a cat")]]
+    reqs.append((HEADER, " Yes"))  # a row at the header's last token: the store stops before it
+    reqs.append(("The", " capital of France"))  # a continuation from the second token on
+    return reqs
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)  # bit for bit
+        assert x.is_greedy == y.is_greedy and x.n_context == y.n_context
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"flash_attn": "on"}, {"flash_attn": "on", "n_ctx": 64}, {"flash_attn": "off", "n_seq_max": 1}],
+    ids=["one-epoch", "epochs", "fa-off-one-slot"],
+)
+def test_loglikelihood_with_a_store_is_bit_identical_and_restores_the_shared_header(model, tmp_path, kw):
+    """Bit-identical where the engine's rows do not depend on where the cells lie: flash attention
+    on with ubatches under 64 rows (the default n_batch, 63), or one slot (the cells in the same
+    places). With flash attention off and several slots, a restored header lets the other slots'
+    nodes land in other cells, and there the softmax's sums move (as without the store between runs
+    of other n_seq_max)."""
+    reqs = _requests()
+    args = dict(n_threads=1, **kw)
+    base = pl.loglikelihood(model, reqs, **args)
+    assert "n_restored" not in base.summary() and base.n_restored is None
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    n = (len(model.tokenize(HEADER)) - 1) // LL_CHUNK * LL_CHUNK  # before the row its own request needs
+    first = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(first, base)
+    # stored in the first epoch, the shared header is restored in each later one instead of decoded
+    assert first.n_restored == n * first.n_epochs and store.stats.chunks_written > 0
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(second, base)
+    assert second.n_restored == n * (1 + second.n_epochs) > 0
+    assert second.summary()["n_restored"] == second.n_restored
+    for r in (first, second):
+        assert r.n_decoded == base.n_decoded - r.n_restored and r.n_epochs == base.n_epochs
+    assert store.stats.tokens_restored == first.n_restored + second.n_restored
+    if kw.get("n_ctx"):
+        assert second.n_epochs > 0
+
+
+def test_loglikelihood_on_a_context_of_one_stream_per_sequence(model, tmp_path):
+    reqs = _requests()
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    with _ctx(model, n_seq_max=2, kv_unified=False, n_ctx=256) as ctx:
+        base = pl.loglikelihood(ctx, reqs)
+        pl.loglikelihood(ctx, reqs, prefix_store=store)
+        again = pl.loglikelihood(ctx, reqs, prefix_store=store)
+    _same(again, base)
+    assert again.n_restored > 0 and again.n_seq == 1
+
+
+def test_loglikelihood_refuses_what_is_not_a_store_before_any_decode(model, tmp_path):
+    with pytest.raises(TypeError, match="PrefixStore"):
+        pl.loglikelihood(model, _requests(), prefix_store=str(tmp_path), n_threads=1)
+
+
+def test_the_lm_eval_backend_takes_a_store_where_model_args_name_it(model, tmp_path):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    def ask(lm):
+        reqs = [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=i) for i, r in enumerate(_requests())]
+        return lm.loglikelihood(reqs, disable_tqdm=True)
+
+    base = ask(PyllamacppLM(model=model, n_ctx=256, n_threads=1))
+    # a path, as model_args give it
+    lm = PyllamacppLM(model=model, n_ctx=256, n_threads=1, prefix_store=str(tmp_path / "store"))
+    assert isinstance(lm.prefix_store, PrefixStore) and lm.prefix_store.chunk_size == 256
+    lm.prefix_store.chunk_size = LL_CHUNK  # the header is shorter than 256 tokens
+    assert ask(lm) == base and lm.last_stats["n_restored"] == 0
+    assert ask(lm) == base and lm.last_stats["n_restored"] > 0

@@ -46,6 +46,19 @@ every matrix product, and a last-bit change that moves a value across a rounding
 quantizer grows through the layers: with ``n_batch`` 512, a few-shot workload's requests moved
 by up to 0.4 nats (tools/bench/bench_evaluation.py; docs/guide/evaluation.md gives the figures).
 
+A prefix store (``prefix_store=``, :class:`~pyllamacpp.prefix_store.PrefixStore`): when a slot
+starts a path none of whose first node is in the cache (the requests' common context prefixes, a
+depth-0 node of the trie, and the nodes under it), the longest stored prefix of the path's tokens
+is loaded into its empty sequence instead of decoded, up to the first row the path needs logits
+for (a restored token has none); each node fed whole for the first time stores the path's new whole
+chunks up to its end; ``n_restored`` counts the tokens loaded. A restored cell holds the bytes a
+decode wrote, in the epoch's next cells in position order. The results are bit-identical to a run
+without the store where the rows do not depend on which cells the others' tokens take: flash
+attention on with ubatches under 64 rows (the default above), or one slot. With flash attention off
+and several slots they are not: the other slots cannot join a node that is only partly restored,
+so their nodes go into later batches and other cells, and the softmax's sums move in the last bits
+(grown by the quantizer: up to 0.076 nats on tests/test_prefix_store_wiring.py's requests).
+
 Tokenization at the boundary is lm-eval's (``TemplateLM._encode_pair``): trailing spaces of the
 context move to the front of the continuation; the context is tokenized on its own and the whole
 string ``context + continuation`` too, and the continuation's tokens are the whole string's tokens
@@ -85,6 +98,7 @@ if TYPE_CHECKING:
     from ..context import Context
     from ..model import Model
     from ..packing import Piece
+    from ..prefix_store import PrefixStore
 
 __all__ = ["Loglikelihood", "Loglikelihoods", "loglikelihood", "encode_pair"]
 
@@ -145,6 +159,7 @@ class Loglikelihoods(list):
         n_redecoded: Tokens decoded again in a new epoch: shared nodes the next leaves need after
             the memory was cleared (their rows are not computed twice).
         n_epochs: Times the ``n_ctx`` cells were all taken and the memory cleared.
+        n_restored: Tokens loaded from the prefix store instead of decoded (None without a store).
         n_nodes: Trie nodes (the root excluded).
         n_seq: Sequences (slots) used.
         n_ctx: KV cells the walk could use.
@@ -153,17 +168,21 @@ class Loglikelihoods(list):
 
     n_requests = n_unique = n_decoded = n_unshared = n_decodes = n_outputs = n_redecoded = 0
     n_nodes = n_seq = n_ctx = n_epochs = 0
+    n_restored: int | None = None
     seconds = 0.0
 
     def summary(self) -> dict[str, Any]:
         """The counts as a dict (for JSON).
 
         Returns:
-            ``{"n_requests": ..., "n_decoded": ..., ...}``.
+            ``{"n_requests": ..., "n_decoded": ..., ...}`` (``n_restored`` only with a store).
         """
         keys = "n_requests n_unique n_decoded n_unshared n_decodes n_outputs n_redecoded n_epochs"
         keys += " n_nodes n_seq n_ctx seconds"
-        return {k: getattr(self, k) for k in keys.split()}
+        out = {k: getattr(self, k) for k in keys.split()}
+        if self.n_restored is not None:
+            out["n_restored"] = self.n_restored
+        return out
 
 
 # -- requests -> tokens -----------------------------------------------------------------------------
@@ -369,7 +388,14 @@ class _Walk:
     """Decodes the trie in one context: slots, epochs, batches, rows (see the module docstring)."""
 
     def __init__(
-        self, ctx: Context, leaves: list[_Node], n_seq: int, grave: int, n_ctx: int, stats: Loglikelihoods
+        self,
+        ctx: Context,
+        leaves: list[_Node],
+        n_seq: int,
+        grave: int,
+        n_ctx: int,
+        stats: Loglikelihoods,
+        store: PrefixStore | None = None,
     ) -> None:
         from ..batch import Batch
 
@@ -386,6 +412,8 @@ class _Walk:
         self.order = WorkOrder(Batch(self.n_batch, max(1, n_seq), model=ctx.model))
         self.on_scored: Any = None  # called with each node whose last token's log-prob is known
         self.n_scored = self.n_scored_at_epoch = 0  # nodes scored (a guard: every epoch scores some)
+        self.store = store
+        self.n_restored_new = 0  # restored tokens of nodes not scored before (work the bar counts)
 
     # a slot's path is done when every node on it has been scored
     def _done(self, s: int) -> bool:
@@ -452,17 +480,80 @@ class _Walk:
         # each new path cuts its slot's old one and takes its own; last, the idle slots let go
         for s, p in enumerate(self.paths):
             if p is not None and s not in new and s not in free:
+                if self.held[s] == 0 and self.store is not None:  # in flight into a new epoch
+                    self._restore(s)
                 self._catch_up(s)
         for s, path in new.items():
             k = _shared(self.paths[s], self.held[s], path)
             if self.paths[s] is not None:
                 self._drop(s, k)
             self.paths[s], self.held[s] = path, k
+            if k == 0 and self.store is not None:
+                self._restore(s)
             self._catch_up(s)
         for s in free:
             if self.paths[s] is not None:
                 self._drop(s, 0)
                 self.paths[s] = None
+
+    def _restore(self, s: int) -> None:
+        """Load the longest stored prefix of slot ``s``'s path into its empty sequence when none of
+        the path's first node is in the cache, up to the first row the path needs: the restored
+        nodes are in the cache as if decoded (a node that needed no rows counts as scored)."""
+        path = self.paths[s]
+        assert path is not None and self.store is not None
+        first = path[0]
+        if first.n_dec or first.holders or first.owner != -1:
+            return
+        limit = 0
+        for node in path:
+            n = node.n_feed
+            if not node.scored:  # a row it needs: the token before it is decoded, for its logits
+                rows = node.want[1 : n + 1].copy()
+                if n == node.tokens.size and node.out_children:
+                    rows = np.append(rows, True)
+                hit = np.flatnonzero(rows)
+                if hit.size:
+                    n = int(hit[0])
+            limit = node.start + n
+            if n < node.n_feed:
+                break
+        if limit < self.store.chunk_size:
+            return
+        toks = np.concatenate([node.tokens for node in path])[:limit]
+        got = self.store.restore(self.ctx, s, toks, keep=0)
+        if not got:
+            return
+        for i, node in enumerate(path):
+            n = min(got - node.start, node.n_feed)
+            if n <= 0:
+                break
+            node.n_dec = n
+            node.holders.add(s)
+            self.live.add(node)
+            if not node.scored:
+                self.n_restored_new += n
+            if n < node.n_feed:
+                node.owner = s  # the rest is this slot's to feed
+                break
+            node.owner = -1
+            if not node.scored:
+                node.scored = True
+                self.n_scored += 1
+            self.held[s] = i + 1
+        self.used += got
+        self.stats.n_restored = (self.stats.n_restored or 0) + got
+
+    def _save(self, s: int, node: _Node) -> None:
+        """Store the new whole chunks of slot ``s``'s path up to ``node``'s end (fed whole now)."""
+        assert self.store is not None
+        path = self.paths[s]
+        assert path is not None
+        end = node.start + node.n_feed
+        if end // self.store.chunk_size == 0:
+            return
+        toks = np.concatenate([n.tokens for n in path[: _depth_index(path, node) + 1]])[:end]
+        self.store.save(self.ctx, s, toks)
 
     def _catch_up(self, s: int) -> int:
         """Give slot ``s`` the nodes of its path that are in the cache (one ``seq_cp`` from a
@@ -597,6 +688,8 @@ class _Walk:
             self.live.add(node)
             if p.hi == node.n_feed:
                 node.owner = -1
+                if self.store is not None and not node.scored:
+                    self._save(seg.slot, node)
                 node.scored = True
                 self.n_scored += 1
                 for t in (seg.slot, *seg.joiners):
@@ -719,6 +812,7 @@ def loglikelihood(
     n_threads: int | None = None,
     progress: bool | None = None,
     parse_special: bool = False,
+    prefix_store: PrefixStore | None = None,
     **ctx_kwargs: Any,
 ) -> Loglikelihoods:
     """The log-likelihood of each request's continuation given its context, every shared prefix
@@ -750,6 +844,10 @@ def loglikelihood(
         progress: A tqdm bar on stderr over the tokens to decode, the requests scored beside it
             (None: for at least 100 requests or 2,048 tokens, when stderr is a terminal).
         parse_special: ``llama_tokenize``'s ``parse_special`` for text requests.
+        prefix_store: A :class:`~pyllamacpp.prefix_store.PrefixStore`: the trie's first nodes
+            (the requests' shared context prefixes) are loaded from it where it holds them, and
+            what is decoded is stored (see the module docstring); ``n_restored`` counts the
+            tokens loaded. None: no store.
         **ctx_kwargs: Other fields of :class:`ContextParams` for the context made (``flash_attn``,
             ``type_k``...).
 
@@ -855,6 +953,7 @@ def loglikelihood(
     big = len(prepared) >= _PROGRESS_MIN or n_feed >= _PROGRESS_TOKENS
     show = progress if progress is not None else (big and sys.stderr.isatty())
     bar: Any = None
+    walk: _Walk | None = None
     n_done = 0  # requests scored (duplicates counted)
     if show:
         from tqdm import tqdm
@@ -865,7 +964,8 @@ def loglikelihood(
 
     def tick() -> None:
         # tokens decoded for the first time (a node decoded again in a new epoch is no new work)
-        bar.update(out.n_decoded - out.n_redecoded - bar.n)
+        fresh = walk.n_restored_new if walk is not None else 0
+        bar.update(out.n_decoded - out.n_redecoded + fresh - bar.n)
 
     def scored(node: _Node) -> None:
         nonlocal n_done
@@ -892,8 +992,17 @@ def loglikelihood(
         ctx.decode = decode  # type: ignore[method-assign]
     t0 = time.perf_counter()
     try:
+        if prefix_store is not None:
+            from ..prefix_store import PrefixStore
+
+            if not isinstance(prefix_store, PrefixStore):
+                raise TypeError(
+                    f"prefix_store must be a pyllamacpp.prefix_store.PrefixStore, got {type(prefix_store).__name__}"
+                )
+            prefix_store.keys(ctx, np.zeros(0, np.int32))  # the context's identity, before any decode
+            out.n_restored = 0
         ctx.memory.clear()
-        walk = _Walk(ctx, leaves, n_slots, grave, cells, out)
+        walk = _Walk(ctx, leaves, n_slots, grave, cells, out, prefix_store)
         walk.on_scored = scored
         walk.run()
     except KeyboardInterrupt as e:

@@ -82,6 +82,10 @@ class PyllamacppLM(LM):
         max_gen_toks: ``max_gen_toks`` when a request's ``generation_kwargs`` give none.
         n_gpu_layers: Layers offloaded, when the package was built with a GPU backend.
         parse_special: Read special-token text in prompts as the token (``llama_tokenize``).
+        prefix_store: A :class:`~pyllamacpp.prefix_store.PrefixStore`, or where one is (a
+            directory or a ``redis://`` URL, as ``model_args`` give it): the log-likelihood
+            requests' shared context prefixes are loaded from it and stored in it, so a rerun
+            with other settings of the task skips them (None: no store).
         batch_size: lm-eval's, not used.
         max_batch_size: lm-eval's, not used.
         device: lm-eval's, not used.
@@ -91,6 +95,8 @@ class PyllamacppLM(LM):
     Raises:
         TypeError: A keyword that is not a context parameter.
         ValueError: ``n_ctx`` or ``n_batch`` below 1, or a bad context parameter value.
+        StoreError: ``prefix_store`` names a path that is not a store, or a Redis server that
+            cannot be reached.
     """
 
     def __init__(
@@ -103,6 +109,7 @@ class PyllamacppLM(LM):
         max_gen_toks: int = 256,
         n_gpu_layers: int | None = None,
         parse_special: bool = True,
+        prefix_store: Any = None,
         batch_size: Any = None,
         max_batch_size: Any = None,
         device: Any = None,
@@ -124,6 +131,12 @@ class PyllamacppLM(LM):
         self.n_threads = None if n_threads is None else int(n_threads)
         self.max_gen_toks, self.parse_special = int(max_gen_toks), bool(parse_special)
         self.ctx_kwargs = ctx_kwargs
+        if prefix_store is not None:
+            from pyllamacpp.prefix_store import PrefixStore
+
+            if not isinstance(prefix_store, PrefixStore):
+                prefix_store = PrefixStore(prefix_store)
+        self.prefix_store = prefix_store
         self.last_stats: dict[str, Any] = {}
         """The engine's counts of the last ``loglikelihood`` call (``Loglikelihoods.summary()``)."""
 
@@ -172,6 +185,8 @@ class PyllamacppLM(LM):
 
     def _engine(self, pairs: list, disable_tqdm: bool, what: str = "loglikelihood") -> list:
         kw: dict[str, Any] = {"n_batch": self.n_batch, "n_seq_max": self.n_seq_max, "n_threads": self.n_threads}
+        if self.prefix_store is not None:
+            kw["prefix_store"] = self.prefix_store
         res = loglikelihood(self.model, pairs, progress=False if disable_tqdm else None, **kw, **self.ctx_kwargs)
         self.last_stats = res.summary()
         run_log.info(_saved(what, res))
