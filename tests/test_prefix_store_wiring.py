@@ -263,3 +263,40 @@ def test_the_lm_eval_backend_takes_a_store_where_model_args_name_it(model, tmp_p
     lm.prefix_store.chunk_size = LL_CHUNK  # the header is shorter than 256 tokens
     assert ask(lm) == base and lm.last_stats["n_restored"] == 0
     assert ask(lm) == base and lm.last_stats["n_restored"] > 0
+
+
+# -- pyllamacpp prefix-store-ttft ---------------------------------------------------------------------
+def test_the_ttft_experiment_restores_each_length_and_says_what_it_costs(capsys, tmp_path):
+    import json
+
+    from pyllamacpp.cli import main
+
+    argv = ["prefix-store-ttft", "-n", "16,48", "--chunk-size", "16", "--suffix", "3", "-r", "2", "-t", "1"]
+    store = tmp_path / "kept"
+    assert main(argv + ["-fa", "off", "--store", str(store), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and data["flash_attn"] == "off" and data["chunk_size"] == 16
+    assert [r["n_stored"] for r in data["rows"]] == [16, 48]
+    assert [r["chunks"] for r in data["rows"]] == [1, 3] and [r["n_prompt"] for r in data["rows"]] == [19, 51]
+    for r in data["rows"]:
+        assert r["bit_identical"] and r["greedy_same"]
+        assert r["ttft_decoded_ms"] > 0 and r["ttft_restored_ms"] > r["restore_ms"] > 0
+        assert r["bytes"] > 0 and r["restore_mb_s"] > 0 and 0 < r["store_share"] < 1
+        assert r["chunks_stored"] == r["chunks"]  # each timed save wrote every chunk
+    assert len(list(PrefixStore(store, chunk_size=16).backend.chunks())) == 3  # kept: 48 tokens, 3 chunks
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "ttft.png"
+    assert main(argv[:3] + ["-r", "1", "-t", "1", "--chunk-size", "16", "-o", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT decoded ms" in out and "restore MB/s" in out and "store % of decode" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_ttft_experiment_refuses_bad_input_before_any_decode(capsys, tmp_path):
+    from pyllamacpp.cli import main
+
+    assert main(["prefix-store-ttft", "-n", "20", "--chunk-size", "16"]) == 2
+    assert "-n 20 is not a multiple of --chunk-size 16" in capsys.readouterr().err
+    (tmp_path / "f").write_text("x")
+    assert main(["prefix-store-ttft", "-n", "16", "--chunk-size", "16", "--store", str(tmp_path / "f")]) == 2
+    assert "is a file" in capsys.readouterr().err

@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         mask,
         placement,
         prefix,
+        prefix_store_ttft,
         profile,
         rowaudit,
         speculative,
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     for experiment in (kvtypes, speculative, mask, rowaudit, kvlive, profile):
         experiment.add_parser(sub)
     importlib.import_module("._prefix_store", __name__).add_parser(sub)
+    prefix_store_ttft.add_parser(sub)
     _lm_eval.add_parser(sub)
     return ap
 
