@@ -1,0 +1,122 @@
+"""A prefix store on the default model: time to first token with N tokens restored against decoded.
+
+    python tools/bench/bench_prefix_store.py [-n 512,2048] [--long] [-r 3] [-t 1] [-fa auto]
+                                             [--chunk-size 256] [--store DIR_OR_URL] [--json out.json]
+
+For N = 512 and 2,048 (and 8,192 with --long: past this model's n_ctx_train, 8,192, by the suffix)
+a prompt of N + --suffix tokens is answered from an empty sequence, its first N tokens restored
+from the store (read, sha256 checked, joined, loaded) or decoded (``llama_decode``), the two sides
+alternating and each figure the median of -r rounds: ``pyllamacpp.experiments.prefix_store_ttft``'s
+``run_one``, the measurement the ``prefix-store-ttft`` command makes. Beside the restore's MB/s,
+the physical limits for the same bytes: the chunk files read from the OS page cache
+(``Path.read_bytes``, warm: they were just written), one ``memcpy`` of them (``numpy`` copy), and
+their sha256 (the check every read makes). Storing on a miss (the chunks removed, then
+``PrefixStore.save`` after the decode) is given as a share of that decode. It measures; it asserts
+nothing. On a machine shared with other work, run it with ``-t 1`` (ggml's threads spin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import pyllamacpp as pl
+from pyllamacpp.experiments.common import print_table, prompt_tokens
+from pyllamacpp.experiments.prefix_store_ttft import run_one
+from pyllamacpp.prefix_store import PrefixStore
+
+
+def _median_s(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def limits(store: PrefixStore, keys: list[str], repeat: int) -> dict:
+    """MB/s of reading the chunks' files, copying their bytes once and hashing them (medians)."""
+    files = [store.backend.find(k) for k in keys]
+    paths = [f.path for f in files if f is not None and hasattr(f, "path")]
+    blobs = [store.backend.get(k) for k in keys]
+    data = b"".join(b for b in blobs if b is not None)
+    mb = len(data) / 1e6
+    out: dict = {"bytes": len(data)}
+    if paths:  # a directory store: the files themselves
+        out["file_read_mb_s"] = mb / _median_s(lambda: [p.read_bytes() for p in paths], repeat)
+    src = np.frombuffer(data, np.uint8)
+    out["memcpy_mb_s"] = mb / _median_s(lambda: src.copy(), repeat)
+    out["sha256_mb_s"] = mb / _median_s(lambda: [hashlib.sha256(b).digest() for b in blobs if b], repeat)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", "--n-stored", default="512,2048", help="stored prefix lengths (512,2048)")
+    ap.add_argument("--long", action="store_true", help="also N = 8192")
+    ap.add_argument("--suffix", type=int, default=16, help="tokens after the stored prefix (16)")
+    ap.add_argument("--chunk-size", type=int, default=256, help="the store's chunk size (256)")
+    ap.add_argument("-r", "--rounds", type=int, default=3, help="rounds, each runs both sides (3)")
+    ap.add_argument("-t", "--threads", type=int, default=1, help="threads (1)")
+    ap.add_argument("-fa", "--flash-attn", default="auto", choices=["auto", "on", "off"], help="flash attention (auto)")
+    ap.add_argument("--store", help="a store directory or redis:// URL (default: a temporary directory)")
+    ap.add_argument("-m", "--model", help="a GGUF (default: the default model)")
+    ap.add_argument("--json", help="write the results here too")
+    a = ap.parse_args()
+    lengths = [int(x) for x in a.n_stored.split(",")] + ([8192] if a.long else [])
+    tmp = None if a.store else tempfile.TemporaryDirectory(prefix="bench-prefix-store-")
+    store = PrefixStore(a.store or tmp.name, chunk_size=a.chunk_size)  # type: ignore[union-attr]
+    rows = []
+    with pl.Model(a.model) as model:
+        for n in lengths:
+            n_ctx = -(-(n + a.suffix) // 256) * 256
+            kw = dict(n_ctx=n_ctx, n_threads=a.threads, n_threads_batch=a.threads, flash_attn=a.flash_attn)
+            with model.context(**kw) as ctx:
+                toks = prompt_tokens(model, n + a.suffix)
+                row = run_one(ctx, store, toks, n, a.rounds)
+                row.update(limits(store, store.keys(ctx, toks[:n]), max(3, a.rounds)))
+            rows.append(row)
+            print(f"N={n} done", file=sys.stderr, flush=True)
+    if tmp is not None:
+        tmp.cleanup()
+    print(
+        f"model {model.path.name}, {a.threads} thread(s), -fa {a.flash_attn}, chunks of {a.chunk_size}, "
+        f"a suffix of {a.suffix} tokens, medians of {a.rounds} round(s); store: {'given' if a.store else 'a directory'}"
+    )
+    for r in rows:
+        r["mb"], r["share"] = r["bytes"] / 1e6, 100 * r["store_share"]
+        r["logits"] = "bit-identical" if r["bit_identical"] else f"max|Δ| {r['max_abs_diff']:.3g}"
+    print_table(
+        rows,
+        [
+            ("n_stored", "N", "d"),
+            ("mb", "MB", ".1f"),
+            ("ttft_decoded_ms", "TTFT decoded ms", ".1f"),
+            ("ttft_restored_ms", "TTFT restored ms", ".1f"),
+            ("speedup", "speed-up", ".1f"),
+            ("restore_ms", "restore ms", ".1f"),
+            ("restore_mb_s", "restore MB/s", ".0f"),
+            ("file_read_mb_s", "file read MB/s", ".0f"),
+            ("memcpy_mb_s", "memcpy MB/s", ".0f"),
+            ("sha256_mb_s", "sha256 MB/s", ".0f"),
+            ("store_ms", "store ms", ".1f"),
+            ("share", "store % of decode", ".1f"),
+            ("logits", "first logits", ""),
+        ],
+    )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"threads": a.threads, "flash_attn": a.flash_attn, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
