@@ -158,6 +158,18 @@ def api_pages() -> dict[str, str]:
     ev.append(_api_block("pyllamacpp.evaluation.lm_eval.PyllamacppLM"))
     pages["reference/api/evaluation.md"] = "\n".join(ev)
 
+    import pyllamacpp.prefix_store
+
+    ps = [
+        "# `pyllamacpp.prefix_store`",
+        "",
+        "Decoded prefixes kept across runs, processes and machines ([the guide](../../guide/prefix-store.md)): "
+        "the store, its two backends (a directory, Redis) and the context identity its keys hold.",
+        "",
+    ]
+    ps += [_api_block(f"pyllamacpp.prefix_store.{name}") for name in pyllamacpp.prefix_store.__all__]
+    pages["reference/api/prefix_store.md"] = "\n".join(ps)
+
     ex = [
         "# `pyllamacpp.experiments`",
         "",

@@ -13,10 +13,12 @@ two sides alternate (the first of each pair changes every run) and each figure i
 -r runs. Restore MB/s is the chunks' bytes over the restore alone; store % is the save's time over
 the decode it follows. The chunks are read from the OS page cache (they were just written), as
 in a store used all day; a first read from disk adds the disk's time. Each row also compares the
-first token's logits: bit-identical where the cells and the rows are computed alike (flash
-attention off), and the greedy token the same. --store keeps the store in a directory (default:
-a temporary one, removed after). Exit status 1 when a greedy token differs, or a -fa off row is
-not bit-identical.
+first token's logits with the whole prompt's decode: bit-identical with flash attention off; with
+it on they differ where the suffix's rows are computed in a ubatch of their own rather than inside
+the prompt's (ggml's tiled kernel from 64 rows on): decoding N tokens, then the suffix, differs
+from the whole prompt the same way, and a restore gives that two-step decode bit for bit. The
+greedy token must be the same. --store keeps the store in a directory (default: a temporary one,
+removed after). Exit status 1 when a greedy token differs, or a -fa off row is not bit-identical.
 """
 
 from __future__ import annotations
