@@ -645,7 +645,7 @@ def test_lm_eval_by_name_and_from_the_command_line(model_path, tmp_path, offline
     from lm_eval.api.registry import get_model
 
     from pyllamacpp import cli
-    from pyllamacpp.evaluation._cli import lm_eval_argv
+    from pyllamacpp.cli._lm_eval import lm_eval_argv
     from pyllamacpp.evaluation.lm_eval import PyllamacppLM
 
     assert get_model("pyllamacpp") is PyllamacppLM
