@@ -58,7 +58,6 @@ def select_cells(
             not increasing or out of range.
         TypeError: ``mask`` is neither booleans nor integers.
     """
-    from ._state import parse
 
     if state.metadata_only:
         # Its rows are in llama.cpp's memory, saved as one chunk per record and range; a blob with
@@ -115,10 +114,17 @@ def select_cells(
                     chunks.append(r.data.reshape(r.n_embd, r.n_cells, el)[:, idx, :].tobytes())
                 else:
                     chunks.append(r.rows[idx].tobytes())
-    opts = state.options
+    return _reparse(state, chunks)
+
+
+def _reparse(like: KVState, chunks: list[bytes]) -> KVState:
+    """Parse the dump written as ``chunks`` with the options ``like`` was parsed with."""
+    from ._state import parse
+
+    opts = like.options
     return parse(
         bytearray(b"".join(chunks)),
-        n_head_kv=state.n_head_kv,
+        n_head_kv=like.n_head_kv,
         memory=opts["memory"],
         cell_ext=opts["cell_ext"],
         has_v=opts["has_v"],
@@ -147,7 +153,6 @@ def join_cells(states: Sequence[KVState]) -> KVState:
         ValueError: No dumps, a metadata-only, dsv4 or recurrent dump, or dumps whose layouts
             differ (which part, stream, record or type, said).
     """
-    from ._state import parse
 
     if not states:
         raise ValueError("join_cells: no dumps")
@@ -207,14 +212,4 @@ def join_cells(states: Sequence[KVState]) -> KVState:
                     chunks.append(np.concatenate(parts, axis=1).tobytes())
                 else:
                     chunks.append(b"".join(q.rows.tobytes() for q in recs))
-    opts = first.options
-    return parse(
-        bytearray(b"".join(chunks)),
-        n_head_kv=first.n_head_kv,
-        memory=opts["memory"],
-        cell_ext=opts["cell_ext"],
-        has_v=opts["has_v"],
-        metadata_only=False,
-        layers=opts.get("layers"),
-        partial=opts.get("partial"),
-    )
+    return _reparse(first, chunks)
