@@ -13,13 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "pyllamacpp"
 
-# Crossings other engineers are removing this session, each with who and why; the second test
-# fails on an entry that no longer crosses, so the set shrinks to empty.
-KNOWN_CROSSINGS: dict[str, str] = {
-    # engineer D2: the command line in one place
-    "pyllamacpp.cli._scoring -> pyllamacpp.evaluation._mc_data": "engineer D2 (cli)",
-    "pyllamacpp.cli._scoring -> pyllamacpp.scoring._kl_row": "engineer D2 (cli)",
-}
+# Crossings allowed for now, each with why; the second test fails on an entry that no longer
+# crosses. Empty: every private name stays inside its package.
+KNOWN_CROSSINGS: dict[str, str] = {}
 
 
 def _private(name: str) -> bool:

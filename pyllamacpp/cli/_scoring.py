@@ -114,7 +114,7 @@ def _cmd_perplexity(args: Any) -> int:
     import json
 
     from ..model import Model
-    from ..scoring import KL_HEADER, BaseLogits, _kl_row, kl_divergence, perplexity, sample_text_path
+    from ..scoring import KL_HEADER, BaseLogits, kl_divergence, kl_row, perplexity, sample_text_path
 
     kw = dict(
         n_ubatch=args.ubatch_size,
@@ -147,7 +147,7 @@ def _cmd_perplexity(args: Any) -> int:
 
             def row(i: int, n: int, c: dict[str, float]) -> None:
                 progress(f"perplexity: chunk {i + 1}/{n}")
-                say(_kl_row(i, c) + "\n")
+                say(kl_row(i, c) + "\n")
 
             k = kl_divergence(model, base, args.batch_size, n_chunks=args.chunks, on_chunk=row, **kw)
             progress.done()
@@ -195,7 +195,7 @@ def _cmd_multiple_choice(args: Any, mode: str, kw: dict, say: Any) -> int:
     import warnings
 
     from ..errors import TaskFileWarning
-    from ..evaluation import _mc_data
+    from ..evaluation import llama_perplexity as mc
     from ..evaluation.llama_perplexity import hellaswag, multiple_choice, winogrande
     from ..model import Model
 
@@ -204,18 +204,18 @@ def _cmd_multiple_choice(args: Any, mode: str, kw: dict, say: Any) -> int:
     if n_tasks is not None and n_tasks <= 0:
         hint = "" if mode == "hellaswag" else f" (llama-perplexity reads 0 as all tasks: leave --{flag}-tasks out)"
         raise ValueError(f"--{flag}-tasks must be at least 1, not {n_tasks}{hint}")
-    path = args.file or _mc_data.sample_path(flag)
+    path = args.file or mc.sample_path(flag)
     fn = {"hellaswag": hellaswag, "winogrande": winogrande, "multiple_choice": multiple_choice}[mode]
     common = dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_parallel=args.parallel, **kw)
     if mode == "winogrande":
-        tasks, skipped = _mc_data.read_winogrande(path)  # checked before the model loads; said before the results
+        tasks, skipped = mc.read_winogrande(path)  # checked before the model loads; said before the results
         for line, why in skipped:
             print(f"winogrande: line {line} skipped: {why}", file=sys.stderr)
         n_file = len(tasks)
     elif mode == "hellaswag":
-        n_file = len(_mc_data.read_hellaswag(path))
+        n_file = len(mc.read_hellaswag(path))
     else:
-        n_file = _mc_data.multiple_choice_count(path)
+        n_file = mc.multiple_choice_count(path)
     n_used = n_file if n_tasks is None else min(n_tasks, n_file)
     # HellaSwag asks 400 by default: a smaller file is used whole, and that is said
     more = f", {n_file} in the file: all {n_file} used" if n_tasks is not None and n_tasks > n_file else ""

@@ -24,7 +24,6 @@ then ``_score``, ``_perplexity`` (its chunks, decoded through the packing core) 
 
 from __future__ import annotations
 
-from ..packing import model_and_context
 from ._base_logits import MAGIC, BaseLogits
 from ._inputs import sample_text, sample_text_path
 from ._kl import kl_divergence
@@ -35,11 +34,11 @@ from ._kl_stats import (
     KLDivergence,
     _cov,
     _kl_result,
-    _kl_row,
     _KLSums,
     _mean_unc,
     _median,
     _percentile,
+    kl_row,
 )
 from ._logprobs import CompletionLogprobs, LogprobsRecorder
 from ._perplexity import PerplexityResult, perplexity
@@ -60,10 +59,8 @@ __all__ = [
     "sample_text",
     "sample_text_path",
 ]
-# the former name of packing.model_and_context, till evaluation.llama_perplexity stops importing it
-_split = model_and_context
 # names of the module this package was, outside __all__: constants, and what others use:
-# _split (evaluation.llama_perplexity), LogprobsRecorder (text), KL_HEADER and _kl_row
-# (_scoring_cli), the statistics helpers (tests/test_statistics.py)
-_INTERNAL = (MAGIC, KLD_PERCENTILES, P_DIFF_PERCENTILES, KL_HEADER, _split, LogprobsRecorder, _kl_row)
+# LogprobsRecorder (text), KL_HEADER and kl_row
+# (cli._scoring), the statistics helpers (tests/test_statistics.py)
+_INTERNAL = (MAGIC, KLD_PERCENTILES, P_DIFF_PERCENTILES, KL_HEADER, LogprobsRecorder, kl_row)
 _STATISTICS = (_KLSums, _kl_result, _mean_unc, _cov, _percentile, _median)

@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from ..packing import model_and_context
-
 if TYPE_CHECKING:
     from ..model import Model
 
@@ -43,7 +41,3 @@ def _tokens_of(model: Model, text: str | bytes | npt.ArrayLike, add_special: boo
     if t.size and (int(t.min()) < 0 or int(t.max()) >= model.n_vocab):
         raise ValueError(f"tokens outside the vocabulary [0, {model.n_vocab})")
     return t
-
-
-# the former name of packing.model_and_context, till evaluation.llama_perplexity stops importing it
-_split = model_and_context

@@ -146,7 +146,7 @@ class KLDivergence:
             The text (the sections only with 100 tokens or more, as there).
         """
         lines = [KL_HEADER]
-        lines += [_kl_row(i, c) for i, c in enumerate(self.chunks)]
+        lines += [kl_row(i, c) for i, c in enumerate(self.chunks)]
         if self.count >= 100:
             lines += ["", self.summary()]
         return "\n".join(lines)
@@ -223,7 +223,7 @@ KL_HEADER = (
 """The header of llama-perplexity's per-chunk KL divergence table."""
 
 
-def _kl_row(i: int, c: dict[str, float]) -> str:
+def kl_row(i: int, c: dict[str, float]) -> str:
     """Row ``i`` (0-based) of llama-perplexity's per-chunk KL divergence table, in its formats."""
     return (
         f"{i + 1:4d}    {c['ppl']:9.4f} ± {c['ppl_err']:9.4f}    {c['ln_ratio']:10.5f} ± {c['ln_ratio_err']:10.5f}"
