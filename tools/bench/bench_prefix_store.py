@@ -20,26 +20,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 import pyllamacpp as pl
-from pyllamacpp.experiments.common import print_table, prompt_tokens
+from pyllamacpp.experiments.common import median_time, print_table, prompt_tokens
 from pyllamacpp.experiments.prefix_store_ttft import run_one
 from pyllamacpp.prefix_store import PrefixStore
-
-
-def _median_s(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def limits(store: PrefixStore, keys: list[str], repeat: int) -> dict:
@@ -51,10 +40,10 @@ def limits(store: PrefixStore, keys: list[str], repeat: int) -> dict:
     mb = len(data) / 1e6
     out: dict = {"bytes": len(data)}
     if paths:  # a directory store: the files themselves
-        out["file_read_mb_s"] = mb / _median_s(lambda: [p.read_bytes() for p in paths], repeat)
+        out["file_read_mb_s"] = mb / median_time(lambda: [p.read_bytes() for p in paths], repeat)
     src = np.frombuffer(data, np.uint8)
-    out["memcpy_mb_s"] = mb / _median_s(lambda: src.copy(), repeat)
-    out["sha256_mb_s"] = mb / _median_s(lambda: [hashlib.sha256(b).digest() for b in blobs if b], repeat)
+    out["memcpy_mb_s"] = mb / median_time(lambda: src.copy(), repeat)
+    out["sha256_mb_s"] = mb / median_time(lambda: [hashlib.sha256(b).digest() for b in blobs if b], repeat)
     return out
 
 
