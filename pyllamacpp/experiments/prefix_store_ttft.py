@@ -228,6 +228,39 @@ def _result(model: Model, args: argparse.Namespace, fa: str, rows: list[dict]) -
     }
 
 
+# The table's columns, shared with tools/bench/bench_prefix_store.py (which puts its limits between them).
+TTFT_COLUMNS = [
+    ("mb", "MB", ".1f"),
+    ("ttft_decoded_ms", "TTFT decoded ms", ".1f"),
+    ("ttft_restored_ms", "TTFT restored ms", ".1f"),
+    ("speedup", "speed-up", ".1f"),
+    ("restore_ms", "restore ms", ".1f"),
+    ("restore_mb_s", "restore MB/s", ".0f"),
+]
+STORE_COLUMNS = [
+    ("store_ms", "store ms", ".1f"),
+    ("share", "store % of decode", ".1f"),
+    ("logits", "first logits", ""),
+]
+
+
+def table_fields(row: dict) -> dict:
+    """The columns a row of :func:`run_one` shows that are not its own fields.
+
+    Args:
+        row: What :func:`run_one` returned.
+
+    Returns:
+        ``mb`` (the chunks' bytes in MB), ``share`` (storing, in % of the decode) and ``logits``
+        (``bit-identical`` or the largest difference).
+    """
+    return {
+        "mb": row["bytes"] / 1e6,
+        "share": 100 * row["store_share"],
+        "logits": "bit-identical" if row["bit_identical"] else f"max|Δ| {row['max_abs_diff']:.3g}",
+    }
+
+
 def print_report(data: dict) -> None:
     """Print what :func:`run` returned as a table, one row per stored length.
 
@@ -241,30 +274,14 @@ def print_report(data: dict) -> None:
         f"(chunks of {data['chunk_size']}); -fa {data['flash_attn']}, cache {data['type_k']}/{data['type_v']}, "
         f"{data['threads']} threads; medians of {data['repeat']} runs, the sides alternating"
     )
-    rows = [
-        {
-            **r,
-            "mb": r["bytes"] / 1e6,
-            "share": 100 * r["store_share"],
-            "logits": "bit-identical" if r["bit_identical"] else f"max|Δ| {r['max_abs_diff']:.3g}",
-            "greedy": "yes" if r["greedy_same"] else "NO",
-        }
-        for r in data["rows"]
-    ]
+    rows = [{**r, **table_fields(r), "greedy": "yes" if r["greedy_same"] else "NO"} for r in data["rows"]]
     print_table(
         rows,
         [
             ("n_stored", "N", "d"),
             ("chunks", "chunks", "d"),
-            ("mb", "MB", ".1f"),
-            ("ttft_decoded_ms", "TTFT decoded ms", ".1f"),
-            ("ttft_restored_ms", "TTFT restored ms", ".1f"),
-            ("speedup", "speed-up", ".1f"),
-            ("restore_ms", "restore ms", ".1f"),
-            ("restore_mb_s", "restore MB/s", ".0f"),
-            ("store_ms", "store ms", ".1f"),
-            ("share", "store % of decode", ".1f"),
-            ("logits", "first logits", ""),
+            *TTFT_COLUMNS,
+            *STORE_COLUMNS,
             ("greedy", "same token", ""),
         ],
     )

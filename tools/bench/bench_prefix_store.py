@@ -27,7 +27,7 @@ import numpy as np
 
 import pyllamacpp as pl
 from pyllamacpp.experiments.common import median_time, print_table, prompt_tokens
-from pyllamacpp.experiments.prefix_store_ttft import run_one
+from pyllamacpp.experiments.prefix_store_ttft import STORE_COLUMNS, TTFT_COLUMNS, run_one, table_fields
 from pyllamacpp.prefix_store import PrefixStore
 
 
@@ -81,24 +81,16 @@ def main() -> int:
         f"a suffix of {a.suffix} tokens, medians of {a.rounds} round(s); store: {'given' if a.store else 'a directory'}"
     )
     for r in rows:
-        r["mb"], r["share"] = r["bytes"] / 1e6, 100 * r["store_share"]
-        r["logits"] = "bit-identical" if r["bit_identical"] else f"max|Δ| {r['max_abs_diff']:.3g}"
+        r.update(table_fields(r))  # into the rows: --json has them too
     print_table(
         rows,
         [
             ("n_stored", "N", "d"),
-            ("mb", "MB", ".1f"),
-            ("ttft_decoded_ms", "TTFT decoded ms", ".1f"),
-            ("ttft_restored_ms", "TTFT restored ms", ".1f"),
-            ("speedup", "speed-up", ".1f"),
-            ("restore_ms", "restore ms", ".1f"),
-            ("restore_mb_s", "restore MB/s", ".0f"),
+            *TTFT_COLUMNS,
             ("file_read_mb_s", "file read MB/s", ".0f"),
             ("memcpy_mb_s", "memcpy MB/s", ".0f"),
             ("sha256_mb_s", "sha256 MB/s", ".0f"),
-            ("store_ms", "store ms", ".1f"),
-            ("share", "store % of decode", ".1f"),
-            ("logits", "first logits", ""),
+            *STORE_COLUMNS,
         ],
     )
     if a.json:
