@@ -53,6 +53,27 @@ def ctx(model):
 
 PROMPT = "The cat sat on the mat."
 
+# The prefix store tests' prompt (tests/test_prefix_store*.py): several chunks of 8 tokens.
+STORE_TEXT = (
+    "The cat sat on the mat and looked at the dog, who was not amused at all by it, "
+    "and then the two of them went out into the garden to see the birds."
+)
+
+
+def store_context(model, **kw):
+    """The prefix store tests' context: 256 cells, one thread, flash attention off; ``kw`` overrides."""
+    args = dict(n_ctx=256, n_threads=1, n_threads_batch=1, flash_attn=False)
+    args.update(kw)
+    return model.context(**args)
+
+
+def next_logits(ctx, toks, start):
+    """Decode ``toks[start:]`` after what sequence 0 holds; the last token's logits (a copy)."""
+    import numpy as np
+
+    ctx.prefill(toks[start:], 0, start)
+    return np.array(ctx.logits(-1))
+
 
 @pytest.fixture
 def raising_log_handler():

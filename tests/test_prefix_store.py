@@ -8,85 +8,69 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import STORE_TEXT, next_logits, store_context
 
 import pyllamacpp as pl
 from pyllamacpp import state
 from pyllamacpp.prefix_store import DirectoryBackend, PrefixStore, PrefixStoreWarning, StoreError
 
-TEXT = (
-    "The cat sat on the mat and looked at the dog, who was not amused at all by it, "
-    "and then the two of them went out into the garden to see the birds."
-)
-
-
-def _ctx(model, **kw):
-    args = dict(n_ctx=256, n_threads=1, n_threads_batch=1, flash_attn=False)
-    args.update(kw)
-    return model.context(**args)
-
-
-def _next_logits(ctx, toks, start):
-    """Decode ``toks[start:]`` after what sequence 0 holds; the last token's logits (a copy)."""
-    ctx.prefill(toks[start:], 0, start)
-    return np.array(ctx.logits(-1))
-
 
 def test_a_restored_prefix_continues_exactly_as_decoded_from_scratch(model, tmp_path):
-    toks = model.tokenize(TEXT)
+    toks = model.tokenize(STORE_TEXT)
     assert toks.size > 17
     store = PrefixStore(tmp_path / "store", chunk_size=8)
-    with _ctx(model) as ctx:
-        want = _next_logits(ctx, toks, 0)
+    with store_context(model) as ctx:
+        want = next_logits(ctx, toks, 0)
         assert store.save(ctx, 0, toks) == toks.size // 8
         assert store.save(ctx, 0, toks) == 0  # stored once
-    with _ctx(model) as ctx:
+    with store_context(model) as ctx:
         n = store.restore(ctx, 0, toks)
         assert n == ((toks.size - 1) // 8) * 8  # the last token is decoded for its logits
         assert ctx.memory.seq_pos_max(0) == n - 1
-        got = _next_logits(ctx, toks, n)
+        got = next_logits(ctx, toks, n)
     np.testing.assert_array_equal(got, want)  # flash attention off, the same cells: bit-identical
     assert store.stats.hits == n // 8 and store.stats.tokens_restored == n
 
 
 def test_a_prompt_that_shares_only_its_first_chunk_restores_only_that(model, tmp_path):
-    toks = model.tokenize(TEXT)
+    toks = model.tokenize(STORE_TEXT)
     store = PrefixStore(tmp_path / "s", chunk_size=8)
-    with _ctx(model) as ctx:
+    with store_context(model) as ctx:
         ctx.prefill(toks)
         store.save(ctx, 0, toks)
     other = toks.copy()
     other[10] = (int(other[10]) + 1) % model.n_vocab  # inside the second chunk
     first = toks.copy()
     first[0] = (int(first[0]) + 1) % model.n_vocab
-    with _ctx(model) as ctx:
+    with store_context(model) as ctx:
         assert store.restore(ctx, 0, other) == 8
         ctx.memory.clear()
         assert store.restore(ctx, 0, first) == 0
 
 
 def test_a_chunk_made_under_other_settings_is_never_loaded(model, tmp_path):
-    toks = model.tokenize(TEXT)
+    toks = model.tokenize(STORE_TEXT)
     store = PrefixStore(tmp_path / "s", chunk_size=8)
-    with _ctx(model) as ctx:
+    with store_context(model) as ctx:
         ctx.prefill(toks)
         store.save(ctx, 0, toks)
     for kw in ({"type_k": "q8_0"}, {"flash_attn": True}, {"rope_freq_base": 20000.0}):
-        with _ctx(model, **kw) as ctx, warnings.catch_warnings():
+        with store_context(model, **kw) as ctx, warnings.catch_warnings():
             warnings.simplefilter("error", PrefixStoreWarning)  # a miss by key, not a load that failed
             assert store.restore(ctx, 0, toks) == 0, kw
     assert store.stats.hits == 0
-    with _ctx(model) as ctx, pytest.raises(ValueError, match="holds cells"):
+    with store_context(model) as ctx, pytest.raises(ValueError, match="holds cells"):
         ctx.prefill(toks[:3])
         store.restore(ctx, 0, toks)
     # another chunk size is another key: nothing found, nothing misread
-    with _ctx(model) as ctx:
+    with store_context(model) as ctx:
         assert PrefixStore(tmp_path / "s", chunk_size=4).restore(ctx, 0, toks) == 0
 
 
 def test_a_flipped_byte_is_a_miss_the_chunk_removed(model, tmp_path):
-    toks = model.tokenize(TEXT)
+    toks = model.tokenize(STORE_TEXT)
     store = PrefixStore(tmp_path / "s", chunk_size=8)
-    with _ctx(model) as ctx:
+    with store_context(model) as ctx:
         ctx.prefill(toks)
         store.save(ctx, 0, toks)
         keys = store.keys(ctx, toks)
@@ -95,15 +79,15 @@ def test_a_flipped_byte_is_a_miss_the_chunk_removed(model, tmp_path):
     raw = bytearray(f.path.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     f.path.write_bytes(bytes(raw))
-    with _ctx(model) as ctx:
+    with store_context(model) as ctx:
         assert store.restore(ctx, 0, toks) == 8  # the first chunk only
         assert store.stats.corrupt == 1 and store.backend.find(keys[1]) is None
 
 
 def test_each_chunk_is_a_sequence_dump_parse_state_reads(model, tmp_path):
-    toks = model.tokenize(TEXT)
+    toks = model.tokenize(STORE_TEXT)
     store = PrefixStore(tmp_path / "s", chunk_size=8)
-    with _ctx(model) as ctx:
+    with store_context(model) as ctx:
         ctx.prefill(toks)
         store.save(ctx, 0, toks)
         f = store.backend.find(store.keys(ctx, toks)[1])
@@ -134,14 +118,14 @@ def test_bad_stores_are_refused_before_anything_is_written(model, tmp_path):
 
 
 def test_a_full_disk_warns_once_and_the_run_goes_on(model, tmp_path, monkeypatch):
-    toks = model.tokenize(TEXT)
+    toks = model.tokenize(STORE_TEXT)
     store = PrefixStore(tmp_path / "s", chunk_size=8)
 
     def full(key, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(store.backend, "put", full)
-    with _ctx(model) as ctx:
+    with store_context(model) as ctx:
         ctx.prefill(toks)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -200,8 +184,8 @@ def test_memories_a_store_cannot_serve_are_refused(tmp_path, arch, kw, why):
 
 @pytest.mark.parametrize("flash_attn", [True, False])  # V by rows (v_trans 0) and value-major (1)
 def test_join_cells_undoes_a_cut_byte_for_byte(model, flash_attn):
-    toks = model.tokenize(TEXT)
-    with _ctx(model, flash_attn=flash_attn) as ctx:
+    toks = model.tokenize(STORE_TEXT)
+    with store_context(model, flash_attn=flash_attn) as ctx:
         ctx.prefill(toks)
         blob = ctx.seq_state(0).data
     st = state.parse(blob)

@@ -12,16 +12,12 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import STORE_TEXT, next_logits, store_context
 from redis_helpers import RedisServer, free_port
 
 from pyllamacpp.prefix_store import PrefixStore, PrefixStoreWarning, RedisBackend, StoreError
 
 redis = pytest.importorskip("redis", reason='the Redis backend needs the redis package: pip install "redis>=5"')
-
-TEXT = (
-    "The cat sat on the mat and looked at the dog, who was not amused at all by it, "
-    "and then the two of them went out into the garden to see the birds."
-)
 
 
 @pytest.fixture(scope="module")
@@ -47,29 +43,17 @@ def own_server(tmp_path):
     srv.stop()
 
 
-def _ctx(model, **kw):
-    args = dict(n_ctx=256, n_threads=1, n_threads_batch=1, flash_attn=False)
-    args.update(kw)
-    return model.context(**args)
-
-
-def _next_logits(ctx, toks, start):
-    """Decode ``toks[start:]`` after what sequence 0 holds; the last token's logits (a copy)."""
-    ctx.prefill(toks[start:], 0, start)
-    return np.array(ctx.logits(-1))
-
-
 def _said(w):
     return [str(x.message) for x in w if issubclass(x.category, PrefixStoreWarning)]
 
 
 def test_the_store_over_redis_restores_exactly_as_over_a_directory(model, url, tmp_path):
-    toks = model.tokenize(TEXT)
+    toks = model.tokenize(STORE_TEXT)
     on_redis = PrefixStore(url, chunk_size=8)
     on_disk = PrefixStore(tmp_path / "s", chunk_size=8)
     assert isinstance(on_redis.backend, RedisBackend)
-    with _ctx(model) as ctx:
-        want = _next_logits(ctx, toks, 0)
+    with store_context(model) as ctx:
+        want = next_logits(ctx, toks, 0)
         assert on_redis.save(ctx, 0, toks) == on_disk.save(ctx, 0, toks) == toks.size // 8
         assert on_redis.save(ctx, 0, toks) == 0  # stored once
         keys = on_redis.keys(ctx, toks)
@@ -78,18 +62,18 @@ def test_the_store_over_redis_restores_exactly_as_over_a_directory(model, url, t
         assert on_redis.backend.find(key).checksum == on_disk.backend.find(key).checksum
     got = {}
     for name, store in (("redis", on_redis), ("directory", on_disk)):
-        with _ctx(model) as ctx:
+        with store_context(model) as ctx:
             n = store.restore(ctx, 0, toks)
             assert n == ((toks.size - 1) // 8) * 8, name
-            got[name] = _next_logits(ctx, toks, n)
+            got[name] = next_logits(ctx, toks, n)
     np.testing.assert_array_equal(got["redis"], want)  # flash attention off, the same cells: bit-identical
     np.testing.assert_array_equal(got["directory"], want)
 
 
 def test_a_flipped_byte_on_the_server_is_a_miss_and_removed(model, url):
-    toks = model.tokenize(TEXT)
+    toks = model.tokenize(STORE_TEXT)
     store = PrefixStore(url, chunk_size=8)
-    with _ctx(model) as ctx:
+    with store_context(model) as ctx:
         ctx.prefill(toks)
         store.save(ctx, 0, toks)
         keys = store.keys(ctx, toks)
@@ -99,7 +83,7 @@ def test_a_flipped_byte_on_the_server_is_a_miss_and_removed(model, url):
         raw = bytearray(c.hget(f.name, "data"))
         raw[len(raw) // 2] ^= 0x40
         c.hset(f.name, "data", bytes(raw))
-        with _ctx(model) as ctx:
+        with store_context(model) as ctx:
             assert store.restore(ctx, 0, toks) == 8  # the first chunk only
         assert store.stats.corrupt == 1 and store.backend.find(keys[1]) is None
         assert not c.exists(f.name) and c.zscore(f"{store.backend.namespace}:lru", keys[1]) is None
@@ -107,32 +91,32 @@ def test_a_flipped_byte_on_the_server_is_a_miss_and_removed(model, url):
 
 
 def test_a_server_killed_mid_run_is_one_warning_and_a_recompute(model, own_server):
-    toks = model.tokenize(TEXT)
+    toks = model.tokenize(STORE_TEXT)
     store = PrefixStore(own_server.url, chunk_size=8)
-    with _ctx(model) as ctx:
-        want = _next_logits(ctx, toks, 0)
+    with store_context(model) as ctx:
+        want = next_logits(ctx, toks, 0)
         assert store.save(ctx, 0, toks) > 0
     own_server.kill()
-    with _ctx(model) as ctx, warnings.catch_warnings(record=True) as w:
+    with store_context(model) as ctx, warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         t0 = time.monotonic()
         assert store.restore(ctx, 0, toks) == 0
         assert time.monotonic() - t0 < 3
         said = _said(w)
         assert len(said) == 1 and own_server.url in said[0] and "unreachable" in said[0], said
-        np.testing.assert_array_equal(_next_logits(ctx, toks, 0), want)  # computed instead
+        np.testing.assert_array_equal(next_logits(ctx, toks, 0), want)  # computed instead
         assert store.save(ctx, 0, toks) == 0  # nothing stored, nothing raised: one more warning
         assert len(_said(w)) == 2
 
 
 def test_a_server_that_stops_answering_times_out_instead_of_hanging(model, own_server):
-    toks = model.tokenize(TEXT)
+    toks = model.tokenize(STORE_TEXT)
     store = PrefixStore(own_server.url + "?socket_timeout=0.5", chunk_size=8)  # the URL's option wins
-    with _ctx(model) as ctx:
+    with store_context(model) as ctx:
         ctx.prefill(toks)
         assert store.save(ctx, 0, toks) > 0
     own_server.pause()
-    with _ctx(model) as ctx, warnings.catch_warnings(record=True) as w:
+    with store_context(model) as ctx, warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         t0 = time.monotonic()
         assert store.restore(ctx, 0, toks) == 0
@@ -165,9 +149,9 @@ def test_least_recently_used_chunks_go_first_on_the_server(model, url):
     assert {f.key for f in b.chunks()} == {"aa" * 32, "cc" * 32}
     # a store with a cap keeps itself under it after each save
     b.client.flushdb()
-    toks = model.tokenize(TEXT)
+    toks = model.tokenize(STORE_TEXT)
     probe = PrefixStore(url, chunk_size=8)
-    with _ctx(model) as ctx:
+    with store_context(model) as ctx:
         ctx.prefill(toks)
         probe.save(ctx, 0, toks[:8])
         one = next(iter(probe.backend.chunks())).nbytes
