@@ -167,6 +167,25 @@ def run_child(
     return child
 
 
+def greedy_alone(ctx, prefix: str, prompts, n: int) -> dict[str, list[int]]:
+    """Each of ``prompts`` after ``prefix`` generated alone (``generate``, greedy) in a fresh sequence
+    of ``ctx``: what a scheduler's batched run must give (tests/test_scheduler.py and
+    tests/test_prefix_store_wiring.py).
+
+    Returns:
+        ``{prompt: its n tokens}``.
+    """
+    import pyllamacpp
+
+    out = {}
+    for q in prompts:
+        ctx.memory.seq_rm(-1)
+        g = pyllamacpp.generate(ctx, ctx.model.tokenize(prefix + q), n)
+        out[q] = list(g)
+        assert g.finish_reason == "n_predict"
+    return out
+
+
 # A background job (CI, `pytest &`) starts with SIGINT ignored, children inherit that, and Python
 # then installs no handler: the command runs through an exec that puts the default back first.
 WITH_SIGINT = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import greedy_alone
 
 import pyllamacpp as pl
 from pyllamacpp.experiments.prefix import LISTS, SYSTEM_PROMPT
@@ -30,12 +31,8 @@ def _ctx(model, n_seq_max=3, kv_unified=True, **kw):
 @pytest.fixture(scope="module")
 def solo(model):
     """Each prompt generated alone (greedy, flash attention off) in a fresh sequence."""
-    out = {}
     with _ctx(model, n_seq_max=1) as ctx:
-        for q in LISTS:
-            ctx.memory.seq_rm(-1)
-            out[q] = list(pl.generate(ctx, model.tokenize(SYSTEM_PROMPT + q), N))
-    return out
+        return greedy_alone(ctx, SYSTEM_PROMPT, LISTS, N)
 
 
 def _run(sched, prompts):

@@ -13,7 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import UbatchAborter, run_child
+from conftest import UbatchAborter, greedy_alone, run_child
 
 import pyllamacpp as pl
 from pyllamacpp import ffi
@@ -39,14 +39,8 @@ def _ctx(model, n_seq_max=3, kv_unified=True, n_ctx=512, **kw):
 @pytest.fixture(scope="module")
 def solo(model):
     """Each prompt generated alone with ``generate`` (greedy, flash attention off), in a fresh sequence."""
-    out = {}
     with _ctx(model, n_seq_max=1) as ctx:
-        for q in LISTS:
-            ctx.memory.seq_rm(-1)
-            g = pl.generate(ctx, model.tokenize(SYSTEM + q), N)
-            out[q] = list(g)
-            assert g.finish_reason == "n_predict"
-    return out
+        return greedy_alone(ctx, SYSTEM, LISTS, N)
 
 
 @pytest.mark.parametrize(("kv_unified", "prefix_cache"), [(False, False), (True, False), (True, True)])
