@@ -75,6 +75,23 @@ def next_logits(ctx, toks, start):
     return np.array(ctx.logits(-1))
 
 
+def saved_store(model, where, chunk_size: int = 8):
+    """STORE_TEXT prefilled in a :func:`store_context` and saved into a ``PrefixStore`` at ``where``.
+
+    Returns:
+        ``(its tokens, the store, the keys of its whole chunks)``.
+    """
+    from pyllamacpp.prefix_store import PrefixStore
+
+    toks = model.tokenize(STORE_TEXT)
+    store = PrefixStore(where, chunk_size=chunk_size)
+    with store_context(model) as ctx:
+        ctx.prefill(toks)
+        store.save(ctx, 0, toks)
+        keys = store.keys(ctx, toks)
+    return toks, store, keys
+
+
 @pytest.fixture
 def raising_log_handler():
     """``with raising_log_handler(exc):`` a handler on logger ``pyllamacpp.llama`` raises ``exc``

@@ -8,7 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import STORE_TEXT, next_logits, store_context
+from conftest import STORE_TEXT, next_logits, saved_store, store_context
 
 import pyllamacpp as pl
 from pyllamacpp import state
@@ -33,11 +33,7 @@ def test_a_restored_prefix_continues_exactly_as_decoded_from_scratch(model, tmp_
 
 
 def test_a_prompt_that_shares_only_its_first_chunk_restores_only_that(model, tmp_path):
-    toks = model.tokenize(STORE_TEXT)
-    store = PrefixStore(tmp_path / "s", chunk_size=8)
-    with store_context(model) as ctx:
-        ctx.prefill(toks)
-        store.save(ctx, 0, toks)
+    toks, store, _ = saved_store(model, tmp_path / "s")
     other = toks.copy()
     other[10] = (int(other[10]) + 1) % model.n_vocab  # inside the second chunk
     first = toks.copy()
@@ -49,11 +45,7 @@ def test_a_prompt_that_shares_only_its_first_chunk_restores_only_that(model, tmp
 
 
 def test_a_chunk_made_under_other_settings_is_never_loaded(model, tmp_path):
-    toks = model.tokenize(STORE_TEXT)
-    store = PrefixStore(tmp_path / "s", chunk_size=8)
-    with store_context(model) as ctx:
-        ctx.prefill(toks)
-        store.save(ctx, 0, toks)
+    toks, store, _ = saved_store(model, tmp_path / "s")
     for kw in ({"type_k": "q8_0"}, {"flash_attn": True}, {"rope_freq_base": 20000.0}):
         with store_context(model, **kw) as ctx, warnings.catch_warnings():
             warnings.simplefilter("error", PrefixStoreWarning)  # a miss by key, not a load that failed
@@ -68,12 +60,7 @@ def test_a_chunk_made_under_other_settings_is_never_loaded(model, tmp_path):
 
 
 def test_a_flipped_byte_is_a_miss_the_chunk_removed(model, tmp_path):
-    toks = model.tokenize(STORE_TEXT)
-    store = PrefixStore(tmp_path / "s", chunk_size=8)
-    with store_context(model) as ctx:
-        ctx.prefill(toks)
-        store.save(ctx, 0, toks)
-        keys = store.keys(ctx, toks)
+    toks, store, keys = saved_store(model, tmp_path / "s")
     f = store.backend.find(keys[1])
     assert f is not None
     raw = bytearray(f.path.read_bytes())
@@ -85,12 +72,8 @@ def test_a_flipped_byte_is_a_miss_the_chunk_removed(model, tmp_path):
 
 
 def test_each_chunk_is_a_sequence_dump_parse_state_reads(model, tmp_path):
-    toks = model.tokenize(STORE_TEXT)
-    store = PrefixStore(tmp_path / "s", chunk_size=8)
-    with store_context(model) as ctx:
-        ctx.prefill(toks)
-        store.save(ctx, 0, toks)
-        f = store.backend.find(store.keys(ctx, toks)[1])
+    toks, store, keys = saved_store(model, tmp_path / "s")
+    f = store.backend.find(keys[1])
     assert f is not None
     st = state.parse(f.path)
     assert st.cells["pos"].tolist() == list(range(8, 16))

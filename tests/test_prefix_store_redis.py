@@ -12,7 +12,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import STORE_TEXT, next_logits, store_context
+from conftest import STORE_TEXT, next_logits, saved_store, store_context
 from redis_helpers import RedisServer, free_port
 
 from pyllamacpp.prefix_store import PrefixStore, PrefixStoreWarning, RedisBackend, StoreError
@@ -71,12 +71,7 @@ def test_the_store_over_redis_restores_exactly_as_over_a_directory(model, url, t
 
 
 def test_a_flipped_byte_on_the_server_is_a_miss_and_removed(model, url):
-    toks = model.tokenize(STORE_TEXT)
-    store = PrefixStore(url, chunk_size=8)
-    with store_context(model) as ctx:
-        ctx.prefill(toks)
-        store.save(ctx, 0, toks)
-        keys = store.keys(ctx, toks)
+    toks, store, keys = saved_store(model, url)
     f = store.backend.find(keys[1])
     assert f is not None
     with redis.Redis.from_url(url) as c:
