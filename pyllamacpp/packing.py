@@ -117,7 +117,15 @@ class Segment:
         return f"Segment({self.n} {what}, seq_ids={self.seq_ids}, pos={self.pos}, outputs={out})"
 
     def n_outputs(self, lo: int = 0, hi: int | None = None) -> int:
-        """How many of the slots ``[lo, hi)`` ask for an output."""
+        """How many of the slots ``[lo, hi)`` ask for an output.
+
+        Args:
+            lo: The first slot (an offset from the segment's first token).
+            hi: One past the last (None: the segment's end).
+
+        Returns:
+            The number of output rows those slots ask for.
+        """
         hi = self.n if hi is None else hi
         o = self.outputs
         if isinstance(o, str):
@@ -164,11 +172,23 @@ class Piece:
         pos: The position of slot ``lo``.
         slots: The batch slots it fills (a slice).
         rows: Its output rows in the decode's outputs (a slice of ``ctx.logits_all()``).
+
+    Args:
+        segment: Its ``segment``.
+        tag: Its ``tag``.
+        lo: Its ``lo``.
+        hi: Its ``hi``.
+        pos: Its ``pos``.
+        slots: Its ``slots``.
+        rows: Its ``rows``.
+        flags: What the slots ask for: ``"none"``, ``"last"``, ``"all"`` or a boolean mask of them.
     """
 
     __slots__ = ("segment", "tag", "lo", "hi", "pos", "slots", "rows", "_flags")
 
-    def __init__(self, segment: int, tag: Any, lo: int, hi: int, pos: int, slots: slice, rows: slice, flags) -> None:
+    def __init__(
+        self, segment: int, tag: Any, lo: int, hi: int, pos: int, slots: slice, rows: slice, flags: str | np.ndarray
+    ) -> None:
         self.segment, self.tag, self.lo, self.hi, self.pos = segment, tag, lo, hi, pos
         self.slots, self.rows, self._flags = slots, rows, flags
 
@@ -285,7 +305,24 @@ class WorkOrder:
         segment: int | None = None,
         lo: int = 0,
     ) -> Piece:
-        """Add embedding rows ``(n, n_embd)`` as slots at ``pos, pos + 1, ...`` (``Batch.add_embd``)."""
+        """Add embedding rows ``(n, n_embd)`` as slots at ``pos, pos + 1, ...`` (``Batch.add_embd``).
+
+        Args:
+            embd: The rows, ``(n, n_embd)``.
+            seq_ids: One seq id or several.
+            pos: The position of the first.
+            outputs: ``"none"``, ``"last"``, ``"all"`` or a mask: which slots ask for an output.
+            tag: Carried to the piece.
+            segment: The piece's ``segment`` (default: how many pieces came before it).
+            lo: The piece's ``lo``.
+
+        Returns:
+            The piece.
+
+        Raises:
+            ValueError: No room, more output rows than ``n_outputs_max``, or what
+                ``Batch.add_embd`` refuses.
+        """
         e = np.asarray(embd, dtype=np.float32)
         n = int(e.shape[0])
         flags = _mask_of(outputs, n)
@@ -298,8 +335,16 @@ class WorkOrder:
 
     def add_token(self, token: int, pos: int, seq_id: int, output: bool) -> int:
         """One slot of one sequence, for the per-token path of a generation loop (``Batch.add``'s
-        fast path: plain ints, no piece). Returns the slot, which is also its output row when
-        every slot before it asked for an output."""
+        fast path: plain ints, no piece).
+
+        Args:
+            token: The token id.
+            pos: Its position.
+            seq_id: Its sequence.
+            output: Whether it asks for an output.
+
+        Returns:
+            The slot, which is also its output row when every slot before it asked for an output."""
         i = self.batch._add_one(token, pos, seq_id, output)
         if output:
             self._rows += 1
@@ -373,6 +418,10 @@ class WorkOrder:
     def join(self, piece: Piece, seq_id: int) -> None:
         """Put ``piece``'s slots in one more sequence (the tokens are stored once, in each).
 
+        Args:
+            piece: A piece of this order.
+            seq_id: The sequence its slots join.
+
         Raises:
             ValueError: The slots already carry as many seq ids as the batch's ``n_seq_max``, or
                 already carry ``seq_id``.
@@ -388,7 +437,11 @@ class WorkOrder:
         b.n_seq_id[sl] = k + 1
 
     def decode(self, ctx: Context) -> None:
-        """``ctx.decode(batch)``: afterwards each piece's ``rows`` index ``ctx.logits_all()``."""
+        """``ctx.decode(batch)``: afterwards each piece's ``rows`` index ``ctx.logits_all()``.
+
+        Args:
+            ctx: The context (errors as :meth:`Context.decode <pyllamacpp.Context.decode>` raises them).
+        """
         ctx.decode(self.batch)
 
 
@@ -412,6 +465,11 @@ def plan(
     An order is filled before the next starts; a segment longer than the room left goes on in the
     next order (the way llama.cpp's own tools cut a long prompt: 5,000 tokens at n_batch 2,048 are
     2,048, 2,048 and 904).
+
+    Args:
+        segments: The segments, in order.
+        n_batch: The most slots an order holds.
+        n_outputs_max: The most output rows an order asks for (None: no bound).
 
     Returns:
         One list per order of ``(segment index, lo, hi)``: the segment's slots ``[lo, hi)``.
@@ -507,6 +565,13 @@ def common_prefix(a: npt.ArrayLike, *others: npt.ArrayLike) -> int:
 
     ``common_prefix(a, b)`` for two, ``common_prefix(*seqs)`` for any number: vectorized, one
     comparison per array.
+
+    Args:
+        a: Token ids.
+        *others: More token arrays.
+
+    Returns:
+        How many first tokens all of them share.
     """
     x = np.asarray(a).reshape(-1)
     n = x.size
@@ -524,6 +589,12 @@ def common_prefix(a: npt.ArrayLike, *others: npt.ArrayLike) -> int:
 def model_and_context(model_or_ctx: Model | Context) -> tuple[Model, Context | None]:
     """``(model, ctx)`` for a Context, ``(model, None)`` for a Model: the one place that tells
     which of the two a function that takes either was given.
+
+    Args:
+        model_or_ctx: A Model or a Context.
+
+    Returns:
+        The model, and the context or None.
 
     Raises:
         TypeError: Neither a Model nor a Context.
@@ -545,6 +616,13 @@ def fork(ctx: Context, src: int, dsts: Iterable[int], p0: int = -1, p1: int = -1
     holds it). With one stream per sequence (``kv_unified=False``) llama.cpp copies whole streams at
     the start of the next decode, so only the whole sequence can be given (a partial range there is
     refused, as :meth:`Memory.seq_cp <pyllamacpp.Memory.seq_cp>` refuses it).
+
+    Args:
+        ctx: The context.
+        src: The sequence that holds the cells.
+        dsts: The sequences given them.
+        p0: The first position (negative: from 0).
+        p1: One past the last (negative: to the end).
 
     Raises:
         ValueError: A seq id outside ``[0, n_seq_max)``, ``src`` among ``dsts``, or a partial range

@@ -1,8 +1,9 @@
 """Every public function, class and method has a Google-style docstring and full annotations.
 
 Walks the public names of ``pyllamacpp``, ``pyllamacpp.state``, ``pyllamacpp.testing``,
-``pyllamacpp.rpc``, ``pyllamacpp.ubatch`` (their ``__all__``) and of each public module of ``pyllamacpp.experiments``
-(its ``__all__``, else the functions and classes it defines), and the public methods and
+``pyllamacpp.rpc``, ``pyllamacpp.ubatch``,
+``pyllamacpp.packing``, ``pyllamacpp.prefix_store`` (their ``__all__``) and of each public module
+of ``pyllamacpp.experiments`` (its ``__all__``, else the functions and classes it defines), and the public methods and
 properties of every class among them (inherited ones too, where a package class defines them).
 For each object defined in the package:
 
@@ -29,6 +30,8 @@ import pytest
 import pyllamacpp
 import pyllamacpp.cvec
 import pyllamacpp.experiments
+import pyllamacpp.packing
+import pyllamacpp.prefix_store
 import pyllamacpp.rpc
 import pyllamacpp.state
 import pyllamacpp.taps
@@ -67,6 +70,7 @@ def _public(mod: Any) -> Iterator[tuple[str, Any]]:
 def _modules() -> list[Any]:
     mods = [pyllamacpp, pyllamacpp.state, pyllamacpp.testing, pyllamacpp.rpc, pyllamacpp.taps, pyllamacpp.cvec]
     mods.append(pyllamacpp.ubatch)  # the batch split, once experiments.ubatch_plan (now forwards to it)
+    mods += [pyllamacpp.packing, pyllamacpp.prefix_store]  # the packing core; the prefix store
     for m in pkgutil.iter_modules(pyllamacpp.experiments.__path__):
         if not m.name.startswith("_"):
             mods.append(importlib.import_module(f"pyllamacpp.experiments.{m.name}"))

@@ -136,6 +136,10 @@ def api_pages() -> dict[str, str]:
         "heading_level: 1", "heading_level: 2\n      show_root_heading: false"
     )
 
+    pages["reference/api/packing.md"] = "# `pyllamacpp.packing`\n\n" + _api_block("pyllamacpp.packing", 1).replace(
+        "heading_level: 1", "heading_level: 2\n      show_root_heading: false"
+    )
+
     import importlib.util
 
     if importlib.util.find_spec("pyllamacpp.text"):  # the text API's module, when present

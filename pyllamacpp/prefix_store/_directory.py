@@ -89,7 +89,14 @@ class DirectoryBackend:
         return self.root / key[:2]
 
     def find(self, key: str) -> ChunkFile | None:
-        """The chunk stored under ``key``, or None."""
+        """The chunk stored under ``key``, or None.
+
+        Args:
+            key: The chunk's key (hex).
+
+        Returns:
+            Its record, or None.
+        """
         d = self._dir(key)
         try:
             names = os.listdir(d)
@@ -109,6 +116,10 @@ class DirectoryBackend:
     def get(self, key: str, *, touch: bool = True) -> bytes | None:
         """The chunk's bytes, checked; None when absent (``touch=False``: the read is not counted
         as a use, as for a check that should leave the eviction order alone).
+
+        Args:
+            key: The chunk's key (hex).
+            touch: Count the read as a use (refresh the file's mtime).
 
         Raises:
             ChunkCorrupt: The bytes do not match their checksum (the file is removed first).
@@ -134,6 +145,10 @@ class DirectoryBackend:
     def put(self, key: str, data: bytes) -> int:
         """Store ``data`` under ``key`` (atomically); returns the bytes written (0 when present).
 
+        Args:
+            key: The chunk's key (hex).
+            data: The chunk's bytes.
+
         Raises:
             OSError: The write failed (the disk full: ``errno.ENOSPC``); nothing partial is left.
         """
@@ -145,7 +160,11 @@ class DirectoryBackend:
         return len(data)
 
     def remove(self, key: str) -> bool:
-        """Remove the chunk under ``key``; False when there was none."""
+        """Remove the chunk under ``key``; False when there was none.
+
+        Args:
+            key: The chunk's key (hex).
+        """
         f = self.find(key)
         return f is not None and _unlink(f.path)
 
@@ -164,6 +183,9 @@ class DirectoryBackend:
 
     def evict(self, max_bytes: int) -> tuple[int, int]:
         """Remove the least recently used chunks until at most ``max_bytes`` remain.
+
+        Args:
+            max_bytes: The bytes to keep at most.
 
         Returns:
             ``(chunks removed, bytes removed)``.

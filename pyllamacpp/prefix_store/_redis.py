@@ -177,6 +177,9 @@ class RedisBackend:
     def find(self, key: str) -> RedisChunk | None:
         """The chunk stored under ``key``, or None.
 
+        Args:
+            key: The chunk's key (hex).
+
         Raises:
             OSError: The server failed (``ConnectionError``, ``TimeoutError`` when gone or slow).
         """
@@ -222,6 +225,10 @@ class RedisBackend:
         """Store ``data`` under ``key`` (the hash and its score in one transaction); returns the
         bytes written (0 when present).
 
+        Args:
+            key: The chunk's key (hex).
+            data: The chunk's bytes.
+
         Raises:
             OSError: The write failed (``ENOSPC`` when the server is out of memory); nothing
                 partial is left.
@@ -238,6 +245,9 @@ class RedisBackend:
 
     def remove(self, key: str) -> bool:
         """Remove the chunk under ``key``; False when there was none.
+
+        Args:
+            key: The chunk's key (hex).
 
         Raises:
             OSError: The server failed.
@@ -286,6 +296,9 @@ class RedisBackend:
 
     def evict(self, max_bytes: int) -> tuple[int, int]:
         """Remove the least recently used chunks until at most ``max_bytes`` remain.
+
+        Args:
+            max_bytes: The bytes to keep at most.
 
         Returns:
             ``(chunks removed, bytes removed)``.

@@ -222,6 +222,13 @@ class PrefixStore:
         *k - 1* and chunk *k*'s token ids (int32, little-endian), so it covers every token up to the
         chunk's end.
 
+        Args:
+            ctx: The context whose identity roots the keys.
+            tokens: The token ids.
+
+        Returns:
+            One key (hex) per whole chunk.
+
         Raises:
             ValueError: A memory the store cannot serve (recurrent, hybrid, sliding window).
         """
