@@ -163,3 +163,31 @@ def test_add_trusted_fills_the_slots_add_token_fills(model):
     assert len(wf) == 6
     with pytest.raises(TypeError, match="embedding batch"):
         WorkOrder(pl.Batch(4, 1, 8)).add_trusted([1], 0, 0, True)
+
+
+def test_embedding_segments_fill_their_slots_and_decode(model):
+    """Embedding rows go through the same core: positions, seq ids and output flags as for tokens
+    (mutation survivors: pos ** j, the last flag at -2, the order's pos ** lo)."""
+    rows = np.random.default_rng(0).normal(0, 0.02, (5, model.n_embd)).astype(np.float32)
+    batch = pl.Batch(8, 2, model.n_embd)
+    wo = WorkOrder(batch)
+    p = wo.add_embd(rows[:3], [0, 1], 4, "last")
+    assert batch.pos[:3].tolist() == [4, 5, 6] and batch.logits[:3].tolist() == [0, 0, 1]
+    assert batch.n_seq_id[:3].tolist() == [2, 2, 2] and p.rows == slice(0, 1) and p.at.tolist() == [2]
+    with pytest.raises(ValueError, match="2-D"):
+        Segment(embd=rows[0])
+    with model.context(n_ctx=64, n_batch=3, n_ubatch=3, n_threads=1, n_threads_batch=1) as ctx:
+        seen = []
+        for order in decode(ctx, [Segment(embd=rows, seq_ids=0, pos=2, outputs="all")]):
+            seen.append(order.batch.pos[: len(order)].tolist())
+            assert ctx.logits_all().shape[0] == len(order)
+        assert seen == [[2, 3, 4], [5, 6]]
+
+
+def test_a_piece_joins_several_sequences():
+    batch = pl.Batch(4, 4)
+    wo = WorkOrder(batch)
+    p = wo.add([1, 2], 0, 0, "none")
+    for s in (1, 2, 3):
+        wo.join(p, s)
+    assert batch.n_seq_id[:2].tolist() == [4, 4] and batch.seq_id[0, :4].tolist() == [0, 1, 2, 3]
