@@ -44,13 +44,14 @@ from ._records import (
 from ._sidecar import SIDECAR_FIELDS, gguf_field, model_facts, read_sidecar, sidecar_path, write_sidecar
 from ._state import KVState, parse
 from ._types import GGMLType, hadamard
-from ._write import join_cells, select_cells
+from ._write import join_cells, join_cells_data, select_cells
 
 __all__ = [
     "parse",
     "KVState",
     "select_cells",
     "join_cells",
+    "join_cells_data",
     "StateFormatError",
     "DumpKind",
     "Header",

@@ -114,16 +114,17 @@ def select_cells(
                     chunks.append(r.data.reshape(r.n_embd, r.n_cells, el)[:, idx, :].tobytes())
                 else:
                     chunks.append(r.rows[idx].tobytes())
-    return _reparse(state, chunks)
+    return _reparse(state, bytearray(b"".join(chunks)))
 
 
-def _reparse(like: KVState, chunks: list[bytes]) -> KVState:
-    """Parse the dump written as ``chunks`` with the options ``like`` was parsed with."""
+def _reparse(like: KVState, data: bytearray | np.ndarray) -> KVState:
+    """Parse the dump written into ``data`` (writable, kept as the dump's buffer) with the options
+    ``like`` was parsed with."""
     from ._state import parse
 
     opts = like.options
     return parse(
-        bytearray(b"".join(chunks)),
+        data,
         n_head_kv=like.n_head_kv,
         memory=opts["memory"],
         cell_ext=opts["cell_ext"],
@@ -147,7 +148,29 @@ def join_cells(states: Sequence[KVState]) -> KVState:
         states: The parsed dumps, at least one.
 
     Returns:
-        The parsed new dump, backed by a writable bytearray.
+        The parsed new dump, backed by a writable uint8 array (:func:`join_cells_data`'s).
+
+    Raises:
+        ValueError: No dumps, a metadata-only, dsv4 or recurrent dump, or dumps whose layouts
+            differ (which part, stream, record or type, said).
+    """
+
+    data = join_cells_data(states)
+    return _reparse(states[0], data)
+
+
+def join_cells_data(states: Sequence[KVState]) -> np.ndarray:
+    """The bytes :func:`join_cells` writes, not parsed again: for a caller that only hands them on
+    (to ``llama_state_seq_set_data_ext``, which reads them, or to a file).
+
+    Each byte is copied once, into one array allocated at its final size: no per-record copies
+    joined afterwards, and no parse of the result.
+
+    Args:
+        states: The parsed dumps, at least one (see :func:`join_cells`).
+
+    Returns:
+        The joined dump, a new writable 1-D uint8 array.
 
     Raises:
         ValueError: No dumps, a metadata-only, dsv4 or recurrent dump, or dumps whose layouts
@@ -169,16 +192,17 @@ def join_cells(states: Sequence[KVState]) -> KVState:
             (p.name, p.n_stream, len(p.streams)) for p in first.parts
         ]:
             raise ValueError(f"join_cells: dump {i} has other memory parts or streams than dump 0")
-    buf0 = first._buf
-    chunks = [buf0.view(0, first.header.nbytes, "header").tobytes()]
+    # The pieces in order, nothing copied yet: byte strings or uint8 views, each written as it is,
+    # and a list of the dumps' (n_embd, bytes per embedding row) views for a transposed V record.
+    pieces: list[bytes | np.ndarray | list[np.ndarray]] = [first._buf.view(0, first.header.nbytes, "header")]
     for pi, p in enumerate(first.parts):
         if p.n_stream is not None:
-            chunks.append(_u32(p.n_stream))
+            pieces.append(_u32(p.n_stream))
         for si in range(len(p.streams)):
             streams = [st.parts[pi].streams[si] for st in states]
             full = [s for s in streams if s.cell_count]
             n = sum(s.cell_count for s in full)
-            chunks.append(_u32(n))
+            pieces.append(_u32(n))
             if not full:
                 continue
             ref = full[0]
@@ -191,9 +215,9 @@ def join_cells(states: Sequence[KVState]) -> KVState:
                     )
             owners = [st for st, s in zip(states, streams) if s.cell_count]
             for st, s in zip(owners, full):
-                chunks.append(st._buf.view(s.cells_offset, s.cells_nbytes, "cells").tobytes())
+                pieces.append(st._buf.view(s.cells_offset, s.cells_nbytes, "cells"))
             flags_at = ref.cells_offset + ref.cells_nbytes
-            chunks.append(owners[0]._buf.view(flags_at, 8, "v_trans, n_layer").tobytes())
+            pieces.append(owners[0]._buf.view(flags_at, 8, "v_trans, n_layer"))
             for ri, r in enumerate(ref.records):
                 recs = [s.records[ri] for s in full]
                 for j, q in enumerate(recs):
@@ -205,11 +229,27 @@ def join_cells(states: Sequence[KVState]) -> KVState:
                         raise ValueError(
                             f"join_cells: {p.name} stream {si} record {r.name}: dump {j} differs in type or size"
                         )
-                chunks.append(owners[0]._buf.view(r.header_offset, r.data_offset - r.header_offset, "header").tobytes())
+                pieces.append(owners[0]._buf.view(r.header_offset, r.data_offset - r.header_offset, "header"))
+                data = [q._payload() for q in recs]
                 if r.transposed:
-                    el = r.type.type_size
-                    parts = [q.data.reshape(q.n_embd, q.n_cells, el) for q in recs]  # type: ignore[union-attr]
-                    chunks.append(np.concatenate(parts, axis=1).tobytes())
+                    pieces.append([d.reshape(r.n_embd, -1) for d in data])
                 else:
-                    chunks.append(b"".join(q.rows.tobytes() for q in recs))
-    return _reparse(first, chunks)
+                    pieces.extend(data)
+    sizes = [
+        len(x) if isinstance(x, bytes) else x.size if isinstance(x, np.ndarray) else sum(v.size for v in x)
+        for x in pieces
+    ]
+    out = np.empty(sum(sizes), np.uint8)  # not zeroed: every byte is written below
+    at = 0
+    for x, nb in zip(pieces, sizes):
+        if isinstance(x, list):
+            # value-major: embedding row e of the joined record is row e of each dump's in turn
+            dst = out[at : at + nb].reshape(x[0].shape[0], -1)
+            c = 0
+            for v in x:
+                dst[:, c : c + v.shape[1]] = v
+                c += v.shape[1]
+        else:
+            out[at : at + nb] = np.frombuffer(x, np.uint8) if isinstance(x, bytes) else x
+        at += nb
+    return out
