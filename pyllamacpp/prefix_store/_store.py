@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from .._lib import build_info, lib
 from ..errors import StateError
-from ..state import KVState, join_cells, parse
+from ..state import KVState, join_cells_data, parse
 from ._directory import _MANIFEST, ChunkCorrupt, DirectoryBackend, StoreError, is_disk_full
 from ._redis import RedisBackend, is_redis_url
 
@@ -286,7 +286,7 @@ class PrefixStore:
         if not chunks:
             return 0
         try:
-            blob = chunks[0] if len(chunks) == 1 else join_cells(_one_stream([parse(c) for c in chunks])).to_bytes()
+            blob = chunks[0] if len(chunks) == 1 else join_cells_data(_one_stream([parse(c) for c in chunks]))
             ctx.set_seq_state(seq_id, blob, keep_on_error=False)
         except (StateError, ValueError) as e:
             ctx.memory.seq_rm(seq_id)
