@@ -316,7 +316,7 @@ class Scheduler:
 
     Raises:
         ValueError: ``n_batch`` is smaller than ``n_seq_max`` (a step could not hold one token per
-            sequence), or a prefix store with a memory it cannot serve (a sliding window, a
+            sequence), or a prefix store with a memory it cannot serve here (a sliding window, a
             recurrent or hybrid memory: the message says which).
         TypeError: ``prefix_store`` is not a :class:`~pyllamacpp.prefix_store.PrefixStore`.
         ClosedError: The context is closed.
@@ -351,6 +351,12 @@ class Scheduler:
                     f"prefix_store must be a pyllamacpp.prefix_store.PrefixStore, got {type(prefix_store).__name__}"
                 )
             prefix_store.keys(ctx, np.zeros(0, np.int32))  # refuses a memory it cannot serve, before any request
+            if model.n_swa:
+                raise ValueError(
+                    f"a scheduler keeps a prefix store with a plain KV cache only: {model.path.name} has "
+                    f"sliding-window layers (n_swa {model.n_swa}), whose cells a prefill keeps only at the chunk "
+                    "it ends on; feed its prompts with PrefixStore.prefill, which stops at every chunk's end"
+                )
         self.prefix_store = prefix_store
         """The :class:`~pyllamacpp.prefix_store.PrefixStore` (the second tier), or None."""
         self._n_vocab = self.model.n_vocab

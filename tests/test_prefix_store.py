@@ -148,14 +148,14 @@ def test_least_recently_used_chunks_go_first(tmp_path):
 @pytest.mark.parametrize(
     "arch, kw, why",
     [
-        ("gemma3", {"n_head": 2, "n_swa": 16}, "sliding-window"),
+        ("lfm2", {"n_layer": 4, "n_head": 2}, "recurrent \\(or hybrid\\)"),
         ("mamba", {}, "recurrent"),
     ],
 )
 def test_memories_a_store_cannot_serve_are_refused(tmp_path, arch, kw, why):
     from pyllamacpp.testing import make_model
 
-    path = make_model(tmp_path / f"{arch}.gguf", arch, n_layer=2, n_embd=64, n_vocab=64, **kw)
+    path = make_model(tmp_path / f"{arch}.gguf", arch, **{"n_layer": 2, "n_embd": 64, "n_vocab": 64, **kw})
     store = PrefixStore(tmp_path / "s", chunk_size=4)
     with pl.Model(path) as m, m.context(n_ctx=64, n_threads=1, n_threads_batch=1) as ctx:
         with pytest.raises(ValueError, match=why):

@@ -7,7 +7,9 @@ control vector, the llama.cpp pin), so two prompts that share their first chunks
 a chunk made under other settings is never loaded. Each chunk is a valid sequence-state dump of its
 cells (``pyllamacpp parse-state`` reads it). :meth:`PrefixStore.restore` joins the longest run of
 stored chunks into one dump and loads it with ``llama_state_seq_set_data_ext``; the caller decodes
-the rest.
+the rest. A sliding-window model (an iSWA cache) keeps beside a chunk the window of its
+sliding-window cells at the chunk's end (:func:`window_key`), stored when a sequence ends there
+(:meth:`PrefixStore.prefill` stops at each chunk's end); recurrent and hybrid memories are refused.
 
 Two backends: a local directory (:class:`DirectoryBackend`, the default) and a Redis server
 (:class:`RedisBackend`, a ``redis://`` URL; it needs the ``redis`` package, the ``store`` extra).
@@ -15,7 +17,7 @@ Two backends: a local directory (:class:`DirectoryBackend`, the default) and a R
 
 from ._directory import ChunkCorrupt, ChunkFile, DirectoryBackend, StoreError
 from ._redis import RedisBackend, RedisChunk
-from ._store import PrefixStore, PrefixStoreWarning, context_identity, open_backend
+from ._store import PrefixStore, PrefixStoreWarning, context_identity, open_backend, window_key
 
 __all__ = [
     "PrefixStore",
@@ -28,4 +30,5 @@ __all__ = [
     "ChunkCorrupt",
     "StoreError",
     "context_identity",
+    "window_key",
 ]

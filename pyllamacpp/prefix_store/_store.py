@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from .._context_state import model_memory
 from .._lib import build_info, lib
 from ..errors import StateError
 from ..state import KVState, join_cells_data, parse
@@ -112,39 +113,76 @@ def context_identity(ctx: Context) -> dict[str, Any]:
     }
 
 
-def _refuse_memory(ctx: Context) -> None:
+def _memory(ctx: Context) -> str:
+    """The memory the store serves: "kv" (one KV cache) or "iswa" (a full cache beside a
+    sliding-window one); anything else raises ValueError with the reason."""
     m = ctx.model
     if lib.llama_model_is_recurrent(m.ptr) or lib.llama_model_is_hybrid(m.ptr):
         raise ValueError(
             f"a prefix store cannot serve {m.path.name}: its memory is recurrent (or hybrid), one state per "
             "sequence that cannot be cut at a position, so no chunk of it stands for a prefix"
         )
-    if m.n_swa:
+    if not m.n_swa:
+        return "kv"
+    name = model_memory(m)[0]
+    if name != "iswa":
         raise ValueError(
-            f"a prefix store cannot serve {m.path.name}: its sliding-window layers (n_swa {m.n_swa}) keep only "
-            "the last window's cells, so a chunk of early positions is gone from their cache"
+            f"a prefix store cannot serve {m.path.name}: its sliding-window layers (n_swa {m.n_swa}) sit in "
+            f"{'a ' + name if name else 'a memory pyllamacpp.state does not know'}, not an iSWA cache (a full "
+            "cache beside a sliding-window one), the only sliding-window memory whose window the store keeps"
         )
+    return "iswa"
 
 
-def _one_stream(chunks: list[KVState]) -> list[KVState]:
-    """The chunks with their cells moved to the first chunk's stream.
+def window_key(key: str) -> str:
+    """The key of the sliding-window cells kept at the end of the chunk whose key is ``key``.
+
+    Args:
+        key: A chunk's key (hex).
+
+    Returns:
+        The window's key (hex): the sha256 of the chunk's key and ``b"window"``.
+    """
+    return hashlib.sha256(bytes.fromhex(key) + b"window").hexdigest()
+
+
+def _only(st: KVState, part: str) -> Any:
+    """The stream of ``part`` that holds cells (a sequence's dump has at most one), or None."""
+    full = [s for p in st.parts if p.name == part for s in p.streams if s.cell_count]
+    if len(full) > 1:
+        raise ValueError(f"a sequence's dump holds cells in {len(full)} streams of its {part} part")
+    return full[0] if full else None
+
+
+def _emptied(st: KVState, part: str) -> KVState:
+    """``st`` with no cells left in ``part``."""
+    s = _only(st, part)
+    return st if s is None else st.select_cells(np.zeros(s.cell_count, bool), part=part, stream=s.index)
+
+
+def _one_stream(chunks: list[KVState], memory: str) -> list[KVState]:
+    """The chunks with their cells moved to the first chunk's stream, in every part.
 
     With a stream per sequence (``kv_unified=False``) a chunk holds its cells in the stream of the
     sequence it was saved from; llama.cpp loads a sequence dump's cells into the destination's own
     stream, but empties the sequence at each stream that has cells (``state_read_meta``), so a
     joined dump must hold them all in one."""
-    want = next((s.index for s in chunks[0].parts[0].streams if s.cell_count), 0)
+    want = next((s.index for p in chunks[0].parts for s in p.streams if s.cell_count), 0)
+    empty = (0).to_bytes(4, "little")  # an empty stream is its cell_count, 0
     out = []
     for st in chunks:
-        part = st.parts[0]
-        full = [s for s in part.streams if s.cell_count]
-        if len(st.parts) != 1 or len(full) != 1 or full[0].index == want:
+        moves = [(p, _only(st, p.name)) for p in st.parts]
+        if all(src is None or src.index == want for _, src in moves):
             out.append(st)
             continue
-        raw, src = st.to_bytes(), full[0]
-        empty = (0).to_bytes(4, "little")  # an empty stream is its cell_count, 0
-        streams = [raw[src.offset : src.end] if i == want else empty for i in range(len(part.streams))]
-        out.append(parse(raw[: part.streams[0].offset] + b"".join(streams) + raw[part.end :]))
+        raw, pieces, at = st.to_bytes(), [], 0
+        for part, src in moves:
+            if src is None or src.index == want:
+                continue
+            pieces.append(raw[at : part.streams[0].offset])
+            pieces += [raw[src.offset : src.end] if i == want else empty for i in range(len(part.streams))]
+            at = part.end
+        out.append(parse(b"".join(pieces) + raw[at:], memory=memory))
     return out
 
 
@@ -212,7 +250,7 @@ class PrefixStore:
     # -- keys --------------------------------------------------------------------------------------
     def _root(self, ctx: Context) -> str:
         # made anew at each call: an adapter or control vector applied since changes the identity
-        _refuse_memory(ctx)
+        _memory(ctx)
         ident = dict(context_identity(ctx), chunk_size=self.chunk_size)
         root = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
         return root
@@ -246,9 +284,11 @@ class PrefixStore:
         """Load the longest stored prefix of ``tokens`` into the empty sequence ``seq_id``.
 
         The stored chunks are joined into one dump and loaded with ``llama_state_seq_set_data_ext``
-        at their own positions (0 onwards); decode ``tokens[n:]`` after it. A chunk whose checksum
-        fails is removed and ends the run there (a miss); a dump that will not load is a miss with
-        a :class:`PrefixStoreWarning`, and the sequence stays empty.
+        at their own positions (0 onwards); decode ``tokens[n:]`` after it. With a sliding-window
+        model (an iSWA cache) the prefix ends where a chunk ends whose window is stored too (see
+        :meth:`save`): the chunks give the full cache's cells, the window the sliding-window cache's.
+        A chunk whose checksum fails is removed and ends the run there (a miss); a dump that will not
+        load is a miss with a :class:`PrefixStoreWarning`, and the sequence stays empty.
 
         Args:
             ctx: The context.
@@ -265,42 +305,61 @@ class PrefixStore:
         """
         if ctx.memory.seq_pos_max(seq_id) >= 0:
             raise ValueError(f"restore: sequence {seq_id} holds cells; restore into an empty sequence")
+        memory = _memory(ctx)
         t = np.asarray(tokens).reshape(-1)
         usable = max(0, t.size - max(0, int(keep)))
         keys = self.keys(ctx, t[:usable])
         chunks: list[bytes] = []
         for key in keys:
             self.stats.lookups += 1
-            try:
-                data = self.backend.get(key)
-            except ChunkCorrupt:
-                self.stats.corrupt += 1
-                break
-            except OSError as e:
-                self._warn(f"reading chunk {key[:16]}... failed ({e}); computing it instead")
-                break
+            data = self._get(key)
             if data is None:
                 break
             chunks.append(data)
             self.stats.hits += 1
+        if memory == "iswa":  # the longest run of chunks whose last has its window
+            while chunks:
+                window = self._get(window_key(keys[len(chunks) - 1]))
+                if window is not None:
+                    chunks.append(window)
+                    break
+                chunks.pop()
         if not chunks:
             return 0
         try:
-            blob = chunks[0] if len(chunks) == 1 else join_cells_data(_one_stream([parse(c) for c in chunks]))
+            if len(chunks) == 1:
+                blob: Any = chunks[0]
+            else:
+                blob = join_cells_data(_one_stream([parse(c, memory=memory) for c in chunks], memory))
             ctx.set_seq_state(seq_id, blob, keep_on_error=False)
         except (StateError, ValueError) as e:
             ctx.memory.seq_rm(seq_id)
             self._warn(f"stored chunks did not load ({e}); computing them instead")
             return 0
-        n = len(chunks) * self.chunk_size
+        n = (len(chunks) - (memory == "iswa")) * self.chunk_size
         self.stats.tokens_restored += n
         return n
+
+    def _get(self, key: str) -> bytes | None:
+        """A stored entry, None for a miss (absent, its checksum failed, or the backend failed)."""
+        try:
+            return self.backend.get(key)
+        except ChunkCorrupt:
+            self.stats.corrupt += 1
+        except OSError as e:
+            self._warn(f"reading chunk {key[:16]}... failed ({e}); computing it instead")
+        return None
 
     # -- save --------------------------------------------------------------------------------------
     def save(self, ctx: Context, seq_id: int, tokens: npt.ArrayLike) -> int:
         """Store the whole chunks of sequence ``seq_id``, which holds ``tokens`` at positions 0 on.
 
-        Chunks already stored are not written again. Once the disk is full the store warns once
+        Chunks already stored are not written again. With a sliding-window model (an iSWA cache) a
+        chunk holds the full cache's cells of its positions, and the sliding-window cache's cells
+        are stored as a window beside the chunk that ends where the sequence ends: only then does
+        the sequence hold them (llama.cpp writes no cell the window has left). So a restore can go
+        up to the end of a chunk only where the sequence was saved at that end; :meth:`prefill`
+        stops at every chunk's end to keep each window. Once the disk is full the store warns once
         and writes nothing more in this process.
 
         Args:
@@ -309,7 +368,7 @@ class PrefixStore:
             tokens: The token ids it holds, from position 0 (at least its whole chunks).
 
         Returns:
-            Chunks written.
+            Entries written (chunks, and a window).
 
         Raises:
             ValueError: The sequence does not hold positions ``0 .. len(tokens) - 1`` in one cell
@@ -317,27 +376,39 @@ class PrefixStore:
         """
         if self._no_writes:
             return 0
+        memory = _memory(ctx)
         t = np.asarray(tokens).reshape(-1)
         keys = self.keys(ctx, t)
+        end = ctx.memory.seq_pos_max(seq_id) + 1
+        c = self.chunk_size
+        want = [(k, key) for k, key in enumerate(keys)]
+        if memory == "iswa" and end % c == 0 and 0 < end // c <= len(keys):
+            want.append((-1, window_key(keys[end // c - 1])))
         try:
-            missing = [(k, key) for k, key in enumerate(keys) if self.backend.find(key) is None]
+            missing = [(k, key) for k, key in want if self.backend.find(key) is None]
         except OSError as e:  # a Redis server gone: the run goes on without storing
             self._warn(f"looking up chunks failed ({e}); going on without storing")
             return 0
         if not missing:
             return 0
-        st = parse(ctx.seq_state(seq_id).data)
-        pos = st.cells["pos"]
-        c = self.chunk_size
+        st = parse(ctx.seq_state(seq_id).data, memory=memory)
+        full = st if memory == "kv" else _emptied(st, "swa")  # chunks: the full cache's cells
+        src = _only(full, "kv" if memory == "kv" else "base")
+        pos = src.cells["pos"] if src is not None else np.zeros(0, np.int32)
         written = 0
         for k, key in missing:
-            sel = (pos >= k * c) & (pos < (k + 1) * c)
-            if int(sel.sum()) != c:
-                raise ValueError(
-                    f"save: sequence {seq_id} holds {int(sel.sum())} cells at positions {k * c}..{(k + 1) * c - 1}, "
-                    f"not one per position: it does not hold these tokens from position 0"
-                )
-            data = st.select_cells(sel).to_bytes()
+            if k < 0:  # the window: the sliding-window cache's cells, none of the full cache's
+                data = _emptied(st, "base").to_bytes()
+            else:
+                sel = (pos >= k * c) & (pos < (k + 1) * c)
+                if int(sel.sum()) != c:
+                    raise ValueError(
+                        f"save: sequence {seq_id} holds {int(sel.sum())} cells at positions "
+                        f"{k * c}..{(k + 1) * c - 1}, not one per position: it does not hold these tokens from "
+                        "position 0"
+                    )
+                assert src is not None
+                data = full.select_cells(sel, part=src.part, stream=src.index).to_bytes()
             try:
                 nb = self.backend.put(key, data)
             except OSError as e:
@@ -360,6 +431,42 @@ class PrefixStore:
             except OSError as e:
                 self._warn(f"evicting down to {self.max_bytes} bytes failed ({e})")
         return written
+
+    # -- both --------------------------------------------------------------------------------------
+    def prefill(self, ctx: Context, seq_id: int, tokens: npt.ArrayLike) -> int:
+        """Feed ``tokens`` to the empty sequence ``seq_id`` through the store: restore the longest
+        stored prefix, decode the rest (logits for the last token, as :meth:`Context.prefill`
+        gives them) and store the new whole chunks.
+
+        With a sliding-window model the decode stops at the end of each new chunk to store its
+        window (see :meth:`save`), so any later prompt that shares a whole number of chunks with
+        this one can be restored up to them; otherwise it decodes as :meth:`Context.prefill` does.
+
+        Args:
+            ctx: The context.
+            seq_id: The sequence, which must be empty.
+            tokens: The prompt's token ids (at least one).
+
+        Returns:
+            How many of the first tokens came from the store.
+
+        Raises:
+            ValueError: No tokens, ``seq_id`` holds cells, or a memory the store cannot serve.
+            DecodeError: A decode failed (:meth:`Context.prefill`'s errors).
+        """
+        t = np.asarray(tokens).reshape(-1)
+        if t.size == 0:
+            raise ValueError("prefill: no tokens")
+        n = self.restore(ctx, seq_id, t)
+        at, c = n, self.chunk_size
+        if _memory(ctx) == "iswa":
+            for end in range((n // c + 1) * c, t.size, c):  # each chunk's end before the last token
+                ctx.prefill(t[at:end], seq_id, at)
+                self.save(ctx, seq_id, t[:end])
+                at = end
+        ctx.prefill(t[at:], seq_id, at)
+        self.save(ctx, seq_id, t)
+        return n
 
     def _warn(self, msg: str) -> None:
         self.stats.errors.append(msg)
