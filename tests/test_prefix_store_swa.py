@@ -149,3 +149,25 @@ def test_chunks_saved_from_two_streams_join_into_one(swa_model, tmp_path):
             ctx.prefill(toks[32:], seq, 32)
             np.testing.assert_array_equal(np.array(ctx.logits(-1)), _scratch(swa_model, toks, n_seq_max=2))
             ctx.memory.clear()
+
+
+def test_gemma3_270m_restored_from_its_window_is_bit_identical(tmp_path):
+    """The real model (window 512, 18 layers, 5 of each 6 sliding): 768 tokens stored, a prompt of
+    800 restored from them. Runs where `pyllamacpp fetch-model gemma3-270m` has cached it."""
+    from pyllamacpp.models import GEMMA3_270M, cache_dir
+    from pyllamacpp.scoring import sample_text_path
+
+    path = cache_dir() / "models" / GEMMA3_270M["gguf"]
+    if not path.is_file():
+        pytest.skip("Gemma 3 270M is not cached (pyllamacpp fetch-model gemma3-270m)")
+    with pl.Model(path) as m:
+        assert m.n_swa == 512
+        toks = m.tokenize(sample_text_path().read_text())[:800]
+        store = PrefixStore(tmp_path / "s")
+        with _ctx(m, n_ctx=1024, n_batch=512) as ctx:
+            store.prefill(ctx, 0, toks[:768])
+        with _ctx(m, n_ctx=1024, n_batch=512) as ctx:
+            assert store.restore(ctx, 0, toks) == 768
+            ctx.prefill(toks[768:], 0, 768)
+            got = np.array(ctx.logits(-1))
+        np.testing.assert_array_equal(got, _scratch(m, toks, n_ctx=1024, n_batch=512))
