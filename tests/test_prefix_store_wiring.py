@@ -297,3 +297,21 @@ def test_the_ttft_experiment_refuses_bad_input_before_any_decode(capsys, tmp_pat
     (tmp_path / "f").write_text("x")
     assert main(["prefix-store-ttft", "-n", "16", "--chunk-size", "16", "--store", str(tmp_path / "f")]) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_prefill_through_the_store_on_a_plain_cache_restores_decodes_and_stores(model, tmp_path):
+    """PrefixStore.prefill on a plain KV cache: restore, Context.prefill of the rest, save; the last
+    token's logits are a plain prefill's."""
+    toks = model.tokenize(SYSTEM_PROMPT + LISTS[0])
+    store = PrefixStore(tmp_path / "store", chunk_size=CHUNK)
+    with _ctx(model, n_seq_max=1) as ctx:
+        ctx.prefill(toks)
+        want = np.array(ctx.logits(-1))
+    for restored in (0, ((toks.size - 1) // CHUNK) * CHUNK):  # stored by the first, restored by the second
+        with _ctx(model, n_seq_max=1) as ctx:
+            assert store.prefill(ctx, 0, toks) == restored
+            assert ctx.memory.seq_pos_max(0) == toks.size - 1
+            np.testing.assert_array_equal(np.array(ctx.logits(-1)), want)
+    assert store.stats.chunks_written == toks.size // CHUNK  # every whole chunk, once
+    with _ctx(model, n_seq_max=1) as ctx, pytest.raises(ValueError, match="no tokens"):
+        store.prefill(ctx, 0, toks[:0])
