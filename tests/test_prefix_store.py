@@ -179,3 +179,39 @@ def test_join_cells_undoes_a_cut_byte_for_byte(model, flash_attn):
     assert state.join_cells(parts[:2]).cells["pos"].tolist() == list(range(16))
     with pytest.raises(ValueError, match="no dumps"):
         state.join_cells([])
+
+
+def test_chunks_saved_under_another_llama_cpp_pin_are_refused_by_key(model, tmp_path, monkeypatch):
+    """A store written by a build of another llama.cpp commit: its chunks are never found (their
+    keys hash that commit), so nothing is read or loaded, and they stay, another build's to use."""
+    import pyllamacpp.prefix_store._store as store_module
+
+    real = store_module.build_info
+    ours = real()["llama_cpp_commit"]
+    assert ours and len(ours) == 40  # the pin is known: two builds never share a None
+    older = dict(real(), llama_cpp_commit="b" * 40)
+    with monkeypatch.context() as m:
+        m.setattr(store_module, "build_info", lambda: older)
+        toks, store, old_keys = saved_store(model, tmp_path / "s")
+    stored = sorted((f.key, f.checksum, f.nbytes) for f in store.backend.chunks())
+    assert len(stored) == toks.size // 8 and sorted(k for k, _, _ in stored) == sorted(old_keys)
+
+    gets, loads = [], []
+    real_get = store.backend.get
+    monkeypatch.setattr(store.backend, "get", lambda key, **kw: gets.append(real_get(key, **kw)) or gets[-1])
+    real_load = pl.Context.set_seq_state
+    monkeypatch.setattr(pl.Context, "set_seq_state", lambda *a, **kw: loads.append(a) or real_load(*a, **kw))
+    with store_context(model) as ctx, warnings.catch_warnings():
+        warnings.simplefilter("error", PrefixStoreWarning)  # a miss by key, not a load that failed
+        assert store.restore(ctx, 0, toks) == 0
+        assert ctx.memory.seq_pos_max(0) == -1
+        assert not set(store.keys(ctx, toks)) & set(old_keys)
+        assert store_module.context_identity(ctx).get("llama_cpp") == ours
+    assert gets == [None] and loads == []  # the first key missed: nothing read, nothing loaded
+    assert store.stats.hits == 0 and store.stats.corrupt == 0
+    assert sorted((f.key, f.checksum, f.nbytes) for f in store.backend.chunks()) == stored  # not removed
+
+    # they are whole chunks, for the build they came from
+    with monkeypatch.context() as m, store_context(model) as ctx:
+        m.setattr(store_module, "build_info", lambda: older)
+        assert store.restore(ctx, 0, toks) == ((toks.size - 1) // 8) * 8
