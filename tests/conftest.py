@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import json
 import logging
 import os
 import signal
@@ -259,3 +261,45 @@ class UbatchAborter:
 
         self.ctx = model.context(cb_eval=self.cb, cb_eval_user_data=ffi.NULL, **kw)
         return self.ctx
+
+
+_RESULT = "@@call_in_child result: "  # marks the result's line among what llama.cpp may print
+
+_CALL = (
+    "import importlib, json, sys\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "fn = getattr(importlib.import_module(sys.argv[2]), sys.argv[3])\n"
+    "out = json.dumps(fn(*json.loads(sys.argv[4])))\n"
+    "print('\\n' + sys.argv[5] + out, flush=True)\n"
+)
+
+
+def call_in_child(fn, *args: object, timeout: float = 300) -> object:
+    """``fn(*args)`` in a fresh interpreter (:func:`run_child`), for the part of a test that
+    samples from output rows a packing regression would leave unrequested: llama.cpp then aborts
+    (``GGML_ASSERT(logits != nullptr)`` in ``llama_sampler_sample``), which ends that process and
+    fails this test instead of ending the pytest run. The test asserts on what ``fn`` returned.
+
+    Args:
+        fn: A module-level function of a test module (the child imports it from ``tests/``). It
+            loads what it needs (``pyllamacpp.Model()``) and returns plain data.
+        args: Its arguments, JSON-encoded on the way in (dict keys become strings).
+        timeout: Seconds before the child is killed (``subprocess.TimeoutExpired``).
+
+    Returns:
+        What ``fn`` returned, through JSON (tuples come back as lists).
+    """
+    folder = Path(fn.__code__.co_filename).parent
+    child = run_child(
+        _CALL, folder, fn.__module__, fn.__qualname__, json.dumps(args), _RESULT, timeout=timeout, check=False
+    )
+    if child.rc != 0:
+        # faulthandler's stack of the thread that died: the pyllamacpp call and the line of fn
+        err = child.stderr.splitlines()
+        at = next((i for i, ln in enumerate(err) if ln.startswith(("Current thread", "Thread 0x"))), None)
+        stack = [] if at is None else list(itertools.takewhile(str.strip, err[at + 1 : at + 12]))
+        where = ["where it died (most recent call first):", *stack] if stack else []
+        pytest.fail("\n".join([f"{fn.__name__}() in a child process: {child.describe()}", *where]), pytrace=False)
+    lines = [ln for ln in child.stdout.splitlines() if ln.startswith(_RESULT)]
+    assert lines, f"{fn.__name__}() exited with 0 and printed no result; stdout ends: {child.stdout[-500:]!r}"
+    return json.loads(lines[-1][len(_RESULT) :])

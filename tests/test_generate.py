@@ -1,13 +1,22 @@
-"""Sampler, generate and generate_parallel against the raw binding and against each other."""
+"""Sampler, generate and generate_parallel against the raw binding and against each other.
+
+generate_parallel samples each sequence at its own output slot of the step's batch: a packing
+regression there (a slot's logits flag missing, or set on another slot) makes llama.cpp abort the
+process. So its runs are made in a child process (``conftest.call_in_child``) and the test asserts
+on what came back: such a regression fails that test, and the rest of the run goes on.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
-from conftest import PROMPT
+from conftest import PROMPT, call_in_child
 
 import pyllamacpp as pl
 from pyllamacpp import ffi, lib
+from pyllamacpp.generation import ParallelResult
 
 
 def _raw_greedy(model, tokens, n):
@@ -121,11 +130,26 @@ def test_grammar_constrains_output(model):
         pl.Sampler().grammar(model, "root ::= ((")
 
 
+def _as_data(results: list[ParallelResult]) -> list[dict]:
+    """generate_parallel's results as plain data, for the way back from a child."""
+    return [dataclasses.asdict(r) for r in results]
+
+
+def _results(data: list[dict]) -> list[ParallelResult]:
+    return [ParallelResult(**d) for d in data]
+
+
+def _parallel_alone(prompt: str, kv_unified: bool) -> list[dict]:
+    """In a child: 4 sequences of 12 tokens."""
+    model = pl.Model()
+    with model.context(n_ctx=1024, n_seq_max=4, kv_unified=kv_unified, n_threads=2) as ctx:
+        return _as_data(pl.generate_parallel(ctx, prompt, 4, 12))
+
+
 @pytest.mark.parametrize("kv_unified", [True, False])
 def test_generate_parallel_equals_each_sequence_alone(model, kv_unified):
     prompt = "Once upon a time"
-    with model.context(n_ctx=1024, n_seq_max=4, kv_unified=kv_unified, n_threads=2) as ctx:
-        results = pl.generate_parallel(ctx, prompt, 4, 12)
+    results = _results(call_in_child(_parallel_alone, prompt, kv_unified))
     with model.context(n_ctx=256, n_threads=2) as ctx:
         alone = list(pl.generate(ctx, model.tokenize(prompt), 12))
     assert [r.seq_id for r in results] == [0, 1, 2, 3]
@@ -140,7 +164,9 @@ def test_generate_parallel_equals_each_sequence_alone(model, kv_unified):
 _EXACT = dict(n_ctx=512, kv_unified=True, flash_attn="on", n_threads=2)
 
 
-def test_generate_parallel_seeds_one_chain_per_sequence(model):
+def _seeded() -> list[list[dict]]:
+    """In a child: seeds 1.. (twice), then one seed for every sequence."""
+    model = pl.Model()
     with model.context(n_seq_max=4, **_EXACT) as ctx:
         a = pl.generate_parallel(ctx, "Once upon a time", 4, 12, seed=1)
         ctx.memory.clear()
@@ -149,6 +175,11 @@ def test_generate_parallel_seeds_one_chain_per_sequence(model):
         same = pl.generate_parallel(
             ctx, "Once upon a time", 4, 12, lambda i: pl.Sampler(model).top_k(40).temp(1.0).dist(99)
         )
+    return [_as_data(a), _as_data(b), _as_data(same)]
+
+
+def test_generate_parallel_seeds_one_chain_per_sequence():
+    a, b, same = (_results(x) for x in call_in_child(_seeded))
     assert len({tuple(r.tokens) for r in a}) == 4  # different seeds: different continuations
     assert [r.tokens for r in a] == [r.tokens for r in b]  # the same seeds: the same ones
     assert len({tuple(r.tokens) for r in same}) == 1  # one seed for all: equal continuations
@@ -158,11 +189,9 @@ def test_generate_parallel_seeds_one_chain_per_sequence(model):
     assert {r.sampler for r in same} == {"top_k(40) -> temp(1.0) -> dist(99)"} and same[0].seed == 99
 
 
-def test_generate_parallel_penalties_never_see_another_sequences_tokens(model):
-    """Sequence 0 has a strong repeat penalty; sequence 1, greedy, repeats the prompt. Sequence 0's
-    output equals the same chain run alone; with one chain shared by both it does not (so the
-    comparison can fail)."""
-    toks = model.tokenize(" ".join(["The cat sat on the mat."] * 3))
+def _penalized(toks: list[int]) -> tuple[list[dict], list[dict], list[int]]:
+    """In a child: sequence 0 penalized, 1 greedy; one penalized chain shared; the chain alone."""
+    model = pl.Model()
 
     def penalized():
         return pl.Sampler(model).penalties(64, 1.5).pick_greedy()
@@ -173,6 +202,16 @@ def test_generate_parallel_penalties_never_see_another_sequences_tokens(model):
         shared = pl.generate_parallel(ctx, toks, 2, 16, penalized())
         ctx.memory.clear()
         alone = list(pl.generate(ctx, toks, 16, penalized()))
+    return _as_data(own), _as_data(shared), alone
+
+
+def test_generate_parallel_penalties_never_see_another_sequences_tokens(model):
+    """Sequence 0 has a strong repeat penalty; sequence 1, greedy, repeats the prompt. Sequence 0's
+    output equals the same chain run alone; with one chain shared by both it does not (so the
+    comparison can fail)."""
+    toks = model.tokenize(" ".join(["The cat sat on the mat."] * 3))
+    own, shared, alone = call_in_child(_penalized, toks.tolist())
+    own, shared = _results(own), _results(shared)
     repeated = set(own[1].tokens) & set(alone)
     assert len(repeated) >= 5  # sequence 1 does repeat what the penalty counts in sequence 0
     assert own[0].tokens == alone
@@ -205,10 +244,10 @@ def test_generate_parallel_sampler_arguments_are_checked(model):
         assert [x.tokens for x in r] == [[], []] and {x.finish_reason for x in r} == {"n_predict"}
 
 
-def test_generate_parallel_one_shared_sampler_as_examples_batched(model):
-    """One Sampler serves every sequence (examples/batched): greedy gives every sequence the greedy
-    continuation; a shared dist chain draws for all sequences from one RNG."""
-    prompt = model.tokenize("Once upon a time")
+def _one_shared(prompt: list[int]) -> tuple[list[dict], list[int], list[dict], bool]:
+    """In a child: one greedy chain for 3 sequences, generate alone, one dist chain for 3;
+    and whether the greedy chain was closed."""
+    model = pl.Model()
     with model.context(n_seq_max=3, **_EXACT) as ctx:
         g = pl.Sampler.greedy()
         res = pl.generate_parallel(ctx, prompt, 3, 8, g)
@@ -216,7 +255,16 @@ def test_generate_parallel_one_shared_sampler_as_examples_batched(model):
         alone = list(pl.generate(ctx, prompt, 8))
         ctx.memory.clear()
         draws = pl.generate_parallel(ctx, prompt, 3, 8, pl.Sampler(model).top_k(40).temp(1.0).dist(99))
-    assert not g.closed  # the caller's chain is not closed
+    return _as_data(res), alone, _as_data(draws), g.closed
+
+
+def test_generate_parallel_one_shared_sampler_as_examples_batched(model):
+    """One Sampler serves every sequence (examples/batched): greedy gives every sequence the greedy
+    continuation; a shared dist chain draws for all sequences from one RNG."""
+    prompt = model.tokenize("Once upon a time")
+    res, alone, draws, g_closed = call_in_child(_one_shared, prompt.tolist())
+    res, draws = _results(res), _results(draws)
+    assert not g_closed  # the caller's chain is not closed
     assert all(r.tokens == alone and r.shared_sampler and r.sampler == "greedy" for r in res)
     assert res[0].seed is None and {r.seed for r in draws} == {99}
     assert len({tuple(r.tokens) for r in draws}) > 1  # one RNG, drawn in turn: not the same draws

@@ -5,15 +5,20 @@ clear winner at every step (top-2 logit margin >= 1.36 over 8 tokens on the defa
 this 135M model many prompts hit near-ties (margins under 0.1) within 10 tokens; there, decoding
 in a batch with other sequences' tokens, or into cells interleaved with theirs, can flip the
 greedy choice (measured: a 0.086 margin flipped), which is llama.cpp's numerics, not the scheduler.
+
+The solo-run comparisons run the scheduler in a child process (``conftest.call_in_child``) and
+assert on what came back: a packing regression that leaves a sampled row without its logits flag
+makes llama.cpp abort the process, and then it fails that test instead of ending the run.
 """
 
 from __future__ import annotations
 
 import textwrap
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import UbatchAborter, greedy_alone, run_child
+from conftest import UbatchAborter, call_in_child, greedy_alone, run_child
 
 import pyllamacpp as pl
 from pyllamacpp import ffi
@@ -43,42 +48,86 @@ def solo(model):
         return greedy_alone(ctx, SYSTEM, LISTS, N)
 
 
-@pytest.mark.parametrize(("kv_unified", "prefix_cache"), [(False, False), (True, False), (True, True)])
-def test_every_request_equals_its_solo_run(model, solo, kv_unified, prefix_cache):
+_REQUEST_FIELDS = (
+    "id tokens text finish_reason done seq_id reused_from n_prompt n_prompt_reused "
+    "n_prompt_decoded time_to_first_token tokens_per_s n_drafted n_accepted drafted_at accepted_at acceptance_rate"
+).split()
+
+
+def _request_data(r: Request) -> dict:
+    """What the solo-run tests read of a finished request, as plain data (from a child)."""
+    d = {k: getattr(r, k) for k in _REQUEST_FIELDS}
+    d["report_keys"] = list(r.report())
+    return d
+
+
+def _solo_run(kv_unified: bool, prefix_cache: bool) -> dict:
+    """In a child: 6 requests over 3 sequences, a 7th submitted after the first event. Returns the
+    scheduler's counts before and after, each event as the test reads it, and the requests."""
+    model = pl.Model()
     with _ctx(model, kv_unified=kv_unified) as ctx:
         sched = Scheduler(ctx, prefix_cache=prefix_cache)
         reqs = [sched.submit(SYSTEM + q, N) for q in LISTS[:6]]  # 6 requests, 3 sequences
-        assert sched.n_waiting == 6 and sched.idle is False
-        texts: dict[int, list[str]] = {}
+        before = dict(n_waiting=sched.n_waiting, idle=sched.idle)
+        events = []
         late = None
         for ev in sched.run():
-            assert isinstance(ev, Event) and isinstance(ev.request, Request)
-            texts.setdefault(ev.request.id, []).append(ev.text)
+            events.append(
+                dict(
+                    types=isinstance(ev, Event) and isinstance(ev.request, Request),
+                    request_id=ev.request.id,
+                    text=ev.text,
+                    finish_reason=ev.finish_reason,
+                    request_done=ev.request.done,
+                    request_finish_reason=ev.request.finish_reason,
+                    n_running=sched.n_running,
+                )
+            )
             if late is None:  # submitted while iterating, after the first event
                 late = sched.submit(SYSTEM + LISTS[6], N)
                 reqs.append(late)
-            if ev.finish_reason is not None:
-                assert ev.request.done and ev.request.finish_reason == ev.finish_reason
-            assert sched.n_running <= 3
-        assert sched.idle and sched.n_tokens == 7 * N
-        for r, q in zip(reqs, LISTS):
-            assert r.tokens == solo[q], (q, r)
-            assert r.finish_reason == "n_predict" and r.done
-            assert r.text == "".join(texts[r.id]) == model.detokenize(r.tokens)
-            assert r.n_prompt_reused + r.n_prompt_decoded == r.n_prompt
-            assert r.time_to_first_token > 0 and r.tokens_per_s > 0
-            assert 0 <= r.seq_id < 3
-        assert sched.n_prompt_decoded == sum(r.n_prompt_decoded for r in reqs)
-        n_sys = len(model.tokenize(SYSTEM))
-        if prefix_cache:
-            # the first decodes the system prompt; the others share it at least (two of them waited
-            # one step for the first one's prefill instead of decoding it too)
-            assert reqs[0].n_prompt_reused == 0
-            assert all(r.n_prompt_reused >= n_sys - 1 for r in reqs[1:])
-            assert sched.n_prompt_reused == sum(r.n_prompt_reused for r in reqs) > 0
-        else:
-            assert sched.n_prompt_reused == 0 and all(r.reused_from is None for r in reqs)
-            assert sched.cached() == {}  # no cache: finished sequences are freed
+        after = dict(
+            idle=sched.idle,
+            n_tokens=sched.n_tokens,
+            n_prompt_decoded=sched.n_prompt_decoded,
+            n_prompt_reused=sched.n_prompt_reused,
+            cached=sorted(sched.cached().items()),
+        )
+        return dict(before=before, events=events, after=after, reqs=[_request_data(r) for r in reqs])
+
+
+@pytest.mark.parametrize(("kv_unified", "prefix_cache"), [(False, False), (True, False), (True, True)])
+def test_every_request_equals_its_solo_run(model, solo, kv_unified, prefix_cache):
+    run = call_in_child(_solo_run, kv_unified, prefix_cache)
+    start, sched = SimpleNamespace(**run["before"]), SimpleNamespace(**run["after"])
+    reqs = [SimpleNamespace(**r) for r in run["reqs"]]
+    assert start.n_waiting == 6 and start.idle is False
+    texts: dict[int, list[str]] = {}
+    for ev in (SimpleNamespace(**e) for e in run["events"]):
+        assert ev.types  # an Event of a Request
+        texts.setdefault(ev.request_id, []).append(ev.text)
+        if ev.finish_reason is not None:
+            assert ev.request_done and ev.request_finish_reason == ev.finish_reason
+        assert ev.n_running <= 3
+    assert sched.idle and sched.n_tokens == 7 * N
+    for r, q in zip(reqs, LISTS):
+        assert r.tokens == solo[q], (q, r)
+        assert r.finish_reason == "n_predict" and r.done
+        assert r.text == "".join(texts[r.id]) == model.detokenize(r.tokens)
+        assert r.n_prompt_reused + r.n_prompt_decoded == r.n_prompt
+        assert r.time_to_first_token > 0 and r.tokens_per_s > 0
+        assert 0 <= r.seq_id < 3
+    assert sched.n_prompt_decoded == sum(r.n_prompt_decoded for r in reqs)
+    n_sys = len(model.tokenize(SYSTEM))
+    if prefix_cache:
+        # the first decodes the system prompt; the others share it at least (two of them waited
+        # one step for the first one's prefill instead of decoding it too)
+        assert reqs[0].n_prompt_reused == 0
+        assert all(r.n_prompt_reused >= n_sys - 1 for r in reqs[1:])
+        assert sched.n_prompt_reused == sum(r.n_prompt_reused for r in reqs) > 0
+    else:
+        assert sched.n_prompt_reused == 0 and all(r.reused_from is None for r in reqs)
+        assert dict(sched.cached) == {}  # no cache: finished sequences are freed
 
 
 def test_prefix_reuse_counts_and_outputs(model, solo):
@@ -431,41 +480,67 @@ def _wrong():
     return Wrong()
 
 
-def _cells_match(ctx, sched):
+def _cells(ctx, sched) -> list[tuple[int, int, int]]:
+    """``(seq id, its last position, the cells the scheduler says it holds)`` of each sequence."""
+    return [(s, ctx.memory.seq_pos_max(s), sched.cached().get(s, 0)) for s in range(sched.n_seq_max)]
+
+
+def _cells_held(cells) -> None:
     """Each sequence holds exactly the cells the scheduler says (no rejected row left behind)."""
-    for s in range(sched.n_seq_max):
-        n = sched.cached().get(s, 0)
-        assert ctx.memory.seq_pos_max(s) == n - 1, (s, n)
+    for s, pos_max, n in cells:
+        assert pos_max == n - 1, (s, n)
 
 
-def test_drafts_keep_every_request_equal_to_its_solo_run(model, solo):
+def _cells_match(ctx, sched):
+    _cells_held(_cells(ctx, sched))
+
+
+def _solo_run_with_drafts(solo: dict[str, list[int]]) -> dict:
+    """In a child: 6 requests, drafted by nothing, n-grams, the solo run (an oracle) and a wrong
+    token in turn. Returns each request, its oracle's report, the steps each request had an event
+    in, and the cells of each sequence after each finishing event and at the end."""
     from pyllamacpp.speculative import NgramDraft
 
+    model = pl.Model()
     with _ctx(model) as ctx:
         sched = Scheduler(ctx)
-        reqs, steps = [], {}
+        reqs, steps, cells = [], {}, []
         for k, q in enumerate(LISTS[:6]):
             prompt = model.tokenize(SYSTEM + q)
             draft = [None, NgramDraft(), _Oracle(solo[q], prompt.size), _wrong()][k % 4]
             reqs.append(sched.submit(prompt, N, draft=draft, n_draft=3))
         for ev in sched.run():
             steps.setdefault(ev.request.id, set()).add(sched.n_steps)
-            _cells_match(ctx, sched) if ev.finish_reason else None
-        _cells_match(ctx, sched)
-        for r, q in zip(reqs, LISTS):
-            assert r.tokens == solo[q], (q, r)
-            assert r.finish_reason == "n_predict"
-        plain, ngram, oracle, wrong = reqs[0], reqs[1], reqs[2], reqs[3]
-        assert "n_drafted" not in plain.report() and plain.acceptance_rate is None
-        # all of the oracle's drafts are taken: 8 tokens in 1 + ceil(7 / 4) steps; n_predict caps
-        # the last draft (3 tokens to go: 2 drafted)
-        assert oracle.n_accepted == oracle.n_drafted == 3 + 2 and oracle.acceptance_rate == 1.0
-        assert len(steps[oracle.id]) == 3 and len(steps[plain.id]) == N
-        rep = oracle.report()
-        assert rep["acceptance_at"] == [1.0, 1.0, 1.0] and rep["n_draft"] == 3
-        # one token per step; the last step has none left to draft for (3 + 3 + 3 + 3 + 2 + 1 drafted)
-        assert wrong.n_accepted == 0 and wrong.drafted_at[0] == N - 2 and wrong.n_drafted == 15
-        assert ngram.n_drafted >= ngram.n_accepted >= 0
+            cells.append(_cells(ctx, sched)) if ev.finish_reason else None
+        cells.append(_cells(ctx, sched))
+        return dict(
+            reqs=[_request_data(r) for r in reqs],
+            oracle_report=reqs[2].report(),
+            steps={i: sorted(s) for i, s in steps.items()},
+            cells=cells,
+        )
+
+
+def test_drafts_keep_every_request_equal_to_its_solo_run(solo):
+    run = call_in_child(_solo_run_with_drafts, solo)
+    reqs = [SimpleNamespace(**r) for r in run["reqs"]]
+    steps = {int(i): s for i, s in run["steps"].items()}
+    for cells in run["cells"]:  # after each finishing event, and at the end
+        _cells_held(cells)
+    for r, q in zip(reqs, LISTS):
+        assert r.tokens == solo[q], (q, r)
+        assert r.finish_reason == "n_predict"
+    plain, ngram, oracle, wrong = reqs[0], reqs[1], reqs[2], reqs[3]
+    assert "n_drafted" not in plain.report_keys and plain.acceptance_rate is None
+    # all of the oracle's drafts are taken: 8 tokens in 1 + ceil(7 / 4) steps; n_predict caps
+    # the last draft (3 tokens to go: 2 drafted)
+    assert oracle.n_accepted == oracle.n_drafted == 3 + 2 and oracle.acceptance_rate == 1.0
+    assert len(steps[oracle.id]) == 3 and len(steps[plain.id]) == N
+    rep = run["oracle_report"]
+    assert rep["acceptance_at"] == [1.0, 1.0, 1.0] and rep["n_draft"] == 3
+    # one token per step; the last step has none left to draft for (3 + 3 + 3 + 3 + 2 + 1 drafted)
+    assert wrong.n_accepted == 0 and wrong.drafted_at[0] == N - 2 and wrong.n_drafted == 15
+    assert ngram.n_drafted >= ngram.n_accepted >= 0
 
 
 NARROW_BATCH = textwrap.dedent("""
