@@ -220,6 +220,7 @@ def test_bad_input_is_refused_before_any_decode(model):
             ([([1, 2], [])], ValueError, "continuation.* no tokens"),
             ([([], [5])], ValueError, "context has no tokens"),
             ([([1, 2], [10**6])], ValueError, "outside the vocabulary"),
+            ([(np.array(5), [6])], TypeError, "1-D array of token ids"),  # a 0-d array is not a sequence
             ([("a", [5])], TypeError, "must both be str or both token ids"),
             (["just a string"], TypeError, "not a \\(context, continuation\\) pair"),
             ("a, b", TypeError, "list of"),
@@ -361,6 +362,8 @@ def test_an_empty_context_without_bos_names_the_request(model, monkeypatch):
         pl.loglikelihood(model, [("The capital of France is", " Paris"), EMPTY], **T)
     with pytest.raises(ValueError, match="no BOS token"):
         encode_pair(model, "", " Paris")
+    with pytest.raises(ValueError, match="no BOS token"):  # an empty str of a subclass (a numpy column's) is empty
+        encode_pair(model, np.str_(""), " Paris")
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
 
@@ -371,6 +374,35 @@ def test_an_empty_context_without_bos_names_the_request(model, monkeypatch):
     (got,) = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=EMPTY, idx=0)])
     (want,) = pl.loglikelihood(model, [([model.eos], model.tokenize(" Paris", False))], **T)
     assert got == (want.logprob, want.is_greedy)
+
+
+def test_a_bos_of_token_id_0_is_a_bos(model, monkeypatch):
+    # GPT-NeoX's vocabulary (Pythia) has BOS = EOS = token 0: an empty context is scored after it
+    monkeypatch.setattr(type(model), "bos", property(lambda self: 0))
+    paris = model.tokenize(" Paris", False)
+    ctx, cont = encode_pair(model, "", " Paris")
+    assert ctx.tolist() == [0] and cont.tolist() == paris.tolist()
+    ((lps, greedy),) = alone(model, [(np.concatenate([[0], paris]).astype(np.int32), 1)])
+    (r,) = pl.loglikelihood(model, [EMPTY], **T)
+    assert r.n_context == 1 and r.tokens.tolist() == paris.tolist() and np.array_equal(r.logprobs, lps)
+
+
+def test_a_vocabulary_that_adds_bos_has_it_in_the_context_only(model, monkeypatch):
+    # the default model adds no BOS (add_special changes nothing); Llama's and Gemma's do
+    tokenize = type(model).tokenize
+
+    def adds_bos(self, text, add_special=True, parse_special=False):
+        t = tokenize(self, text, False, parse_special)
+        return np.concatenate([[self.bos], t]).astype(np.int32) if add_special else t
+
+    monkeypatch.setattr(type(model), "tokenize", adds_bos)
+    c = "The capital of France is"
+    reqs = [(c, " Paris"), (c, " Madrid"), ("", " Paris")]  # the second's context comes from the first's
+    for (ct, x), r in zip(reqs, pl.loglikelihood(model, reqs, **T)):
+        assert (
+            r.n_context == 1 + tokenize(model, ct, False).size
+            and r.tokens.tolist() == tokenize(model, x, False).tolist()
+        )
 
 
 # -- the lm-evaluation-harness backend ------------------------------------------------------------
