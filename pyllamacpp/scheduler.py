@@ -363,6 +363,7 @@ class Scheduler:
         self._n_ctx_seq = ctx.n_ctx_seq
         self._batch = Batch(self.n_batch, 1, model=self.model)
         self._order = packing.WorkOrder(self._batch)  # each step's batch
+        self._flags = self._batch._logits  # the logits flags, read before each sample
         # per sequence: how many tokens its cells hold (positions 0..n-1: the first n of its last
         # request's prompt + sampled tokens), that request, who runs in it, when it was last used
         self._n_held = [0] * n_seq
@@ -830,7 +831,11 @@ class Scheduler:
 
     def _sample(self, r: Request, cptr: Any, ev: Callable[[Event], None]) -> None:
         # llama_sampler_sample straight: the output index is this batch's own slot, the pointer was
-        # checked by _fill; Sampler.sample's checks and log capture cost more than the rest
+        # checked by _fill; Sampler.sample's checks and log capture cost more than the rest. One
+        # check stays: a slot without its logits flag would abort the process in the sampler
+        # (GGML_ASSERT), so a packing fault raises here instead
+        if not self._flags[r._out]:
+            raise RuntimeError(f"request {r.id}: slot {r._out} of this step's batch has no logits to sample from")
         tok = _sample(r._sptr, cptr, r._out)
         if tok < 0:
             raise IndexError(f"llama_sampler_sample() failed for output {r._out} of request {r.id}")

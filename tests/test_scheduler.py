@@ -693,3 +693,23 @@ def test_a_prefill_shares_the_step_with_a_generating_request(model):
         b = sched.submit(np.resize(model.tokenize(SYSTEM + LISTS[1]), 100), 4, pl.Sampler.greedy())
         sched.step()
         assert len(a.tokens) == 2 and b._i == 31  # prompt tokens fed so far
+
+
+def test_a_batch_slot_without_its_logits_flag_raises_instead_of_aborting(model, monkeypatch):
+    """The sampler aborts the process (GGML_ASSERT) on a row llama_decode did not output; the
+    scheduler checks the slot's logits flag first, so a packing fault is a RuntimeError."""
+    from pyllamacpp import packing
+
+    trusted = packing.WorkOrder.add_trusted
+
+    def flagless(self, *a, **k):
+        out = trusted(self, *a, **k)
+        self.batch._logits[:] = 0  # every slot added so far loses its flag
+        return out
+
+    monkeypatch.setattr(packing.WorkOrder, "add_trusted", flagless)
+    with _ctx(model) as ctx:
+        sched = Scheduler(ctx)
+        sched.submit(SYSTEM_PROMPT + LISTS[0], 4)
+        with pytest.raises(RuntimeError, match="has no logits to sample from"):
+            list(sched.run())
