@@ -218,8 +218,9 @@ def test_bad_input_is_refused_before_any_decode(model):
             ([("a context", "")], ValueError, "continuation is empty"),
             ([(" ", "x")], ValueError, "context has no tokens"),  # all of it moved to the continuation
             ([([1, 2], [])], ValueError, "continuation.* no tokens"),
-            ([([], [5])], ValueError, "context has no tokens"),
+            ([([], [5])], ValueError, r"context has no tokens \(give at least one, e.g. BOS\)"),
             ([([1, 2], [10**6])], ValueError, "outside the vocabulary"),
+            ([([1, -1], [5])], ValueError, "outside the vocabulary"),
             ([(np.array(5), [6])], TypeError, "1-D array of token ids"),  # a 0-d array is not a sequence
             ([("a", [5])], TypeError, "must both be str or both token ids"),
             (["just a string"], TypeError, "not a \\(context, continuation\\) pair"),
@@ -376,7 +377,7 @@ def test_an_empty_context_without_bos_names_the_request(model, monkeypatch):
     assert got == (want.logprob, want.is_greedy)
 
 
-def test_a_bos_of_token_id_0_is_a_bos(model, monkeypatch):
+def test_the_bos_is_the_prefix_whatever_its_id(model, monkeypatch):
     # GPT-NeoX's vocabulary (Pythia) has BOS = EOS = token 0: an empty context is scored after it
     monkeypatch.setattr(type(model), "bos", property(lambda self: 0))
     paris = model.tokenize(" Paris", False)
@@ -385,6 +386,12 @@ def test_a_bos_of_token_id_0_is_a_bos(model, monkeypatch):
     ((lps, greedy),) = alone(model, [(np.concatenate([[0], paris]).astype(np.int32), 1)])
     (r,) = pl.loglikelihood(model, [EMPTY], **T)
     assert r.n_context == 1 and r.tokens.tolist() == paris.tolist() and np.array_equal(r.logprobs, lps)
+    (t,) = pl.loglikelihood(model, [([0], paris)], **T)  # token 0 is in the vocabulary
+    assert np.array_equal(t.logprobs, lps)
+    # a BOS whose id is above the continuation's first token: that token is not taken for it
+    monkeypatch.setattr(type(model), "bos", property(lambda self: self.n_vocab - 1))
+    ctx, cont = encode_pair(model, "", " Paris")
+    assert ctx.tolist() == [model.n_vocab - 1] and cont.tolist() == paris.tolist()
 
 
 def test_a_vocabulary_that_adds_bos_has_it_in_the_context_only(model, monkeypatch):
