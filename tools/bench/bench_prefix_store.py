@@ -1,4 +1,4 @@
-"""A prefix store on the default model: time to first token with N tokens restored against decoded.
+"""A prefix store on the default model (or -m): time to first token with N tokens restored against decoded.
 
     python tools/bench/bench_prefix_store.py [-n 512,2048] [--long] [-r 3] [-t 1] [-fa auto]
                                              [--chunk-size 256] [--store DIR_OR_URL] [--json out.json]
@@ -35,7 +35,7 @@ import numpy as np
 import pyllamacpp as pl
 from pyllamacpp.experiments.common import median_time, print_table, prompt_tokens
 from pyllamacpp.experiments.prefix_store_ttft import STORE_COLUMNS, TTFT_COLUMNS, run_one, table_fields
-from pyllamacpp.prefix_store import PrefixStore, RedisBackend
+from pyllamacpp.prefix_store import PrefixStore, RedisBackend, window_key
 
 
 def limits(store: PrefixStore, keys: list[str], repeat: int) -> dict:
@@ -84,7 +84,10 @@ def main() -> int:
             with model.context(**kw) as ctx:
                 toks = prompt_tokens(model, n + a.suffix)
                 row = run_one(ctx, store, toks, n, a.rounds)
-                row.update(limits(store, store.keys(ctx, toks[:n]), max(3, a.rounds)))
+                keys = store.keys(ctx, toks[:n])
+                if model.n_swa:  # a sliding-window model's restore reads the window at N too
+                    keys.append(window_key(keys[-1]))
+                row.update(limits(store, keys, max(3, a.rounds)))
             rows.append(row)
             print(f"N={n} done", file=sys.stderr, flush=True)
     if tmp is not None:
