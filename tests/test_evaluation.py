@@ -216,14 +216,17 @@ def test_bad_input_is_refused_before_any_decode(model):
         ctx.prefill(model.tokenize("kept"), 0)
         bad = [
             ([("a context", "")], ValueError, "continuation is empty"),
+            ([("a context", np.str_(""))], ValueError, "continuation is empty"),  # empty, of a str subclass
             ([(" ", "x")], ValueError, "context has no tokens"),  # all of it moved to the continuation
             ([([1, 2], [])], ValueError, "continuation.* no tokens"),
             ([([], [5])], ValueError, r"context has no tokens \(give at least one, e.g. BOS\)"),
             ([([1, 2], [10**6])], ValueError, "outside the vocabulary"),
             ([([1, -1], [5])], ValueError, "outside the vocabulary"),
             ([(np.array(5), [6])], TypeError, "1-D array of token ids"),  # a 0-d array is not a sequence
+            ([(np.ones((2, 2), int), [6])], TypeError, "1-D array of token ids"),
             ([("a", [5])], TypeError, "must both be str or both token ids"),
             (["just a string"], TypeError, "not a \\(context, continuation\\) pair"),
+            ([("only a context",)], TypeError, "not a \\(context, continuation\\) pair"),
             ("a, b", TypeError, "list of"),
             ([("word " * 300, " end")], ValueError, r"needs 30\d tokens .*, \d+ more than n_ctx=256"),
         ]
@@ -392,6 +395,14 @@ def test_the_bos_is_the_prefix_whatever_its_id(model, monkeypatch):
     monkeypatch.setattr(type(model), "bos", property(lambda self: self.n_vocab - 1))
     ctx, cont = encode_pair(model, "", " Paris")
     assert ctx.tolist() == [model.n_vocab - 1] and cont.tolist() == paris.tolist()
+
+
+def test_an_empty_context_and_a_continuation_that_starts_with_bos(model):
+    # parse_special: the BOS written as text is the prefix token itself, not a token before it
+    bos = model.token_to_piece(model.bos, special=True)
+    paris = model.tokenize(" Paris", False)
+    ctx, cont = encode_pair(model, "", bos + " Paris", parse_special=True)
+    assert ctx.tolist() == [model.bos] and cont.tolist() == paris.tolist()
 
 
 def test_a_vocabulary_that_adds_bos_has_it_in_the_context_only(model, monkeypatch):
