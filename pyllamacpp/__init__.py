@@ -23,7 +23,7 @@ from .errors import (
     RPCError,
     StateError,
 )
-from .models import default_model_path
+from .models import default_model_path, fetch_model
 
 if TYPE_CHECKING:  # the lazy names below, as mypy should see them
     from ._lib import build_info as build_info
@@ -156,6 +156,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "__version__",
     "default_model_path",
+    "fetch_model",
     "LlamaError",
     "ModelLoadError",
     "ContextError",
