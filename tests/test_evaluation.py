@@ -222,11 +222,13 @@ def test_bad_input_is_refused_before_any_decode(model):
             ([([], [5])], ValueError, r"context has no tokens \(give at least one, e.g. BOS\)"),
             ([([1, 2], [10**6])], ValueError, "outside the vocabulary"),
             ([([1, -1], [5])], ValueError, "outside the vocabulary"),
+            ([([1, model.n_vocab + 1], [5])], ValueError, "a context token is outside the vocabulary"),
             ([(np.array(5), [6])], TypeError, "1-D array of token ids"),  # a 0-d array is not a sequence
             ([(np.ones((2, 2), int), [6])], TypeError, "1-D array of token ids"),
             ([("a", [5])], TypeError, "must both be str or both token ids"),
             (["just a string"], TypeError, "not a \\(context, continuation\\) pair"),
             ([("only a context",)], TypeError, "not a \\(context, continuation\\) pair"),
+            (["ab"], TypeError, "not a \\(context, continuation\\) pair"),  # a str of two characters
             ("a, b", TypeError, "list of"),
             ([("word " * 300, " end")], ValueError, r"needs 30\d tokens .*, \d+ more than n_ctx=256"),
         ]
@@ -397,12 +399,16 @@ def test_the_bos_is_the_prefix_whatever_its_id(model, monkeypatch):
     assert ctx.tolist() == [model.n_vocab - 1] and cont.tolist() == paris.tolist()
 
 
-def test_an_empty_context_and_a_continuation_that_starts_with_bos(model):
+def test_an_empty_context_and_a_continuation_that_starts_with_bos(model, monkeypatch):
     # parse_special: the BOS written as text is the prefix token itself, not a token before it
     bos = model.token_to_piece(model.bos, special=True)
     paris = model.tokenize(" Paris", False)
     ctx, cont = encode_pair(model, "", bos + " Paris", parse_special=True)
     assert ctx.tolist() == [model.bos] and cont.tolist() == paris.tolist()
+    # a BOS id above CPython's cached small ints (256): compared by value
+    monkeypatch.setattr(type(model), "bos", property(lambda self: int(paris[0])))
+    ctx, cont = encode_pair(model, "", " Paris is")
+    assert ctx.tolist() == paris.tolist() and cont.tolist() == model.tokenize(" is", False).tolist()
 
 
 def test_a_vocabulary_that_adds_bos_has_it_in_the_context_only(model, monkeypatch):
