@@ -222,12 +222,14 @@ def test_bad_input_is_refused_before_any_decode(model):
             ([([], [5])], ValueError, r"context has no tokens \(give at least one, e.g. BOS\)"),
             ([([1, 2], [10**6])], ValueError, "outside the vocabulary"),
             ([([1, -1], [5])], ValueError, "outside the vocabulary"),
+            ([([1, model.n_vocab], [5])], ValueError, "a context token is outside the vocabulary"),
             ([([1, model.n_vocab + 1], [5])], ValueError, "a context token is outside the vocabulary"),
             ([(np.array(5), [6])], TypeError, "1-D array of token ids"),  # a 0-d array is not a sequence
             ([(np.ones((2, 2), int), [6])], TypeError, "1-D array of token ids"),
             ([("a", [5])], TypeError, "must both be str or both token ids"),
             (["just a string"], TypeError, "not a \\(context, continuation\\) pair"),
             ([("only a context",)], TypeError, "not a \\(context, continuation\\) pair"),
+            ([("a context", " one", " two")], TypeError, "not a \\(context, continuation\\) pair"),
             (["ab"], TypeError, "not a \\(context, continuation\\) pair"),  # a str of two characters
             ("a, b", TypeError, "list of"),
             ([("word " * 300, " end")], ValueError, r"needs 30\d tokens .*, \d+ more than n_ctx=256"),
