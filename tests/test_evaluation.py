@@ -164,6 +164,7 @@ def test_tokenization_at_the_boundary_is_lm_evals(model):
         ("Answer:  ", " four"),
         ("The word is un", "believable"),  # a merge across the boundary
         ("x", "\n\nnext"),
+        ("Count: 12 ", "34"),  # only the space moves (digits are tokens one by one: a digit more would show)
     ]:
         ctx, cont = encode_pair(model, c, x)
         want = lm._encode_pair(c, x)
@@ -372,6 +373,8 @@ def test_an_empty_context_without_bos_names_the_request(model, monkeypatch):
         encode_pair(model, "", " Paris")
     with pytest.raises(ValueError, match="no BOS token"):  # an empty str of a subclass (a numpy column's) is empty
         encode_pair(model, np.str_(""), " Paris")
+    with pytest.raises(ValueError, match=r"request 0: the context is empty and the model has no BOS token"):
+        pl.loglikelihood(model, [(np.str_(""), " Paris")], **T)
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
 
@@ -407,6 +410,8 @@ def test_an_empty_context_and_a_continuation_that_starts_with_bos(model, monkeyp
     paris = model.tokenize(" Paris", False)
     ctx, cont = encode_pair(model, "", bos + " Paris", parse_special=True)
     assert ctx.tolist() == [model.bos] and cont.tolist() == paris.tolist()
+    ctx, cont = encode_pair(model, "", bos + " Paris")  # parse_special is off unless asked: the BOS's text is text
+    assert ctx.tolist() == [model.bos] and cont.tolist() == model.tokenize(bos + " Paris", False).tolist()
     # a BOS id above CPython's cached small ints (256): compared by value
     monkeypatch.setattr(type(model), "bos", property(lambda self: int(paris[0])))
     ctx, cont = encode_pair(model, "", " Paris is")
