@@ -315,3 +315,77 @@ def test_prefill_through_the_store_on_a_plain_cache_restores_decodes_and_stores(
     assert store.stats.chunks_written == toks.size // CHUNK  # every whole chunk, once
     with _ctx(model, n_seq_max=1) as ctx, pytest.raises(ValueError, match="no tokens"):
         store.prefill(ctx, 0, toks[:0])
+
+
+LONG_DOCS = [
+    "The cat sat on the mat all afternoon, watching the birds in the garden and the clouds above the "
+    "old stone wall, until the sun went down behind the hills. ",
+    "A dog ran in the park today, chasing a red ball across the wet grass while children laughed and "
+    "their parents talked on the benches under the tall trees. ",
+    "Numbers come in order: one, two, three, four, five, six, seven, eight, nine and ten, and after "
+    "them eleven, twelve, thirteen and fourteen, counted slowly. ",
+]
+
+
+@pytest.mark.parametrize("kw", [{}, {"n_ctx": 160}, {"n_ctx": 128}], ids=["one-epoch", "two-epochs", "tight"])
+def test_a_rerun_restores_each_requests_own_stored_chunks_past_the_shared_header(model, tmp_path, kw):
+    """A branch whose first nodes another slot holds loads its own copy of them with the stored
+    chunks past them (each document's), where the epoch has the cells for the copy; the numbers
+    stay bit-identical (flash attention on, n_batch 63)."""
+    reqs = [(HEADER + d + "Where? ", " " + a) for d in LONG_DOCS for a in ("home", "a cat")]
+    args = dict(n_threads=1, n_seq_max=3, flash_attn="on", **kw)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    first = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(first, base)
+    _same(second, base)
+    header = len(model.tokenize(HEADER))
+    own = [len(model.tokenize(HEADER + d + "Where?")) - 1 for d in LONG_DOCS]  # up to each first row
+    # every document's whole chunks come from the store: the first branch's with the header, the
+    # others' each with its own copy of the header's chunks
+    want = sum(n // LL_CHUNK * LL_CHUNK for n in own)
+    if kw.get("n_ctx") == 128:  # too few cells for every copy: a branch takes the header from the cache
+        assert 0 < second.n_restored < want and second.n_decoded < first.n_decoded
+        return
+    assert second.n_restored >= want > (header // LL_CHUNK * LL_CHUNK) * (1 + second.n_epochs)
+    assert second.n_decoded < first.n_decoded <= base.n_decoded
+    # each copy repeats the header's cells (a node held whole), the rest of its chunks were not decoded
+    assert second.n_decoded <= base.n_decoded - (want - header * (len(own) - 1))
+
+
+@pytest.mark.parametrize("n_ctx", [192, 208])
+def test_copies_of_cached_nodes_take_only_the_cells_the_epoch_has_spare(model, tmp_path, n_ctx):
+    """Three branches start together and two of them could load a copy of the header; the epoch
+    has spare cells for one copy only: the other branch copies the header from the cache."""
+    reqs = [(HEADER + d + "Where? ", " home") for d in LONG_DOCS]
+    args = dict(n_threads=1, n_seq_max=3, flash_attn="on", n_ctx=n_ctx)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(second, base)
+    assert second.n_epochs == base.n_epochs == 0 and second.n_restored == 2 * 64
+
+
+def test_a_copy_cut_short_by_a_corrupt_chunk_is_let_go(model, tmp_path):
+    """The lookup found a branch's chunks, but one fails its checksum when read: the load ends
+    inside the header the cache holds, so the branch lets go of its partial copy and copies the
+    header from the cache; the numbers stay bit-identical."""
+    reqs = [(HEADER + d + "Where? ", " home") for d in LONG_DOCS]
+    args = dict(n_threads=1, n_seq_max=3, flash_attn="on", n_ctx=256)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    with _ctx(model, flash_attn="on") as ctx:  # loglikelihood's identity: flash attention on, one stream
+        keys = [store.keys(ctx, model.tokenize(HEADER + d))[2] for d in LONG_DOCS]  # positions 32-47
+    for key in keys:  # each document's chunk across the header's end (40 tokens)
+        f = store.backend.find(key)
+        raw = bytearray(f.path.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        f.path.write_bytes(bytes(raw))
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(second, base)
+    # the first branch restores 32 tokens and decodes the header's end; each other one finds its
+    # 4 chunks by lookup but reads 2 before the corrupt one: 32 loaded, let go
+    assert store.stats.corrupt == 3 and second.n_restored == 3 * 32

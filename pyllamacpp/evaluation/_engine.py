@@ -51,7 +51,11 @@ starts a path none of whose first node is in the cache (the requests' common con
 depth-0 node of the trie, and the nodes under it), the longest stored prefix of the path's tokens
 is loaded into its empty sequence instead of decoded, up to the first row the path needs logits
 for (a restored token has none); each node fed whole for the first time stores the path's new whole
-chunks up to its end; ``n_restored`` counts the tokens loaded. A restored cell holds the bytes a
+chunks up to its end; ``n_restored`` counts the tokens loaded. A slot whose path starts with nodes
+another slot holds whole loads its own copy of them with the stored chunks past them, when the store
+holds at least a chunk more, none of it in the cache, and the epoch has cells spare for the copy
+(otherwise it copies them with ``seq_cp``): a rerun loads each request's own stored chunks too. A
+restored cell holds the bytes a
 decode wrote, in the epoch's next cells in position order. The results are bit-identical to a run
 without the store where the rows do not depend on which cells the others' tokens take: flash
 attention on with ubatches under 64 rows (the default above), or one slot. With flash attention off

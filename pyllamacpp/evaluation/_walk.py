@@ -63,6 +63,7 @@ class _Walk:
         self.on_scored: Any = None  # called with each node whose last token's log-prob is known
         self.n_scored = self.n_scored_at_epoch = 0  # nodes scored (a guard: every epoch scores some)
         self.store = store
+        self.spare = 0  # cells of this epoch no path in flight will take (set by each _assign)
         self.n_restored_new = 0  # restored tokens of nodes not scored before (work the bar counts)
 
     # a slot's path is done when every node on it has been scored
@@ -126,6 +127,7 @@ class _Walk:
             free.remove(best)
             new[best] = path
             self.next_leaf += 1
+        self.spare = self.n_ctx - self.used - owed  # cells no path in flight will take (restored copies may)
         # copies before cuts: the slots in flight take what they need from the cache first, then
         # each new path cuts its slot's old one and takes its own; last, the idle slots let go
         for s, p in enumerate(self.paths):
@@ -147,16 +149,26 @@ class _Walk:
                 self.paths[s] = None
 
     def _restore(self, s: int) -> None:
-        """Load the longest stored prefix of slot ``s``'s path into its empty sequence when none of
-        the path's first node is in the cache, up to the first row the path needs: the restored
-        nodes are in the cache as if decoded (a node that needed no rows counts as scored)."""
+        """Load the longest stored prefix of slot ``s``'s path into its empty sequence, up to the
+        first row the path needs: the restored nodes are in the cache as if decoded (a node that
+        needed no rows counts as scored).
+
+        Where the path's first nodes are already whole in the cache (another slot holds them), the
+        slot would copy them with ``seq_cp``; it loads its own copy of them instead only when the
+        store holds at least a chunk beyond them, none of it in the cache or fed by another slot,
+        and the copy's cells fit in what the epoch has spare."""
         path = self.paths[s]
-        assert path is not None and self.store is not None
-        first = path[0]
-        if first.n_dec or first.holders or first.owner != -1:
-            return
+        store = self.store
+        assert path is not None and store is not None
+        i_mem = 0  # the first nodes whole in the cache
+        while i_mem < len(path) and path[i_mem].holders and path[i_mem].n_dec == path[i_mem].n_feed:
+            i_mem += 1
+        mem_end = path[i_mem - 1].start + path[i_mem - 1].n_feed if i_mem else 0
         limit = 0
-        for node in path:
+        for i, node in enumerate(path):
+            if i >= i_mem and (node.n_dec or node.holders or node.owner != -1):
+                limit = node.start  # in the cache, or fed by another slot: not this load's
+                break
             n = node.n_feed
             if not node.scored:  # a row it needs: the token before it is decoded, for its logits
                 rows = node.want[1 : n + 1].copy()
@@ -168,18 +180,32 @@ class _Walk:
             limit = node.start + n
             if n < node.n_feed:
                 break
-        if limit < self.store.chunk_size:
+        if limit - mem_end < store.chunk_size:
             return
         toks = np.concatenate([node.tokens for node in path])[:limit]
-        got = self.store.restore(self.ctx, s, toks, keep=0)
+        if i_mem and (mem_end > self.spare or store.stored(self.ctx, toks) <= mem_end):
+            return
+        got = store.restore(self.ctx, s, toks, keep=0)
         if not got:
             return
+        self.used += got
+        self.stats.n_restored = (self.stats.n_restored or 0) + got
+        if got <= mem_end:  # no more than the cache holds (a chunk gone since): let go of the copy
+            mem = self.ctx.memory
+            if self.grave >= 0:
+                mem.seq_cp(s, self.grave, 0, -1)
+            mem.seq_rm(s, 0, -1)
+            return
+        self.spare -= mem_end
         for i, node in enumerate(path):
             n = min(got - node.start, node.n_feed)
             if n <= 0:
                 break
-            node.n_dec = n
             node.holders.add(s)
+            if i < i_mem:  # whole in the cache already: the slot holds a copy of it now
+                self.held[s] = i + 1
+                continue
+            node.n_dec = n
             self.live.add(node)
             if not node.scored:
                 self.n_restored_new += n
@@ -191,8 +217,6 @@ class _Walk:
                 node.scored = True
                 self.n_scored += 1
             self.held[s] = i + 1
-        self.used += got
-        self.stats.n_restored = (self.stats.n_restored or 0) + got
 
     def _save(self, s: int, node: _Node) -> None:
         """Store the new whole chunks of slot ``s``'s path up to ``node``'s end (fed whole now)."""

@@ -280,6 +280,33 @@ class PrefixStore:
         return out
 
     # -- restore -----------------------------------------------------------------------------------
+    def stored(self, ctx: Context, tokens: npt.ArrayLike) -> int:
+        """How many first tokens of ``tokens`` a restore would load, looked up without reading a
+        chunk (a chunk whose checksum fails would still end the run when read).
+
+        Args:
+            ctx: The context whose identity roots the keys.
+            tokens: The token ids (all of them count: no ``keep``).
+
+        Returns:
+            A multiple of ``chunk_size``: the run of stored chunks from the first (with a
+            sliding-window model, up to a chunk whose window is stored); 0 when the backend fails.
+
+        Raises:
+            ValueError: A memory the store cannot serve.
+        """
+        memory = _memory(ctx)
+        keys = self.keys(ctx, tokens)
+        n = 0
+        try:
+            while n < len(keys) and self.backend.find(keys[n]) is not None:
+                n += 1
+            while memory == "iswa" and n and self.backend.find(window_key(keys[n - 1])) is None:
+                n -= 1
+        except OSError:
+            return 0
+        return n * self.chunk_size
+
     def restore(self, ctx: Context, seq_id: int, tokens: npt.ArrayLike, *, keep: int = 1) -> int:
         """Load the longest stored prefix of ``tokens`` into the empty sequence ``seq_id``.
 
