@@ -34,6 +34,15 @@ def test_output_rows_bound_an_order_too():
     assert plan(last, 16, 3) == [[(0, 0, 3), (1, 0, 3)], [(1, 3, 4)]]
 
 
+def test_outputs_are_compared_by_value_not_identity():
+    """A caller's "all" built at run time (read from argv, JSON, a join) is not the interned literal."""
+    built = "".join(["a", "ll"])
+    assert built == "all" and built is not "all"  # noqa: F632 (the point of the test)
+    seg = Segment(np.zeros(10, np.int32), 0, 0, built)
+    assert seg.n_outputs() == 10 and seg.n_outputs(2, 5) == 3
+    assert plan([seg], 8, 3) == plan([Segment(np.zeros(10, np.int32), 0, 0, "all")], 8, 3)
+
+
 def test_every_slot_is_planned_once_whatever_the_sizes():
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -69,6 +78,7 @@ def test_common_prefix():
     assert common_prefix(a, [1, 2, 3, 4, 5], [1, 2, 3]) == 3
     assert common_prefix(a, []) == 0
     assert common_prefix([7], [8]) == 0
+    assert common_prefix([7], [7, 8]) == 1 and common_prefix([7, 8], [7]) == 1  # one token shared
     assert common_prefix(a) == 4
 
 
@@ -174,6 +184,8 @@ def test_embedding_segments_fill_their_slots_and_decode(model):
     p = wo.add_embd(rows[:3], [0, 1], 4, "last")
     assert batch.pos[:3].tolist() == [4, 5, 6] and batch.logits[:3].tolist() == [0, 0, 1]
     assert batch.n_seq_id[:3].tolist() == [2, 2, 2] and p.rows == slice(0, 1) and p.at.tolist() == [2]
+    q = wo.add_embd(rows[3:5], seq_ids=1, pos=0, outputs="all")  # by keyword, as documented
+    assert batch.pos[3:5].tolist() == [0, 1] and batch.logits[3:5].tolist() == [1, 1] and q.rows == slice(1, 3)
     with pytest.raises(ValueError, match="2-D"):
         Segment(embd=rows[0])
     with model.context(n_ctx=64, n_batch=3, n_ubatch=3, n_threads=1, n_threads_batch=1) as ctx:
