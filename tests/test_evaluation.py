@@ -579,6 +579,29 @@ def test_lm_eval_scores_local_tasks_as_each_request_alone(model, tmp_path, offli
     assert res["pyl_gen"]["exact_match,none"] == pytest.approx(np.mean(hits))
 
 
+def test_lm_eval_keeps_the_last_n_ctx_plus_one_tokens_of_a_long_request(model):
+    """As lm-eval's HF backend: a context + continuation longer than the window is cut to its last
+    n_ctx + 1 tokens (the last is never fed), the continuation whole when it fits."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    context, cont = pl.scoring.sample_text()[:400], " and the rest of it"
+    lm = PyllamacppLM(model=model, n_ctx=32, n_threads=1)
+    c, x = encode_pair(model, context, cont)
+    assert c.size + x.size - 1 > 32 and x.size < 32
+    seq = np.concatenate([c, x])[-33:]
+    ((lps, greedy),) = alone(model, [(seq, seq.size - x.size)])
+    ((got, is_greedy),) = lm.loglikelihood(
+        [Instance(request_type="loglikelihood", doc={}, arguments=(context, cont), idx=0)]
+    )
+    assert got == pytest.approx(float(lps.sum()), abs=1e-9) and is_greedy == bool(greedy.all())
+    # exactly n_ctx + 1 tokens: nothing is cut
+    fits = (np.asarray(seq[: seq.size - x.size]), np.asarray(x))
+    assert [t.tolist() for t in lm._fit(*fits)] == [t.tolist() for t in fits]
+
+
 def test_lm_eval_rolling_windows(model):
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
