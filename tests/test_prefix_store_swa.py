@@ -171,3 +171,19 @@ def test_gemma3_270m_restored_from_its_window_is_bit_identical(tmp_path):
             ctx.prefill(toks[768:], 0, 768)
             got = np.array(ctx.logits(-1))
         np.testing.assert_array_equal(got, _scratch(m, toks, n_ctx=1024, n_batch=512))
+
+
+def test_stored_says_what_a_restore_would_load_without_loading(swa_model, tmp_path):
+    toks = _tokens(41)
+    store = PrefixStore(tmp_path / "s", chunk_size=C)
+    with _ctx(swa_model) as ctx:
+        assert store.stored(ctx, toks) == 0
+        store.prefill(ctx, 0, toks[:40])
+        keys = store.keys(ctx, toks)
+        assert store.stored(ctx, toks) == 40 and store.stored(ctx, toks[:39]) == 32
+        store.backend.remove(window_key(keys[4]))  # the last chunk's window gone: a run of 4
+        assert store.stored(ctx, toks) == 32
+        store.backend.remove(keys[0])
+        assert store.stored(ctx, toks) == 0
+        # only the prefill's own restore looked up a chunk; stored() read and loaded nothing
+        assert store.stats.lookups == 1 and ctx.memory.seq_pos_max(0) == 39
