@@ -712,6 +712,251 @@ def test_lm_eval_generate_until_keeps_a_long_prompts_last_tokens(model, monkeypa
     assert out == _stop_at_first(generate_alone_tokens(model, toks[-12:], 4), ["\n"])
 
 
+def _gen_requests(reqs):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type="generate_until", doc={}, arguments=r, idx=i) for i, r in enumerate(reqs)]
+
+
+def test_lm_eval_generate_until_reads_the_first_length_kwarg_given(model, monkeypatch):
+    # lm-eval's tasks name the length four ways; the first given (not None) wins, else max_gen_toks
+    pytest.importorskip("lm_eval")
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+    from pyllamacpp.scheduler import Scheduler
+
+    asked = []
+    real = Scheduler.submit
+
+    def spy(self, prompt, n_predict, *a, **kw):
+        asked.append(n_predict)
+        return real(self, prompt, n_predict, *a, **kw)
+
+    monkeypatch.setattr(Scheduler, "submit", spy)
+    lm = PyllamacppLM(model=model, n_ctx=64, n_threads=1, max_gen_toks=5)
+    gens = [
+        {"max_gen_toks": 2, "max_new_tokens": 6, "max_tokens": 7},
+        {"max_gen_toks": None, "max_new_tokens": 3, "max_tokens": 6},
+        {"max_tokens": 4, "max_completion_tokens": 1},
+        {"max_completion_tokens": 1},
+        {"until": "\n"},
+        None,
+    ]
+    out = lm.generate_until(_gen_requests([("The sky is", g) for g in gens]))
+    assert asked == [2, 3, 4, 1, 5, 5] and len(out) == 6
+
+
+def test_lm_eval_generate_until_needs_room_for_a_prompt(model, monkeypatch):
+    pytest.importorskip("lm_eval")
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+    from pyllamacpp.scheduler import Scheduler
+
+    lm = PyllamacppLM(model=model, n_ctx=16, n_threads=1)
+    with pytest.raises(ValueError, match="max_gen_toks 16 leaves no room for a prompt in n_ctx 16"):
+        lm.generate_until(_gen_requests([("The sky is", {"max_gen_toks": 16})]))
+    submitted = []
+    real = Scheduler.submit
+
+    def spy(self, prompt, *a, **kw):
+        submitted.append(np.asarray(prompt).tolist())
+        return real(self, prompt, *a, **kw)
+
+    monkeypatch.setattr(Scheduler, "submit", spy)
+    lm.generate_until(_gen_requests([("The sky is", {"max_gen_toks": 15, "until": []})]))  # one token of prompt
+    assert submitted == [model.tokenize("The sky is", True)[-1:].tolist()]
+
+
+def test_lm_eval_generate_until_stops_decoding_at_a_stop_string(model, monkeypatch, caplog):
+    # a stop string ends the request's decoding (not only its text); a request that ends as asked
+    # logs nothing, one that runs out of KV cells says so
+    import logging
+
+    pytest.importorskip("lm_eval")
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+    from pyllamacpp.scheduler import Scheduler
+
+    ends = {}
+    real_run = Scheduler.run
+
+    def spy(self):
+        for ev in real_run(self):
+            if ev.finish_reason is not None:
+                ends[ev.request.id] = (ev.finish_reason, len(ev.request.tokens))
+            yield ev
+
+    monkeypatch.setattr(Scheduler, "run", spy)
+    lm = PyllamacppLM(model=model, n_ctx=64, n_threads=1)
+    prompt = "One, two, three, four,"
+    toks = model.tokenize(prompt, True)
+    free = generate_alone_tokens(model, toks, 12)
+    assert "," in free[: len(free) // 2]  # the model goes on counting: the stop string comes early
+    caplog.set_level(logging.WARNING, logger="pyllamacpp.evaluation.lm_eval")
+    (out,) = lm.generate_until(_gen_requests([(prompt, {"until": [","], "max_gen_toks": 12})]))
+    assert out == free.split(",")[0]
+    ((reason, n),) = ends.values()
+    assert reason == "cancelled" and n < 12
+    (out,) = lm.generate_until(_gen_requests([(prompt, {"until": [], "max_gen_toks": 3})]))
+    ours = lambda: [r.getMessage() for r in caplog.records if r.name == "pyllamacpp.evaluation.lm_eval"]  # noqa: E731
+    assert out == generate_alone_tokens(model, toks, 3) and not ours()
+    # the context sized for the request, then cut to 256 cells (llama.cpp's smallest: it pads n_ctx to 256)
+    real_context = pl.Model.context
+    monkeypatch.setattr(pl.Model, "context", lambda self, **kw: real_context(self, **{**kw, "n_ctx": 256}))
+    lm = PyllamacppLM(model=model, n_ctx=512, n_threads=1)
+    (out,) = lm.generate_until(_gen_requests([(prompt, {"until": [], "max_gen_toks": 300})]))
+    ((reason, n),) = list(ends.values())[-1:]
+    assert reason == "ctx_full" and n == 256 - toks.size + 1
+    assert ours() == [f"generate_until: request 0 ran out of KV cells after {n} tokens"]
+
+
+def test_lm_eval_generate_until_progress_bar_only_for_many_requests_on_a_terminal(model, monkeypatch):
+    pytest.importorskip("lm_eval")
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    lm = PyllamacppLM(model=model, n_ctx=64, n_threads=1)
+    gen = {"until": [], "max_gen_toks": 2}
+    seen = {}
+    for name, reqs, off in [("two", 2, False), ("one", 1, False), ("off", 2, True)]:
+        err = Tty()
+        monkeypatch.setattr(sys, "stderr", err)
+        lm.generate_until(_gen_requests([("The sky is", gen)] * reqs), disable_tqdm=off)
+        seen[name] = err.getvalue()
+    assert seen["two"].startswith("\rgenerate_until:   0%|") and " 0/2 " in seen["two"]
+    assert seen["two"].split("\r")[-1].strip() == "" and not seen["two"].endswith("\n")  # the bar is cleared
+    assert seen["one"] == seen["off"] == ""
+
+
+def test_lm_eval_cache_hook_gets_each_requests_own_result(model):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    class Hook:
+        def __init__(self):
+            self.got = []
+
+        def add_partial(self, attr, req, res):
+            self.got.append((attr, req, res))
+
+    lm = PyllamacppLM(model=model, n_ctx=64, n_threads=1)
+    lm.cache_hook = Hook()
+    pairs = [
+        ("The capital of France is", " Paris"),
+        ("The capital of France is", " Rome"),
+        ("Two plus two is", " four"),
+    ]
+    ll = lm.loglikelihood(
+        [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
+    )
+    assert len(set(ll)) == 3 and lm.cache_hook.got == [("loglikelihood", p, r) for p, r in zip(pairs, ll)]
+    lm.cache_hook = Hook()
+    docs = [("The sky is blue.",), ("Grass is green and the sun is yellow.",)]
+    rl = lm.loglikelihood_rolling(
+        [Instance(request_type="loglikelihood_rolling", doc={}, arguments=d, idx=i) for i, d in enumerate(docs)]
+    )
+    assert rl[0] != rl[1] and lm.cache_hook.got == [("loglikelihood_rolling", d, r) for d, r in zip(docs, rl)]
+    lm.cache_hook = Hook()
+    reqs = [("One, two,", {"until": [], "max_gen_toks": 3}), ("The sky is", {"until": [], "max_gen_toks": 2})]
+    gu = lm.generate_until(_gen_requests(reqs))
+    assert gu[0] != gu[1]
+    assert sorted(lm.cache_hook.got, key=str) == sorted([("generate_until", r, t) for r, t in zip(reqs, gu)], key=str)
+
+
+def test_lm_eval_stop_at_cuts_at_each_stop_string_in_turn():
+    pytest.importorskip("lm_eval")
+    from pyllamacpp.evaluation.lm_eval import _stop_at
+
+    assert _stop_at("a, b. c\nd", ["", "\n", "."]) == "a, b"
+    assert _stop_at("a, b. c\nd", []) == "a, b. c\nd"
+    assert _stop_at("a, b. c\nd", ["x"]) == "a, b. c\nd"
+
+
+def test_lm_eval_sampler_follows_the_generation_kwargs():
+    pytest.importorskip("lm_eval")
+    from pyllamacpp.evaluation.lm_eval import _sampler
+
+    def chain(**gen):
+        s = _sampler(gen)
+        try:
+            return s.describe(), s.get_seed()
+        finally:
+            s.close()
+
+    # greedy: nothing asked, a temperature of 0 or below, or do_sample False whatever the temperature
+    for gen in ({}, {"temperature": 0.0}, {"temperature": None}, {"temperature": -0.5}, {"do_sample": True},
+                {"do_sample": True, "temperature": -1.0}, {"do_sample": False, "temperature": 0.8}):  # fmt: skip
+        assert chain(**gen) == ("greedy", None), gen
+    # a temperature above 0 samples without do_sample; the steps asked, in that order; the seed given
+    assert chain(temperature=0.5, seed=7) == ("temp(0.5) -> dist(7)", 7)
+    assert chain(do_sample=True, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=3) == (
+        "top_k(40) -> top_p(0.9) -> min_p(0.05) -> temp(0.7) -> dist(3)",
+        3,
+    )
+    # top_k 0 is off (llama.cpp's "0 = off"); a top_p or min_p of 0.0 is asked; no seed is 0
+    assert chain(temperature=1.5, top_k=0, top_p=0.0, min_p=0.0, seed=None) == (
+        "top_p(0.0) -> min_p(0.0) -> temp(1.5) -> dist(0)",
+        0,
+    )
+
+
+def test_lm_eval_an_empty_context_with_a_bos_of_id_0(model, monkeypatch):
+    # GPT-NeoX's BOS is token 0: the backend takes encode_pair's route (a continuation written
+    # starting with the BOS has it as the prefix, not twice), the EOS route only without a BOS
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    monkeypatch.setattr(type(model), "bos", property(lambda self: 0))
+    paris = model.tokenize(" Paris", False)
+    ((lps, greedy),) = alone(model, [(np.concatenate([[0], paris]).astype(np.int32), 1)])
+    lm = PyllamacppLM(model=model, n_ctx=64, n_threads=1)  # parse_special: on, as lm-eval's default
+    text = model.token_to_piece(0, special=True) + " Paris"
+    ((got, is_greedy),) = lm.loglikelihood(
+        [Instance(request_type="loglikelihood", doc={}, arguments=("", text), idx=0)]
+    )
+    assert got == pytest.approx(float(lps.sum()), abs=1e-9) and is_greedy == bool(greedy.all())
+
+
+def test_lm_eval_a_vocabulary_that_adds_bos(model, monkeypatch):
+    # the generation prompt is tokenized as llama.cpp's tools do (BOS where the vocabulary adds it);
+    # a rolling document as lm-eval's backends do (no special tokens: the prefix token comes first)
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+    from pyllamacpp.scheduler import Scheduler
+
+    lm = PyllamacppLM(model=model, n_ctx=24, n_threads=1)
+    doc = [
+        Instance(
+            request_type="loglikelihood_rolling", doc={}, arguments=("The sky is blue and grass is green.",), idx=0
+        )
+    ]
+    plain = lm.loglikelihood_rolling(doc)
+    tokenize = type(model).tokenize
+
+    def adds_bos(self, text, add_special=True, parse_special=False):
+        t = tokenize(self, text, False, parse_special)
+        return np.concatenate([[self.bos], t]).astype(np.int32) if add_special else t
+
+    monkeypatch.setattr(type(model), "tokenize", adds_bos)
+    assert lm.loglikelihood_rolling(doc) == plain
+    submitted = []
+    real = Scheduler.submit
+
+    def spy(self, prompt, *a, **kw):
+        submitted.append(np.asarray(prompt).tolist())
+        return real(self, prompt, *a, **kw)
+
+    monkeypatch.setattr(Scheduler, "submit", spy)
+    lm.generate_until(_gen_requests([("The sky is", {"until": [], "max_gen_toks": 2})]))
+    assert submitted == [[model.bos, *tokenize(model, "The sky is", False).tolist()]]
+
+
 def generate_alone_tokens(model, toks, n: int) -> str:
     with model.context(n_ctx=toks.size + n, n_batch=63, n_ubatch=63, **T) as ctx:
         d = pl.Detokenizer(model)
