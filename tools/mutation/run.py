@@ -38,6 +38,7 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
+NO_TEST = "focus: no test executes"  # what focus.py prints for a mutant whose function no test runs
 TARGETS = Path(__file__).with_name("targets.toml")
 
 SITECUSTOMIZE = """\
@@ -108,10 +109,14 @@ def _refresh_tests(work: Path, target: dict) -> None:
     (work / "TESTS_COMMIT").write_text(_extract(work, "tests"))
 
 
-def _config(work: Path, target: dict, timeout: float) -> Path:
+def _config(work: Path, target: dict, timeout: float, focus: bool) -> Path:
     tests = " ".join(target["tests"])
     k = f" -k {target['k']!r}" if target.get("k") else ""
-    cmd = f"env PYTHONPATH={work / 'src'} {sys.executable} -m pytest -x -q -p no:cacheprovider {tests}{k}"
+    pytest = f"{sys.executable} -m pytest -x -q -p no:cacheprovider{k}"
+    if focus:  # the tests that execute the mutated function (focus.py), fastest first
+        cmd = f"env PYTHONPATH={work / 'src'} {sys.executable} {work / 'focus.py'} run {work} -- {pytest}"
+    else:
+        cmd = f"env PYTHONPATH={work / 'src'} {pytest} {tests}"
     cfg = work / "cosmic-ray.toml"
     modules = ", ".join(json.dumps(str(work / "src" / m)) for m in target["modules"])
     cfg.write_text(
@@ -123,6 +128,20 @@ def _config(work: Path, target: dict, timeout: float) -> Path:
         '[cosmic-ray.distributor]\nname = "local"\n'
     )
     return cfg
+
+
+def _focus_map(work: Path, target: dict) -> None:
+    """HEAD's focus.py into the copy, and its coverage pass over the target's tests (focus.json)."""
+    (work / "focus.py").write_bytes(_git("show", "HEAD:tools/mutation/focus.py"))
+    cmd = [sys.executable, str(work / "focus.py"), "map", str(work), *target["modules"], "--", *target["tests"]]
+    if target.get("k"):
+        cmd[-len(target["tests"]) :] = ["-k", target["k"], *target["tests"]]
+    subprocess.run(cmd, check=True, cwd=work)
+    fmap = json.loads((work / "focus.json").read_text())
+    n = sum(len(v) for v in fmap["functions"].values())
+    unreached = [f["name"] for v in fmap["functions"].values() for f in v if not f["reached"]]
+    print(f"focus: {len(fmap['every'])} tests mapped onto {n} functions in {fmap['seconds']} s"
+          + (f"; no test executes {', '.join(unreached)}" if unreached else ""), flush=True)  # fmt: skip
 
 
 def _wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -138,7 +157,7 @@ def _wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 def _report(work: Path, name: str, target: dict, commit: str) -> dict:
     db = sqlite3.connect(work / "session.sqlite")
     rows = db.execute(
-        "SELECT m.module_path, m.operator_name, m.start_pos_row, m.definition_name, r.test_outcome, r.diff "
+        "SELECT m.module_path, m.operator_name, m.start_pos_row, m.definition_name, r.test_outcome, r.diff, r.output "
         "FROM mutation_specs m JOIN work_results r ON m.job_id = r.job_id "
         "WHERE r.output IS NOT 'annotation' AND r.output IS NOT 'outside' AND r.output IS NOT 'unsampled'"
     ).fetchall()
@@ -156,16 +175,18 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
         return any((e.get("line") == line or e.get("function") == where) and e["operator"] == op
                    and e.get("to", "") in plus for e in named)  # fmt: skip
 
-    killed = survived = timeouts = equiv = 0
+    killed = survived = timeouts = equiv = untested = 0
     survivors = []
-    for module, op, line, where, outcome, diff in rows:
+    for module, op, line, where, outcome, diff, output in rows:
         if is_equivalent(line, op, where, diff):
             equiv += 1
         elif (outcome or "").lower() == "killed":
             killed += 1
         elif (outcome or "").lower() == "survived":
             survived += 1
-            survivors.append((Path(module).name, line, where, op, diff))
+            no_test = NO_TEST in (output or "")
+            untested += no_test
+            survivors.append((Path(module).name, line, where, op, diff, " (no test executes this function)" * no_test))
         else:
             timeouts += 1  # an incompetent mutant or a hang: counted as killed by the timeout
     judged = killed + survived + timeouts
@@ -175,15 +196,15 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
     scope = f", {n_skipped['outside']} outside the target's functions" if n_skipped.get("outside") else ""
     print(
         f"{name} (at {commit[:10]}{commit[40:]}): {len(rows)} mutants, {killed} killed, {timeouts} timed out, "
-        f"{survived} survived, "
+        f"{survived} survived" + (f" ({untested} in functions no test executes)" if untested else "") + ", "
         f"{equiv} equivalent named in targets.toml, {n_annotation} in annotations (skipped){scope}: kill rate "
         f"{rate:.1%} of the non-equivalent"
         + (f" (a random sample of {len(rows) + n_pending} of the {len(rows) + n_pending + sampled} in scope; "
            f"95 % interval {lo:.1%} to {hi:.1%})" if sampled else "")
         + (f"; {n_pending} not run yet" if n_pending else "")
     )  # fmt: skip
-    for module, line, where, op, diff in sorted(survivors):
-        print(f"\n-- survived: {module}:{line} in {where} ({op})")
+    for module, line, where, op, diff, why in sorted(survivors):
+        print(f"\n-- survived: {module}:{line} in {where} ({op}){why}")
         changed = [ln for ln in (diff or "").splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
         print("\n".join(changed))
     return {
@@ -192,6 +213,7 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
         "killed": killed,
         "timeouts": timeouts,
         "survived": survived,
+        "survived_untested": untested,
         "equivalent": equiv,
         "kill_rate": rate,
         "interval_95": [lo, hi],
@@ -215,6 +237,12 @@ def main() -> int:
     ap.add_argument(
         "--rerun-survivors", action="store_true", help="run the last run's survivors again against HEAD's tests"
     )
+    ap.add_argument(
+        "--no-focus",
+        action="store_true",
+        help="run every test of the target against each mutant (default: only the "
+        "tests that execute the mutated function, tools/mutation/focus.py)",
+    )
     args = ap.parse_args()
     # HEAD's list, as the tree mutated is HEAD's (a target edited in the working tree may name files not committed)
     committed = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:tools/mutation/targets.toml"],
@@ -237,7 +265,9 @@ def main() -> int:
             _restore_modules(work, target)  # a run stopped mid-mutant leaves its mutant in the copy
         if args.rerun_survivors:
             _refresh_tests(work, target)
-            cfg = _config(work, target, args.timeout)  # HEAD's test files for the target
+            cfg = _config(work, target, args.timeout, not args.no_focus)  # HEAD's test files for the target
+            if not args.no_focus:
+                _focus_map(work, target)
             db = sqlite3.connect(session)
             n = db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'").rowcount
             db.commit()
@@ -246,7 +276,9 @@ def main() -> int:
         elif not (args.resume and session.exists()):
             commit = _copy_tree(work)
             (work / "COMMIT").write_text(commit)
-            cfg = _config(work, target, args.timeout)
+            cfg = _config(work, target, args.timeout, not args.no_focus)
+            if not args.no_focus:
+                _focus_map(work, target)
             subprocess.run(["cosmic-ray", "init", str(cfg), str(session)], check=True, cwd=work)
             subprocess.run(["cr-filter-pragma", str(session)], check=True, cwd=work)  # "# pragma: no mutate"
             here = Path(__file__).parent

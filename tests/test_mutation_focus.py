@@ -1,0 +1,148 @@
+"""tools/mutation/focus.py: each mutant is run against the tests that execute its function.
+
+A survivor of the mutation run is read as "a behaviour no test holds": that holds only if the
+tests left out could not have seen the mutant. These check the choice: the function around the
+changed line (nested functions inside their parent, a signature's defaults inside their function),
+every test where no function narrows it, none where no test executes the function."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FOCUS = REPO / "tools" / "mutation" / "focus.py"
+pytestmark = pytest.mark.skipif(not FOCUS.exists(), reason="tools/ is not in an installed package")
+
+MODULE = '''\
+"""A module."""
+import functools
+
+LIMIT = 3
+
+
+@functools.lru_cache
+def outer(n: int,
+          k: int = 2) -> int:
+    """Doc."""
+
+    def inner(x):
+        return x * k
+
+    return inner(n) + LIMIT
+
+
+class Box:
+    def get(self) -> int:
+        return 1
+
+    def put(self, v) -> None:
+        self.v = v
+
+
+def untested():
+    return 0
+'''
+
+
+def _focus():
+    spec = importlib.util.spec_from_file_location("focus_under_test", FOCUS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_spans_are_top_level_functions_and_methods():
+    f = _focus()
+    spans = {name: (first, body, last) for first, body, last, name in f._spans(MODULE)}
+    assert set(spans) == {"outer", "get", "put", "untested"}  # inner is inside outer
+    lines = MODULE.splitlines()
+    first, body, last = spans["outer"]
+    assert lines[first - 1] == "@functools.lru_cache" and lines[last - 1] == "    return inner(n) + LIMIT"
+    assert lines[body - 1] == '    """Doc."""'  # the signature's lines (its defaults) are before the body
+    assert lines[spans["put"][2] - 1] == "        self.v = v"
+
+
+def test_changed_line():
+    f = _focus()
+    assert f._changed_line(MODULE, MODULE) is None
+    lines = MODULE.splitlines(keepends=True)
+    for i in (0, 9, len(lines) - 1):
+        mutant = lines.copy()
+        mutant[i] = "changed = 1\n"
+        assert f._changed_line(MODULE, "".join(mutant)) == i + 1
+
+
+def _work(tmp_path: Path, f, tests_of: dict[str, list[str]]) -> tuple[Path, dict]:
+    (tmp_path / "pristine" / "pkg").mkdir(parents=True)
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    (tmp_path / "pristine" / "pkg" / "m.py").write_text(MODULE)
+    (tmp_path / "src" / "pkg" / "m.py").write_text(MODULE)
+    entries = [{"first": a, "last": c, "name": n, "tests": tests_of.get(n, []), "reached": bool(tests_of.get(n))}
+               for a, _, c, n in f._spans(MODULE)]  # fmt: skip
+    fmap = {"modules": ["pkg/m.py"], "functions": {"pkg/m.py": entries}, "every": ["t::a", "t::b", "t::c"]}
+    return tmp_path, fmap
+
+
+def test_choose_narrows_to_the_function_of_the_changed_line(tmp_path):
+    f = _focus()
+    work, fmap = _work(tmp_path, f, {"outer": ["t::b", "t::a"], "get": ["t::c"], "put": ["t::a"]})
+    src = work / "src" / "pkg" / "m.py"
+    assert f.choose(work, fmap) == (None, "no line changed")  # cosmic-ray's baseline: every test
+
+    def mutate(old: str, new: str):
+        assert old in MODULE
+        src.write_text(MODULE.replace(old, new, 1))
+        return f.choose(work, fmap)
+
+    assert mutate("return x * k", "return x / k")[0] == ["t::b", "t::a"]  # a nested function: its parent's
+    assert mutate("k: int = 2", "k: int = 3")[0] == ["t::b", "t::a"]  # a default: the function's tests
+    assert mutate("@functools.lru_cache", "@functools.cache")[0] == ["t::b", "t::a"]
+    assert mutate("return 1", "return 2") == (["t::c"], f"line {MODULE.splitlines().index('        return 1') + 1}"
+                                              " of get in pkg/m.py")  # fmt: skip
+    assert mutate("LIMIT = 3", "LIMIT = 4")[0] is None  # the module's own code: every test
+    assert mutate("return 0", "return 1")[0] == []  # no test executes it
+
+
+def test_run_says_when_no_test_executes_the_function(tmp_path):
+    f = _focus()
+    work, fmap = _work(tmp_path, f, {"outer": ["t::a"], "get": ["t::c"]})
+    (work / "focus.json").write_text(json.dumps(fmap))
+    (work / "src" / "pkg" / "m.py").write_text(MODULE.replace("return 0", "return 1"))
+    run = [sys.executable, str(FOCUS), "run", str(work), "--", sys.executable, "-c"]
+    r = subprocess.run([*run, "raise SystemExit(3)"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("focus: no test executes line ") and "of untested" in r.stdout
+    (work / "src" / "pkg" / "m.py").write_text(MODULE.replace("return 1", "return 2"))  # get: one test
+    r = subprocess.run([*run, "import sys; print(sys.argv[1:]); raise SystemExit(3)"], capture_output=True, text=True)
+    assert r.returncode == 3 and "['t::c']" in r.stdout and "focus: 1 of 3 tests for line" in r.stdout
+
+
+def test_map_gives_each_function_the_tests_that_execute_it(tmp_path):
+    pytest.importorskip("pytest_cov")
+    f = _focus()
+    work = tmp_path
+    (work / "src" / "pkg").mkdir(parents=True)
+    (work / "src" / "pkg" / "__init__.py").write_text("")
+    (work / "src" / "pkg" / "m.py").write_text(MODULE)
+    (work / "tests").mkdir()
+    (work / "tests" / "test_m.py").write_text(
+        "import subprocess, sys\nimport pytest\nfrom pkg import m\n\n"
+        "@pytest.fixture(scope='module')\ndef boxed():\n    b = m.Box()\n    b.put(1)\n    return b\n\n"
+        "def test_outer():\n    assert m.outer(2) == 7\n\n"
+        "def test_get():\n    assert m.Box().get() == 1\n\n"
+        "def test_boxed(boxed):\n    assert boxed.v == 1\n\n"
+        "def test_child():\n    subprocess.run([sys.executable, '-c', 'pass'], check=True)\n\n"
+        "def test_compiler():\n    subprocess.run(['true'], check=True)\n"
+    )
+    fmap = f.build_map(work, ["pkg/m.py"], ["tests/test_m.py"])
+    tests = {e["name"]: sorted(t.rsplit("::", 1)[1] for t in e["tests"]) for e in fmap["functions"]["pkg/m.py"]}
+    assert fmap["spawned"] == ["tests/test_m.py::test_child"]  # a Python child; `true` runs none of ours
+    assert tests["outer"] == ["test_child", "test_outer"] and tests["get"] == ["test_child", "test_get"]
+    assert len(tests["put"]) == 5  # run in a module fixture's setup, which other tests share: every test
+    assert tests["untested"] == ["test_child"]
+    assert (work / "pristine" / "pkg" / "m.py").read_text() == MODULE

@@ -1,0 +1,223 @@
+"""Run, against each mutant, only the tests that execute the mutated function, fastest first.
+
+    python focus.py map WORK TEST...            # the coverage pass: WORK/focus.json
+    python focus.py run WORK -- PYTEST_ARGS...  # cosmic-ray's test command, one mutant at a time
+
+A mutant changes one function. A test that never executes that function cannot see the change,
+so running it is time spent for nothing; a survivor used to cost every test of the target (80 s
+and more), and now costs the tests that reach its function.
+
+``map`` runs the target's tests once on the unmutated copy under coverage (pytest-cov, one context
+per test), and writes, for each function of the target's modules (its whole ``def``, nested ones
+included), the tests that executed a line of it. It falls back to every test where a per-test
+trace would miss one:
+- a function executed outside a test's call (at collection, or in a fixture's setup or teardown,
+  whose result other tests share), or by a test that starts a process (``subprocess``,
+  ``os.fork``, ``multiprocessing``: coverage does not follow it into the child), is given every
+  test that spawns, or every test of the target where it ran outside a call;
+- a line outside every function (the module's own code) runs every test.
+
+``run`` compares each module of the copy with its unmutated text (``WORK/pristine/``), finds the
+function around the first changed line, and runs pytest with ``-x`` on that function's tests,
+fastest first (the durations of the coverage pass). No changed line (cosmic-ray's baseline): every
+test. No test reaches the function: it prints ``focus: no test executes ...`` and exits 0, a
+survivor whose reason the report names.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MAP = "focus.json"
+NO_TEST = "focus: no test executes"
+
+
+# -- the pytest plugin of the coverage pass (loaded with -p focus) ------------------------------
+_current: list[str] = []
+_spawned: set[str] = set()
+_durations: dict[str, float] = {}
+
+
+def _runs_python(args) -> bool:
+    """Whether a process started with ``args`` runs Python (a compiler or a C program it starts
+    runs none of the package's code)."""
+    if isinstance(args, (str, bytes, os.PathLike)):
+        args = [args]
+    first = os.fsdecode(list(args)[0]) if args else ""
+    return "python" in os.path.basename(first) or os.path.realpath(first) == os.path.realpath(sys.executable)
+
+
+def _wrap(owner, name: str, python_only: bool) -> None:
+    real = getattr(owner, name, None)
+    if real is None:
+        return
+
+    def spy(*a, **kw):
+        if _current and (not python_only or _runs_python(kw.get("args", a[1] if len(a) > 1 else ""))):
+            _spawned.add(_current[-1])
+        return real(*a, **kw)
+
+    setattr(owner, name, spy)
+
+
+def pytest_configure(config) -> None:  # noqa: ARG001 (pytest's hook signature)
+    import multiprocessing.process
+    import subprocess as sp
+
+    _wrap(sp.Popen, "__init__", python_only=True)  # Popen(self, args, ...)
+    _wrap(os, "fork", python_only=False)
+    _wrap(multiprocessing.process.BaseProcess, "start", python_only=False)
+
+
+def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001
+    _current.append(item.nodeid)
+
+
+def pytest_runtest_logreport(report) -> None:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    if report.when == "teardown" and _current and _current[-1] == report.nodeid:
+        _current.pop()
+
+
+def pytest_sessionfinish(session) -> None:  # noqa: ARG001
+    out = os.environ.get("FOCUS_RECORD")
+    if out:
+        Path(out).write_text(json.dumps({"spawned": sorted(_spawned), "durations": _durations}))
+
+
+# -- map --------------------------------------------------------------------------------------
+def _spans(source: str) -> list[tuple[int, int, int, str]]:
+    """``(first line, first line of the body, last line, name)`` of every top-level function and
+    method (nested ones are inside their parent's span): the unit a mutant's tests are chosen by.
+    The lines before the body (decorators, the signature and its defaults) run at import."""
+    out = []
+
+    def visit(node, depth_in_def: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and not depth_in_def:
+                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                out.append((first, child.body[0].lineno, child.end_lineno or child.lineno, child.name))
+                visit(child, True)
+            else:
+                visit(child, depth_in_def)
+
+    visit(ast.parse(source), False)
+    return out
+
+
+def build_map(work: Path, modules: list[str], tests: list[str]) -> dict:
+    """The coverage pass on the unmutated copy; writes and returns ``WORK/focus.json``."""
+    src = work / "src"
+    pristine = work / "pristine"
+    for m in modules:
+        (pristine / m).parent.mkdir(parents=True, exist_ok=True)
+        (pristine / m).write_bytes((src / m).read_bytes())
+    cov_file = work / ".coverage.focus"
+    record = work / "focus-record.json"
+    for f in (cov_file, record):
+        f.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{Path(__file__).parent}", "FOCUS_RECORD": str(record),
+           "COVERAGE_FILE": str(cov_file)}  # fmt: skip
+    cov = [f"--cov={d}" for d in sorted({str((src / m).parent) for m in modules})]  # coverage's sources are folders
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "focus", *cov,
+           "--cov-context=test", "--cov-report=", *tests]  # fmt: skip
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=work, env=env)
+    if r.returncode != 0:
+        sys.exit(f"the coverage pass failed (rc {r.returncode}): the tests must pass on the unmutated copy")
+    import coverage
+
+    data = coverage.CoverageData(basename=str(cov_file))
+    data.read()
+    rec = json.loads(record.read_text())
+    durations: dict[str, float] = rec["durations"]
+    spawned: list[str] = rec["spawned"]
+    every = sorted(durations, key=durations.__getitem__)
+    functions: dict[str, list] = {}
+    for m in modules:
+        path = str((src / m).resolve())
+        by_line = data.contexts_by_lineno(path) if path in data.measured_files() else {}
+        entries = []
+        for first, body, last, name in _spans((src / m).read_text()):
+            calls: set[str] = set()
+            outside = False
+            for line in range(body, last + 1):
+                for ctx in by_line.get(line, []):
+                    nodeid, _, phase = ctx.rpartition("|")
+                    if phase == "run" and nodeid:
+                        calls.add(nodeid)
+                    else:
+                        outside = True
+            if outside:
+                chosen = every
+            elif calls:
+                chosen = sorted(calls | set(spawned), key=lambda t: durations.get(t, 0.0))
+            else:
+                chosen = sorted(spawned, key=lambda t: durations.get(t, 0.0))
+            entries.append({"first": first, "last": last, "name": name, "tests": chosen,
+                            "reached": bool(calls) or outside})  # fmt: skip
+        functions[m] = entries
+    out = {"modules": modules, "functions": functions, "every": every, "spawned": spawned,
+           "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    (work / MAP).write_text(json.dumps(out, indent=1))
+    cov_file.unlink(missing_ok=True)
+    return out
+
+
+# -- run --------------------------------------------------------------------------------------
+def _changed_line(before: str, after: str) -> int | None:
+    """The first line of ``before`` that the mutant changed (1-based), None when equal."""
+    if before == after:
+        return None
+    a, b = before.splitlines(), after.splitlines()
+    for tag, i1, _i2, _j1, _j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag != "equal":
+            return i1 + 1
+    return len(a)
+
+
+def choose(work: Path, fmap: dict) -> tuple[list[str] | None, str]:
+    """The tests for the copy as it stands: None means every test (no function to narrow to)."""
+    for m in fmap["modules"]:
+        before = (work / "pristine" / m).read_text()
+        line = _changed_line(before, (work / "src" / m).read_text())
+        if line is None:
+            continue
+        for f in fmap["functions"][m]:
+            if f["first"] <= line <= f["last"]:
+                where = f"line {line} of {f['name']} in {m}"
+                return f["tests"], where
+        return None, f"line {line} of {m}, outside every function"
+    return None, "no line changed"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 3 and argv[0] == "map":
+        work = Path(argv[1])
+        sep = argv.index("--")
+        build_map(work, argv[2:sep], argv[sep + 1 :])
+        return 0
+    if len(argv) >= 3 and argv[0] == "run" and "--" in argv:
+        work = Path(argv[1])
+        pytest_args = argv[argv.index("--") + 1 :]
+        fmap = json.loads((work / MAP).read_text())
+        tests, where = choose(work, fmap)
+        if tests is None:
+            tests = fmap["every"]
+        elif not tests:
+            print(f"{NO_TEST} {where}", flush=True)
+            return 0
+        print(f"focus: {len(tests)} of {len(fmap['every'])} tests for {where}", flush=True)
+        return subprocess.run([*pytest_args, *tests], cwd=work).returncode
+    sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
