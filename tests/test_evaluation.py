@@ -602,6 +602,47 @@ def test_lm_eval_keeps_the_last_n_ctx_plus_one_tokens_of_a_long_request(model):
     assert [t.tolist() for t in lm._fit(*fits)] == [t.tolist() for t in fits]
 
 
+def test_lm_eval_fit_cuts_only_what_does_not_fit(model):
+    # context + continuation - 1 fed tokens against n_ctx: each way the sum could be misread
+    pytest.importorskip("lm_eval")
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    lm = PyllamacppLM(model=model, n_ctx=32, n_threads=1)
+
+    def fit(n_ctx_tokens, n_cont):
+        seq = np.arange(100, 100 + n_ctx_tokens + n_cont, dtype=np.int32)
+        c, x = lm._fit(seq[:n_ctx_tokens], seq[n_ctx_tokens:])
+        assert np.array_equal(np.concatenate([c, x]), seq[-(c.size + x.size) :])  # the last tokens, in order
+        return c.size, x.size
+
+    assert fit(31, 2) == (31, 2)  # 33 = n_ctx + 1: fits
+    assert fit(32, 2) == (31, 2)  # one more: the context's first token goes
+    assert fit(33, 2) == (31, 2)
+    assert fit(10, 30) == (3, 30)  # a long continuation: the context gives way
+    assert fit(5, 40) == (1, 32)  # longer than the window: its last n_ctx tokens after one token
+
+
+def test_lm_eval_with_a_prefix_store_restores_on_a_rerun(model, tmp_path):
+    # model_args prefix_store=DIR: the engine stores each request's chunks; a second run loads them
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+    from pyllamacpp.prefix_store import PrefixStore
+
+    reqs = [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=i) for i, r in enumerate(few_shot())]
+    plain = PyllamacppLM(model=model, n_ctx=256, n_threads=1)
+    assert "n_restored" not in (plain.loglikelihood(reqs) and plain.last_stats)
+    lm = PyllamacppLM(model=model, n_ctx=256, n_threads=1, prefix_store=PrefixStore(tmp_path, chunk_size=16))
+    first = lm.loglikelihood(reqs)
+    assert lm.last_stats["n_restored"] == 0 and len(list(tmp_path.rglob("*"))) > 1
+    again = lm.loglikelihood(reqs)
+    assert lm.last_stats["n_restored"] >= 32 and again == first
+    by_path = PyllamacppLM(model=model, n_ctx=256, n_threads=1, prefix_store=str(tmp_path))  # a path: a store
+    by_path.loglikelihood(reqs[:1])
+    assert by_path.last_stats["n_restored"] == 0  # chunks of 256 (the default): none stored of that size
+
+
 def test_lm_eval_rolling_windows(model):
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
@@ -815,17 +856,38 @@ def test_lm_eval_generate_until_progress_bar_only_for_many_requests_on_a_termina
         def isatty(self):
             return True
 
+    import tqdm
+
+    counts = []
+
+    class Bar(tqdm.tqdm):  # what the bar counted when it closed
+        def close(self):
+            counts.append((self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
     lm = PyllamacppLM(model=model, n_ctx=64, n_threads=1)
     gen = {"until": [], "max_gen_toks": 2}
     seen = {}
-    for name, reqs, off in [("two", 2, False), ("one", 1, False), ("off", 2, True)]:
+    for name, reqs, off in [("two", 2, None), ("one", 1, None), ("off", 2, True)]:
         err = Tty()
         monkeypatch.setattr(sys, "stderr", err)
-        lm.generate_until(_gen_requests([("The sky is", gen)] * reqs), disable_tqdm=off)
+        kw = {} if off is None else {"disable_tqdm": off}  # lm-eval's evaluator passes none: a bar by default
+        lm.generate_until(_gen_requests([("The sky is", gen)] * reqs), **kw)
         seen[name] = err.getvalue()
+    assert set(counts) == {(2, 2)}  # one bar (for the two requests), at 2 of 2
     assert seen["two"].startswith("\rgenerate_until:   0%|") and " 0/2 " in seen["two"]
     assert seen["two"].split("\r")[-1].strip() == "" and not seen["two"].endswith("\n")  # the bar is cleared
     assert seen["one"] == seen["off"] == ""
+    # loglikelihood: the engine's bar from 100 requests on a terminal, unless lm-eval disables it
+    from lm_eval.api.instance import Instance
+
+    reqs = [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=i) for i, r in enumerate(few_shot() * 7)]
+    for off in (None, True):
+        err = Tty()
+        monkeypatch.setattr(sys, "stderr", err)
+        lm.loglikelihood(reqs, **({} if off is None else {"disable_tqdm": off}))
+        assert ("requests" in err.getvalue()) == (off is None), err.getvalue()
 
 
 def test_lm_eval_cache_hook_gets_each_requests_own_result(model):
