@@ -267,6 +267,14 @@ def test_hellaswag_reader_refuses_the_wrong_format_naming_the_line(tmp_path):
     assert crlf[0].context.endswith("\r") and crlf[0].gold == hs_gold0()  # \r kept, as std::getline keeps it
 
 
+def test_hellaswag_reader_gives_each_line_its_field():
+    # six lines a task: the context, the gold ending's index, the four endings; the task's first line
+    text = "".join(f"ctx {t}\n{t % 4}\n" + "".join(f" end {t}.{e}\n" for e in range(4)) for t in range(3))
+    assert mc.read_hellaswag(text) == [
+        mc.HellaswagTask(f"ctx {t}", t % 4, tuple(f" end {t}.{e}" for e in range(4)), 6 * t + 1) for t in range(3)
+    ]
+
+
 def hs_gold0() -> int:
     return mc.read_hellaswag(mc.sample_path("hellaswag"))[0].gold
 
