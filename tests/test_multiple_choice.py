@@ -256,7 +256,8 @@ def test_hellaswag_reader_refuses_the_wrong_format_naming_the_line(tmp_path):
         mc.read_hellaswag(good + "extra\n")
     bad = good.split("\n")
     bad[13] = "two"
-    with pytest.raises(ValueError, match=r"line 14: the gold ending's index must be 0, 1, 2 or 3, not 'two'"):
+    why = r"line 14: the gold ending's index must be 0, 1, 2 or 3, not 'two' \(the task starting at line 13;"
+    with pytest.raises(ValueError, match=why):
         mc.read_hellaswag("\n".join(bad))
     with pytest.raises(ValueError, match=r"line 2: .*is this a HellaSwag file"):
         mc.read_hellaswag("0,A _ b.,x,y,1\n" * 6)  # a Winogrande CSV of 6 lines
