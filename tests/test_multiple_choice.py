@@ -307,6 +307,55 @@ def test_winogrande_reader_as_load_winogrande_from_csv():
         mc.read_winogrande(mc.sample_path("hellaswag"))
 
 
+def test_winogrande_reader_edge_lines():
+    # an empty quoted sentence is empty (no blank in it), not its closing quote
+    tasks, skipped = mc.read_winogrande('0,"",a,b,1\n1,Tom _ ran.,a,b,1\n\n')  # -f drops one newline
+    assert [t.index for t in tasks] == ["1"] and skipped == [(1, "no _ in <>")]
+    # no task at all: the first line skipped and its reason
+    with pytest.raises(ValueError) as e:
+        mc.read_winogrande("0,none,a,b,1\n1,a,b\n\n")
+    assert str(e.value) == "Winogrande data: no tasks: line 1: no _ in <none>"
+    # a long last line without newline: named by its first 57 characters
+    last = "9,A very long sentence that goes on and on about _ and more.,a,b,1"
+    assert len(last) > 60
+    with pytest.warns(pl.errors.TaskFileWarning) as w:
+        mc.read_winogrande("1,Tom _ ran.,a,b,1\n" + last)
+    assert str(w[0].message).endswith(f"<{last[:57]}...>")
+
+
+def test_multiple_choice_writer_refuses_a_file_past_its_u32_offsets(monkeypatch):
+    # a task's bytes stood in for by their length (4 GiB is not made to test the check)
+    from pyllamacpp.evaluation import _mc_data
+
+    class Sized:
+        def __init__(self, n):
+            self.n = n
+
+        def __add__(self, other):
+            return Sized(self.n + len(other))
+
+        def __len__(self):
+            return self.n
+
+    tasks = [mc.MultipleChoiceTask("Q one?", ("a", "bb"), (0, 1))]
+    size = len(mc.write_multiple_choice(tasks))
+    question = len(_mc_data._pack_string("Q one?"))
+    real = _mc_data._pack_string
+    for end in (2**32 - 1, 2**32):  # where the file would end
+        grown = end - size + question  # the question's bytes, grown to end the file there
+
+        def pack(s, grown=grown):
+            return Sized(grown) if s == "Q one?" else real(s)
+
+        monkeypatch.setattr(_mc_data, "_pack_string", pack)
+        if end < 2**32:
+            with pytest.raises(TypeError):  # past the check: the join of the stand-in fails
+                mc.write_multiple_choice(tasks)
+        else:
+            with pytest.raises(ValueError, match=f"^{end} bytes: the format's u32 offsets end at 4 GiB$"):
+                mc.write_multiple_choice(tasks)
+
+
 def test_multiple_choice_reader_and_writer():
     t = [
         mc.MultipleChoiceTask("Q one?", ("a", "bb"), (0, 1), ("x",), (1,)),
