@@ -620,6 +620,8 @@ def test_lm_eval_fit_cuts_only_what_does_not_fit(model):
     assert fit(33, 2) == (31, 2)
     assert fit(10, 30) == (3, 30)  # a long continuation: the context gives way
     assert fit(5, 40) == (1, 32)  # longer than the window: its last n_ctx tokens after one token
+    lm = PyllamacppLM(model=model, n_ctx=33, n_threads=1)  # an odd window (n_ctx + 1 even)
+    assert fit(40, 2) == (32, 2)
 
 
 def test_lm_eval_with_a_prefix_store_restores_on_a_rerun(model, tmp_path):
@@ -792,8 +794,9 @@ def test_lm_eval_generate_until_needs_room_for_a_prompt(model, monkeypatch):
     from pyllamacpp.scheduler import Scheduler
 
     lm = PyllamacppLM(model=model, n_ctx=16, n_threads=1)
-    with pytest.raises(ValueError, match="max_gen_toks 16 leaves no room for a prompt in n_ctx 16"):
-        lm.generate_until(_gen_requests([("The sky is", {"max_gen_toks": 16})]))
+    for n in (16, 17):
+        with pytest.raises(ValueError, match=f"max_gen_toks {n} leaves no room for a prompt in n_ctx 16"):
+            lm.generate_until(_gen_requests([("The sky is", {"max_gen_toks": n})]))
     submitted = []
     real = Scheduler.submit
 
@@ -883,11 +886,15 @@ def test_lm_eval_generate_until_progress_bar_only_for_many_requests_on_a_termina
     from lm_eval.api.instance import Instance
 
     reqs = [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=i) for i, r in enumerate(few_shot() * 7)]
+    docs = [
+        Instance(request_type="loglikelihood_rolling", doc={}, arguments=(f"Item {i}.",), idx=i) for i in range(100)
+    ]
     for off in (None, True):
-        err = Tty()
-        monkeypatch.setattr(sys, "stderr", err)
-        lm.loglikelihood(reqs, **({} if off is None else {"disable_tqdm": off}))
-        assert ("requests" in err.getvalue()) == (off is None), err.getvalue()
+        for call, what in ((lm.loglikelihood, reqs), (lm.loglikelihood_rolling, docs)):
+            err = Tty()
+            monkeypatch.setattr(sys, "stderr", err)
+            call(what, **({} if off is None else {"disable_tqdm": off}))
+            assert ("requests" in err.getvalue()) == (off is None), (call, err.getvalue())
 
 
 def test_lm_eval_cache_hook_gets_each_requests_own_result(model):
@@ -972,10 +979,14 @@ def test_lm_eval_an_empty_context_with_a_bos_of_id_0(model, monkeypatch):
 
     from pyllamacpp.evaluation.lm_eval import PyllamacppLM
 
+    lm = PyllamacppLM(model=model, n_ctx=64, n_threads=1)  # parse_special: on, as lm-eval's default
+    assert lm.prefix_token_id == model.bos == 1  # lm-eval's rule: BOS, else EOS
+    monkeypatch.setattr(type(model), "bos", property(lambda self: -1))
+    assert lm.prefix_token_id == model.eos
     monkeypatch.setattr(type(model), "bos", property(lambda self: 0))
+    assert lm.prefix_token_id == 0
     paris = model.tokenize(" Paris", False)
     ((lps, greedy),) = alone(model, [(np.concatenate([[0], paris]).astype(np.int32), 1)])
-    lm = PyllamacppLM(model=model, n_ctx=64, n_threads=1)  # parse_special: on, as lm-eval's default
     text = model.token_to_piece(0, special=True) + " Paris"
     ((got, is_greedy),) = lm.loglikelihood(
         [Instance(request_type="loglikelihood", doc={}, arguments=("", text), idx=0)]
