@@ -308,6 +308,17 @@ def test_winogrande_reader_as_load_winogrande_from_csv():
 
 
 def test_winogrande_reader_edge_lines():
+    # a quoted sentence after an index of any width: the sentence between the quotes, both halves
+    for index in ("7", "12", "1234"):
+        ((t,), _) = mc.read_winogrande(f'{index},"He said, quietly, that _ won.",Ann,Bob,2\n\n')
+        assert t == mc.WinograndeTask("He said, quietly, that ", " won.", ("Ann", "Bob"), 2, index, 1)
+    # the unread last line is named whole up to 60 characters, else by its first 57 and "..."
+    for n in (60, 61):
+        last = "9," + "x" * (n - 13) + " _ y.,a,b,1"
+        assert len(last) == n
+        with pytest.warns(pl.errors.TaskFileWarning) as w:
+            mc.read_winogrande("1,Tom _ ran.,a,b,1\n" + last)
+        assert str(w[0].message).endswith(f"<{last}>" if n == 60 else f"<{last[:57]}...>")
     # an empty quoted sentence is empty (no blank in it), not its closing quote
     tasks, skipped = mc.read_winogrande('0,"",a,b,1\n1,Tom _ ran.,a,b,1\n\n')  # -f drops one newline
     assert [t.index for t in tasks] == ["1"] and skipped == [(1, "no _ in <>")]
@@ -354,6 +365,22 @@ def test_multiple_choice_writer_refuses_a_file_past_its_u32_offsets(monkeypatch)
         else:
             with pytest.raises(ValueError, match=f"^{end} bytes: the format's u32 offsets end at 4 GiB$"):
                 mc.write_multiple_choice(tasks)
+
+
+def test_multiple_choice_edges_of_the_format():
+    # the task count: fewer than its 4 bytes, or 0, is "no tasks"; a count without its offsets is a short read
+    for raw in (b"", b"\1\0\0", b"\0\0\0\0"):
+        with pytest.raises(ValueError, match=r"^multiple-choice data: no tasks \(the file's first 4 bytes"):
+            mc.read_multiple_choice(raw)
+    with pytest.raises(ValueError, match="the 1 task offsets"):
+        mc.read_multiple_choice(b"\1\0\0\0")
+    # the writer: as many labels as answers, at most 100 answers (llama-perplexity's limit)
+    for answers, labels in ((("a", "b"), (0, 1, 0)), (("a", "b", "c"), (0, 1))):
+        with pytest.raises(ValueError, match=rf"task 0 \(mc1\): {len(answers)} answers but {len(labels)} labels"):
+            mc.write_multiple_choice([mc.MultipleChoiceTask("Q?", answers, labels)])
+    many = tuple(f"a{i}" for i in range(101))
+    with pytest.raises(ValueError, match=r"task 0 \(mc1\): 101 answers, more than the 100 llama-perplexity reads"):
+        mc.write_multiple_choice([mc.MultipleChoiceTask("Q?", many, (1,) + (0,) * 100)])
 
 
 def test_multiple_choice_reader_and_writer():
@@ -426,7 +453,9 @@ def test_multiple_choice_bytes_after_the_last_task_are_said():
     raw = mc.write_multiple_choice(t)
     one = mc.write_multiple_choice(t[:1])
     lost = one + raw[4 + 8 + len(one) - 8 :]  # a count of 1, then both tasks' bytes
-    with pytest.warns(TaskFileWarning, match=r"\d+ byte\(s\) after the last of its 1 task\(s\) .* are not read"):
+    said = rf"{len(lost) - len(one)} byte\(s\) after the last of its 1 task\(s\) "
+    said += rf"\(bytes {len(one)} to {len(lost)}\) are not read"
+    with pytest.warns(TaskFileWarning, match=said):
         assert [x.question for x in mc.read_multiple_choice(lost)] == ["Q one?"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", TaskFileWarning)
