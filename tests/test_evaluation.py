@@ -697,6 +697,9 @@ def test_lm_eval_generate_until_sizes_its_context_to_the_requests(model, monkeyp
     longest = max(model.tokenize(p, True).size for p in prompts)
     (kw,) = made
     assert kw["n_seq_max"] == 3 and kw["n_ctx"] == 3 * (longest + 5) and kw["kv_unified"] is True
+    assert kw["n_threads"] == kw["n_threads_batch"] == 1  # the backend's n_threads, for both
+    PyllamacppLM(model=model, n_ctx=512).generate_until(reqs[:1])
+    assert "n_threads" not in made[-1] and "n_threads_batch" not in made[-1]  # none given: the context's defaults
 
 
 def test_lm_eval_says_what_the_trie_saved(model):
@@ -960,6 +963,7 @@ def test_lm_eval_sampler_follows_the_generation_kwargs():
         assert chain(**gen) == ("greedy", None), gen
     # a temperature above 0 samples without do_sample; the steps asked, in that order; the seed given
     assert chain(temperature=0.5, seed=7) == ("temp(0.5) -> dist(7)", 7)
+    assert chain(temperature=0.5) == ("temp(0.5) -> dist(0)", 0)  # no seed: 0, a fixed draw (lm-eval's default)
     assert chain(do_sample=True, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=3) == (
         "top_k(40) -> top_p(0.9) -> min_p(0.05) -> temp(0.7) -> dist(3)",
         3,
