@@ -312,6 +312,10 @@ def test_winogrande_reader_edge_lines():
     for index in ("7", "12", "1234"):
         ((t,), _) = mc.read_winogrande(f'{index},"He said, quietly, that _ won.",Ann,Bob,2\n\n')
         assert t == mc.WinograndeTask("He said, quietly, that ", " won.", ("Ann", "Bob"), 2, index, 1)
+    # a bad answer is quoted from after the fourth comma, wherever that comma lies
+    for index in ("4", "14"):
+        _, skipped = mc.read_winogrande(f"0,Tom _ ran.,a,b,1\n{index},_ ran.,Ann,Bob,3\n\n")
+        assert skipped == [(2, "failed to parse answer <3>")]
     # the unread last line is named whole up to 60 characters, else by its first 57 and "..."
     for n in (60, 61):
         last = "9," + "x" * (n - 13) + " _ y.,a,b,1"
