@@ -177,18 +177,24 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
 
     killed = survived = timeouts = equiv = untested = 0
     survivors = []
+    by_function: dict[str, list[int]] = {}  # killed (timeouts too), survived, equivalent
     for module, op, line, where, outcome, diff, output in rows:
+        counts = by_function.setdefault(f"{Path(module).name}:{where}", [0, 0, 0])
         if is_equivalent(line, op, where, diff):
             equiv += 1
+            counts[2] += 1
         elif (outcome or "").lower() == "killed":
             killed += 1
+            counts[0] += 1
         elif (outcome or "").lower() == "survived":
             survived += 1
+            counts[1] += 1
             no_test = NO_TEST in (output or "")
             untested += no_test
             survivors.append((Path(module).name, line, where, op, diff, " (no test executes this function)" * no_test))
         else:
             timeouts += 1  # an incompetent mutant or a hang: counted as killed by the timeout
+            counts[0] += 1
     judged = killed + survived + timeouts
     rate = (killed + timeouts) / judged if judged else 0.0
     lo, hi = _wilson(killed + timeouts, judged)
@@ -203,6 +209,10 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
            f"95 % interval {lo:.1%} to {hi:.1%})" if sampled else "")
         + (f"; {n_pending} not run yet" if n_pending else "")
     )  # fmt: skip
+    if by_function:  # the promise's parts: each function's mutants run
+        print(f"\n{'function':44} {'killed':>7} {'survived':>9} {'equivalent':>11}")
+        for f, (k, sv, eq) in sorted(by_function.items()):
+            print(f"{f:44} {k:7} {sv:9} {eq:11}")
     for module, line, where, op, diff, why in sorted(survivors):
         print(f"\n-- survived: {module}:{line} in {where} ({op}){why}")
         changed = [ln for ln in (diff or "").splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
@@ -214,6 +224,7 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
         "timeouts": timeouts,
         "survived": survived,
         "survived_untested": untested,
+        "by_function": {f: dict(zip(("killed", "survived", "equivalent"), c)) for f, c in sorted(by_function.items())},
         "equivalent": equiv,
         "kill_rate": rate,
         "interval_95": [lo, hi],
