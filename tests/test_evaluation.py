@@ -385,6 +385,16 @@ def test_an_empty_context_without_bos_names_the_request(model, monkeypatch):
     (got,) = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=EMPTY, idx=0)])
     (want,) = pl.loglikelihood(model, [([model.eos], model.tokenize(" Paris", False))], **T)
     assert got == (want.logprob, want.is_greedy)
+    # ... and the continuation tokenized without special tokens (a vocabulary that adds some adds none there)
+    tokenize = type(model).tokenize
+
+    def adds_eos(self, text, add_special=True, parse_special=False):
+        t = tokenize(self, text, False, parse_special)
+        return np.concatenate([t, [self.eos]]).astype(np.int32) if add_special else t
+
+    monkeypatch.setattr(type(model), "tokenize", adds_eos)
+    (again,) = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=EMPTY, idx=0)])
+    assert again == got
 
 
 def test_the_bos_is_the_prefix_whatever_its_id(model, monkeypatch):
