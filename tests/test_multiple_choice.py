@@ -263,6 +263,13 @@ def test_hellaswag_reader_refuses_the_wrong_format_naming_the_line(tmp_path):
         mc.read_hellaswag("0,A _ b.,x,y,1\n" * 6)  # a Winogrande CSV of 6 lines
     with pytest.raises(ValueError, match="no lines"):
         mc.read_hellaswag(b"\n")
+    two = "\n".join(good.split("\n")[:12])  # two tasks, then a line: the third task's start named
+    with pytest.raises(ValueError, match=r"13 lines, not a multiple of 6.*from line 13, has 1 line"):
+        mc.read_hellaswag(two + "\nextra")
+    bad = two.split("\n")
+    bad[7] = "4"  # the second task's gold line
+    with pytest.raises(ValueError, match=r"line 8: the gold ending's index must be .* \(the task starting at line 7;"):
+        mc.read_hellaswag("\n".join(bad))
     assert mc.read_hellaswag(good) == mc.read_hellaswag(good[:-1]) == mc.read_hellaswag(good + "\n")  # -f's newline
     crlf = mc.read_hellaswag(good.replace("\n", "\r\n"))
     assert crlf[0].context.endswith("\r") and crlf[0].gold == hs_gold0()  # \r kept, as std::getline keeps it
