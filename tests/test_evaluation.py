@@ -947,6 +947,26 @@ def test_lm_eval_cache_hook_gets_each_requests_own_result(model):
     assert sorted(lm.cache_hook.got, key=str) == sorted([("generate_until", r, t) for r, t in zip(reqs, gu)], key=str)
 
 
+def test_lm_eval_reads_what_lm_eval_asks_of_a_model(model, model_path):
+    # the attributes lm-eval reads beside the three request types (--apply_chat_template, its caches)
+    pytest.importorskip("lm_eval")
+    import os
+
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    lm = PyllamacppLM(model=model, n_ctx=96, n_threads=1)
+    assert lm.max_length == 96 and lm.tokenizer_name == os.path.basename(model_path)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert lm.apply_chat_template(chat) == model.apply_chat_template(chat, add_assistant=True)
+    assert lm.apply_chat_template(chat, add_generation_prompt=False) == model.apply_chat_template(
+        chat, add_assistant=False
+    )
+    assert lm.apply_chat_template(chat) != lm.apply_chat_template(chat, add_generation_prompt=False)
+    template = model.meta("tokenizer.chat_template")
+    assert template and lm.chat_template(True) == lm.chat_template("default") == template
+    assert lm.chat_template(False) is None and lm.chat_template(None) is None and lm.chat_template() is None
+
+
 def test_lm_eval_stop_at_cuts_at_each_stop_string_in_turn():
     pytest.importorskip("lm_eval")
     from pyllamacpp.evaluation.lm_eval import _stop_at
