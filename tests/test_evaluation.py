@@ -708,8 +708,16 @@ def test_lm_eval_generate_until_sizes_its_context_to_the_requests(model, monkeyp
     (kw,) = made
     assert kw["n_seq_max"] == 3 and kw["n_ctx"] == 3 * (longest + 5) and kw["kv_unified"] is True
     assert kw["n_threads"] == kw["n_threads_batch"] == 1  # the backend's n_threads, for both
+    import pyllamacpp.evaluation.lm_eval as backend
+
+    samplers = []
+    real_sampler = backend._sampler
+    monkeypatch.setattr(backend, "_sampler", lambda gen: samplers.append(real_sampler(gen)) or samplers[-1])
     PyllamacppLM(model=model, n_ctx=512).generate_until(reqs[:1])
     assert "n_threads" not in made[-1] and "n_threads_batch" not in made[-1]  # none given: the context's defaults
+    one = model.tokenize(prompts[0], True).size + 5
+    assert made[-1]["n_seq_max"] == 1 and made[-1]["n_ctx"] == one  # one request: one sequence
+    assert len(samplers) == 1 and samplers[0].closed  # each request's sampler is closed at the end
 
 
 def test_lm_eval_says_what_the_trie_saved(model):
