@@ -330,6 +330,10 @@ def test_winogrande_reader_edge_lines():
         with pytest.warns(pl.errors.TaskFileWarning) as w:
             mc.read_winogrande("1,Tom _ ran.,a,b,1\n" + last)
         assert str(w[0].message).endswith(f"<{last}>" if n == 60 else f"<{last[:57]}...>")
+    # the keywords as documented: data by name or place, strict by name only
+    assert mc.read_winogrande(data="0,Tom _ ran.,a,b,1\n\n")[0][0].first == "Tom "
+    with pytest.raises(TypeError):
+        mc.read_winogrande("0,Tom _ ran.,a,b,1\n\n", True)
     # an empty quoted sentence is empty (no blank in it), not its closing quote
     tasks, skipped = mc.read_winogrande('0,"",a,b,1\n1,Tom _ ran.,a,b,1\n\n')  # -f drops one newline
     assert [t.index for t in tasks] == ["1"] and skipped == [(1, "no _ in <>")]
@@ -413,7 +417,7 @@ def test_multiple_choice_reader_and_writer():
     swapped = raw[:4] + struct.pack("<3I", pos[1], pos[0], pos[2]) + raw[16:]
     assert mc.read_multiple_choice(swapped, [0])[0].question == "Q two?"
     assert mc.read_multiple_choice(swapped)[0].question == "Q one?"
-    for bad in (-1, 3):  # a selection is task numbers, not Python indexes: -1 is not the last task
+    for bad in (-1, 3, 4):  # a selection is task numbers, not Python indexes: -1 is not the last task
         with pytest.raises(ValueError, match=f"task {bad} is outside the file's 3 tasks"):
             mc.read_multiple_choice(raw, [0, bad])
     with pytest.raises(ValueError, match=r"task 2 of 3: mc1's 1 labels at byte \d+: needs 4 bytes, 2 left"):
