@@ -630,8 +630,17 @@ def test_lm_eval_fit_cuts_only_what_does_not_fit(model):
     assert fit(33, 2) == (31, 2)
     assert fit(10, 30) == (3, 30)  # a long continuation: the context gives way
     assert fit(5, 40) == (1, 32)  # longer than the window: its last n_ctx tokens after one token
+    assert fit(1, 40) == (1, 32)
     lm = PyllamacppLM(model=model, n_ctx=33, n_threads=1)  # an odd window (n_ctx + 1 even)
     assert fit(40, 2) == (32, 2)
+    # an empty continuation: nothing to score, refused as such after a short context or a long one (after a
+    # long one it was cut as if the window's last token were a continuation: "the context has no tokens")
+    assert fit(10, 0) == (10, 0) and fit(100, 0) == (100, 0)
+    from lm_eval.api.instance import Instance
+
+    for context in ("Short context", pl.scoring.sample_text()[:400].rstrip()):  # (trailing blanks would be scored)
+        with pytest.raises(ValueError, match="request 0: the continuation .* has no tokens of its own"):
+            lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=(context, ""), idx=0)])
 
 
 def test_lm_eval_with_a_prefix_store_restores_on_a_rerun(model, tmp_path):

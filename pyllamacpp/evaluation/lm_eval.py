@@ -193,9 +193,10 @@ class PyllamacppLM(LM):
         return res
 
     def _fit(self, ctx: np.ndarray, cont: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The last ``n_ctx + 1`` tokens of context + continuation (the last one is never fed)."""
+        """The last ``n_ctx + 1`` tokens of context + continuation (the last one is never fed). An
+        empty continuation is left as it is, for the engine to refuse whatever the context's length."""
         n = self.n_ctx
-        if ctx.size + cont.size - 1 <= n:
+        if not cont.size or ctx.size + cont.size - 1 <= n:
             return ctx, cont
         seq = np.concatenate([ctx, cont])[-(n + 1) :]
         k = min(cont.size, n)
