@@ -385,6 +385,11 @@ def test_an_empty_context_without_bos_names_the_request(model, monkeypatch):
     (got,) = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=EMPTY, idx=0)])
     (want,) = pl.loglikelihood(model, [([model.eos], model.tokenize(" Paris", False))], **T)
     assert got == (want.logprob, want.is_greedy)
+    # a context that is not empty is lm-eval's pair as ever, BOS or not
+    pair = ("The capital of France is", " Paris")
+    (scored,) = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=0)])
+    (as_pair,) = pl.loglikelihood(model, [pair], **T)
+    assert scored == (as_pair.logprob, as_pair.is_greedy)
     # ... and the continuation tokenized without special tokens (a vocabulary that adds some adds none there)
     tokenize = type(model).tokenize
 
@@ -1032,11 +1037,18 @@ def test_lm_eval_an_empty_context_with_a_bos_of_id_0(model, monkeypatch):
 
     lm = PyllamacppLM(model=model, n_ctx=64, n_threads=1)  # parse_special: on, as lm-eval's default
     assert lm.prefix_token_id == model.bos == 1  # lm-eval's rule: BOS, else EOS
+    paris = model.tokenize(" Paris", False)
+    # the model's own BOS written at the continuation's start: the prefix, not a token after it
+    ((lps, greedy),) = alone(model, [(np.concatenate([[model.bos], paris]).astype(np.int32), 1)])
+    text = model.token_to_piece(model.bos, special=True) + " Paris"
+    ((got, is_greedy),) = lm.loglikelihood(
+        [Instance(request_type="loglikelihood", doc={}, arguments=("", text), idx=0)]
+    )
+    assert got == pytest.approx(float(lps.sum()), abs=1e-9) and is_greedy == bool(greedy.all())
     monkeypatch.setattr(type(model), "bos", property(lambda self: -1))
     assert lm.prefix_token_id == model.eos
     monkeypatch.setattr(type(model), "bos", property(lambda self: 0))
     assert lm.prefix_token_id == 0
-    paris = model.tokenize(" Paris", False)
     ((lps, greedy),) = alone(model, [(np.concatenate([[0], paris]).astype(np.int32), 1)])
     text = model.token_to_piece(0, special=True) + " Paris"
     ((got, is_greedy),) = lm.loglikelihood(
