@@ -770,16 +770,8 @@ def test_lm_eval_generate_until_keeps_a_long_prompts_last_tokens(model, monkeypa
     from lm_eval.api.instance import Instance
 
     from pyllamacpp.evaluation.lm_eval import PyllamacppLM
-    from pyllamacpp.scheduler import Scheduler
 
-    submitted = []
-    real = Scheduler.submit
-
-    def spy(self, prompt, *a, **kw):
-        submitted.append(np.asarray(prompt).tolist())
-        return real(self, prompt, *a, **kw)
-
-    monkeypatch.setattr(Scheduler, "submit", spy)
+    submitted = _record_submits(monkeypatch, "prompt")
     prompt = "One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve,"
     toks = model.tokenize(prompt, True)
     lm = PyllamacppLM(model=model, n_ctx=16, n_threads=1)
@@ -788,6 +780,21 @@ def test_lm_eval_generate_until_keeps_a_long_prompts_last_tokens(model, monkeypa
     (out,) = lm.generate_until([Instance(request_type="generate_until", doc={}, arguments=(prompt, gen), idx=0)])
     assert submitted == [toks[-12:].tolist()]
     assert out == _stop_at_first(generate_alone_tokens(model, toks[-12:], 4), ["\n"])
+
+
+def _record_submits(monkeypatch, what: str) -> list:
+    """Each ``Scheduler.submit``'s prompt (as a list of tokens) or ``n_predict``, the scheduler run as ever."""
+    from pyllamacpp.scheduler import Scheduler
+
+    got: list = []
+    real = Scheduler.submit
+
+    def spy(self, prompt, n_predict, *a, **kw):
+        got.append(np.asarray(prompt).tolist() if what == "prompt" else n_predict)
+        return real(self, prompt, n_predict, *a, **kw)
+
+    monkeypatch.setattr(Scheduler, "submit", spy)
+    return got
 
 
 def _gen_requests(reqs):
@@ -800,16 +807,8 @@ def test_lm_eval_generate_until_reads_the_first_length_kwarg_given(model, monkey
     # lm-eval's tasks name the length four ways; the first given (not None) wins, else max_gen_toks
     pytest.importorskip("lm_eval")
     from pyllamacpp.evaluation.lm_eval import PyllamacppLM
-    from pyllamacpp.scheduler import Scheduler
 
-    asked = []
-    real = Scheduler.submit
-
-    def spy(self, prompt, n_predict, *a, **kw):
-        asked.append(n_predict)
-        return real(self, prompt, n_predict, *a, **kw)
-
-    monkeypatch.setattr(Scheduler, "submit", spy)
+    asked = _record_submits(monkeypatch, "n_predict")
     lm = PyllamacppLM(model=model, n_ctx=64, n_threads=1, max_gen_toks=5)
     gens = [
         {"max_gen_toks": 2, "max_new_tokens": 6, "max_tokens": 7},
@@ -826,20 +825,12 @@ def test_lm_eval_generate_until_reads_the_first_length_kwarg_given(model, monkey
 def test_lm_eval_generate_until_needs_room_for_a_prompt(model, monkeypatch):
     pytest.importorskip("lm_eval")
     from pyllamacpp.evaluation.lm_eval import PyllamacppLM
-    from pyllamacpp.scheduler import Scheduler
 
     lm = PyllamacppLM(model=model, n_ctx=16, n_threads=1)
     for n in (16, 17):
         with pytest.raises(ValueError, match=f"max_gen_toks {n} leaves no room for a prompt in n_ctx 16"):
             lm.generate_until(_gen_requests([("The sky is", {"max_gen_toks": n})]))
-    submitted = []
-    real = Scheduler.submit
-
-    def spy(self, prompt, *a, **kw):
-        submitted.append(np.asarray(prompt).tolist())
-        return real(self, prompt, *a, **kw)
-
-    monkeypatch.setattr(Scheduler, "submit", spy)
+    submitted = _record_submits(monkeypatch, "prompt")
     lm.generate_until(_gen_requests([("The sky is", {"max_gen_toks": 15, "until": []})]))  # one token of prompt
     assert submitted == [model.tokenize("The sky is", True)[-1:].tolist()]
 
@@ -1064,7 +1055,6 @@ def test_lm_eval_a_vocabulary_that_adds_bos(model, monkeypatch):
     from lm_eval.api.instance import Instance
 
     from pyllamacpp.evaluation.lm_eval import PyllamacppLM
-    from pyllamacpp.scheduler import Scheduler
 
     lm = PyllamacppLM(model=model, n_ctx=24, n_threads=1)
     doc = [
@@ -1081,14 +1071,7 @@ def test_lm_eval_a_vocabulary_that_adds_bos(model, monkeypatch):
 
     monkeypatch.setattr(type(model), "tokenize", adds_bos)
     assert lm.loglikelihood_rolling(doc) == plain
-    submitted = []
-    real = Scheduler.submit
-
-    def spy(self, prompt, *a, **kw):
-        submitted.append(np.asarray(prompt).tolist())
-        return real(self, prompt, *a, **kw)
-
-    monkeypatch.setattr(Scheduler, "submit", spy)
+    submitted = _record_submits(monkeypatch, "prompt")
     lm.generate_until(_gen_requests([("The sky is", {"until": [], "max_gen_toks": 2})]))
     assert submitted == [[model.bos, *tokenize(model, "The sky is", False).tolist()]]
 
