@@ -636,6 +636,7 @@ def test_lm_eval_fit_cuts_only_what_does_not_fit(model):
     assert fit(10, 30) == (3, 30)  # a long continuation: the context gives way
     assert fit(5, 40) == (1, 32)  # longer than the window: its last n_ctx tokens after one token
     assert fit(1, 40) == (1, 32)
+    assert fit(1, 33) == (1, 32) and fit(33, 1) == (32, 1)  # a side of one token: one past the window
     lm = PyllamacppLM(model=model, n_ctx=33, n_threads=1)  # an odd window (n_ctx + 1 even)
     assert fit(40, 2) == (32, 2)
     # an empty continuation: nothing to score, refused as such after a short context or a long one (after a
