@@ -315,10 +315,12 @@ def test_winogrande_reader_as_load_winogrande_from_csv():
 
 
 def test_winogrande_reader_edge_lines():
-    # a quoted sentence after an index of any width: the sentence between the quotes, both halves
+    # a sentence, quoted or not, after an index of any width: both halves
     for index in ("7", "12", "1234"):
         ((t,), _) = mc.read_winogrande(f'{index},"He said, quietly, that _ won.",Ann,Bob,2\n\n')
         assert t == mc.WinograndeTask("He said, quietly, that ", " won.", ("Ann", "Bob"), 2, index, 1)
+        ((t,), _) = mc.read_winogrande(f"{index},He said that _ won.,Ann,Bob,1\n\n")
+        assert t == mc.WinograndeTask("He said that ", " won.", ("Ann", "Bob"), 1, index, 1)
     # a bad answer is quoted from after the fourth comma, wherever that comma lies
     for index in ("4", "14"):
         _, skipped = mc.read_winogrande(f"0,Tom _ ran.,a,b,1\n{index},_ ran.,Ann,Bob,3\n\n")
@@ -393,6 +395,10 @@ def test_multiple_choice_edges_of_the_format():
     for answers, labels in ((("a", "b"), (0, 1, 0)), (("a", "b", "c"), (0, 1))):
         with pytest.raises(ValueError, match=rf"task 0 \(mc1\): {len(answers)} answers but {len(labels)} labels"):
             mc.write_multiple_choice([mc.MultipleChoiceTask("Q?", answers, labels)])
+    for bad in (mc.MultipleChoiceTask("", ("a", "b"), (0, 1)), mc.MultipleChoiceTask("Q?", (), ()),
+                mc.MultipleChoiceTask("Q?", ("a", ""), (0, 1))):  # fmt: skip
+        with pytest.raises(ValueError, match="task 1: an empty question, no answers or an empty answer"):
+            mc.write_multiple_choice([mc.MultipleChoiceTask("Q?", ("a", "b"), (0, 1)), bad])
     many = tuple(f"a{i}" for i in range(101))
     with pytest.raises(ValueError, match=r"task 0 \(mc1\): 101 answers, more than the 100 llama-perplexity reads"):
         mc.write_multiple_choice([mc.MultipleChoiceTask("Q?", many, (1,) + (0,) * 100)])
