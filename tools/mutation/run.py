@@ -144,6 +144,14 @@ def _focus_map(work: Path, target: dict) -> None:
           + (f"; no test executes {', '.join(unreached)}" if unreached else ""), flush=True)  # fmt: skip
 
 
+def _is_equivalent(named: list[dict], line: int, op: str, where: str, diff: str | None) -> bool:
+    """Whether ``targets.toml`` names this mutant equivalent: by line, or by function (which
+    survives the module being split or edited above it), its operator, and ``to`` in its + lines."""
+    plus = "\n".join(ln for ln in (diff or "").splitlines() if ln.startswith("+") and not ln.startswith("+++"))
+    return any((e.get("line") == line or e.get("function") == where) and e["operator"] == op
+               and e.get("to", "") in plus for e in named)  # fmt: skip
+
+
 def _wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     """Wilson's score interval for k of n: the kill rate of a sample, as an estimate of the module's."""
     if n == 0:
@@ -170,10 +178,7 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
     named = target.get("equivalent", [])
 
     def is_equivalent(line: int, op: str, where: str, diff: str | None) -> bool:
-        plus = "\n".join(ln for ln in (diff or "").splitlines() if ln.startswith("+") and not ln.startswith("+++"))
-        # by line, or by function (which survives the module being split or edited above it)
-        return any((e.get("line") == line or e.get("function") == where) and e["operator"] == op
-                   and e.get("to", "") in plus for e in named)  # fmt: skip
+        return _is_equivalent(named, line, op, where, diff)
 
     killed = survived = timeouts = equiv = untested = 0
     survivors = []
@@ -280,10 +285,17 @@ def main() -> int:
             if not args.no_focus:
                 _focus_map(work, target)
             db = sqlite3.connect(session)
-            n = db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'").rowcount
+            survivors = db.execute(
+                "SELECT r.job_id, m.start_pos_row, m.operator_name, m.definition_name, r.diff FROM work_results r "
+                "JOIN mutation_specs m ON m.job_id = r.job_id WHERE r.test_outcome = 'SURVIVED'"
+            ).fetchall()
+            named = target.get("equivalent", [])  # HEAD's list: a mutant named equivalent cannot be killed
+            again = [j for j, line, op, where, diff in survivors if not _is_equivalent(named, line, op, where, diff)]
+            db.executemany("DELETE FROM work_results WHERE job_id = ?", [(j,) for j in again])
             db.commit()
             db.close()
-            print(f"{args.target}: {n} survivors to run again against the tests of HEAD", flush=True)
+            print(f"{args.target}: {len(again)} survivors to run again against the tests of HEAD "
+                  f"({len(survivors) - len(again)} named equivalent, not run)", flush=True)  # fmt: skip
         elif not (args.resume and session.exists()):
             commit = _copy_tree(work)
             (work / "COMMIT").write_text(commit)
