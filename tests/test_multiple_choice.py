@@ -266,6 +266,8 @@ def test_hellaswag_reader_refuses_the_wrong_format_naming_the_line(tmp_path):
     two = "\n".join(good.split("\n")[:12])  # two tasks, then a line: the third task's start named
     with pytest.raises(ValueError, match=r"13 lines, not a multiple of 6.*from line 13, has 1 line"):
         mc.read_hellaswag(two + "\nextra")
+    with pytest.raises(ValueError, match=r"14 lines, not a multiple of 6.*from line 13, has 2 line"):
+        mc.read_hellaswag(two + "\nextra\nmore")
     bad = two.split("\n")
     bad[7] = "4"  # the second task's gold line
     with pytest.raises(ValueError, match=r"line 8: the gold ending's index must be .* \(the task starting at line 7;"):
@@ -325,12 +327,15 @@ def test_winogrande_reader_edge_lines():
     for index in ("4", "14"):
         _, skipped = mc.read_winogrande(f"0,Tom _ ran.,a,b,1\n{index},_ ran.,Ann,Bob,3\n\n")
         assert skipped == [(2, "failed to parse answer <3>")]
+    # a sentence that starts with a blank (a character below the quote) is not quoted
+    ((t,), _) = mc.read_winogrande("3, Tom _ ran.,a,b,1\n\n")
+    assert (t.first, t.second) == (" Tom ", " ran.")
     # the unread last line is named whole up to 60 characters, else by its first 57 and "..."
     for n in (60, 61):
         last = "9," + "x" * (n - 13) + " _ y.,a,b,1"
         assert len(last) == n
         with pytest.warns(pl.errors.TaskFileWarning) as w:
-            mc.read_winogrande("1,Tom _ ran.,a,b,1\n" + last)
+            mc.read_winogrande("1,Tom _ ran.,a,b,1\n2,Ann _ ran.,a,b,1\n" + last)  # the last line is the third
         assert str(w[0].message).endswith(f"<{last}>" if n == 60 else f"<{last[:57]}...>")
     # the keywords as documented: data by name or place, strict by name only
     assert mc.read_winogrande(data="0,Tom _ ran.,a,b,1\n\n")[0][0].first == "Tom "
@@ -369,7 +374,7 @@ def test_multiple_choice_writer_refuses_a_file_past_its_u32_offsets(monkeypatch)
     size = len(mc.write_multiple_choice(tasks))
     question = len(_mc_data._pack_string("Q one?"))
     real = _mc_data._pack_string
-    for end in (2**32 - 1, 2**32):  # where the file would end
+    for end in (2**32 - 1, 2**32, 2**32 + 1):  # where the file would end
         grown = end - size + question  # the question's bytes, grown to end the file there
 
         def pack(s, grown=grown):
@@ -399,6 +404,9 @@ def test_multiple_choice_edges_of_the_format():
                 mc.MultipleChoiceTask("Q?", ("a", ""), (0, 1))):  # fmt: skip
         with pytest.raises(ValueError, match="task 1: an empty question, no answers or an empty answer"):
             mc.write_multiple_choice([mc.MultipleChoiceTask("Q?", ("a", "b"), (0, 1)), bad])
+    many = tuple(f"a{i}" for i in range(300))  # counts past CPython's cached small ints
+    with pytest.raises(ValueError, match=r"task 0 \(mc1\): 300 answers, more than the 100 llama-perplexity reads"):
+        mc.write_multiple_choice([mc.MultipleChoiceTask("Q?", many, (1,) + (0,) * 299)])
     many = tuple(f"a{i}" for i in range(101))
     with pytest.raises(ValueError, match=r"task 0 \(mc1\): 101 answers, more than the 100 llama-perplexity reads"):
         mc.write_multiple_choice([mc.MultipleChoiceTask("Q?", many, (1,) + (0,) * 100)])
@@ -432,6 +440,8 @@ def test_multiple_choice_reader_and_writer():
         mc.read_multiple_choice(b"\0\0\0\0")
     with pytest.raises(ValueError, match=r"the 3 task offsets at byte 4: needs 12 bytes, 4 left"):
         mc.read_multiple_choice(raw[:8])
+    with pytest.raises(ValueError, match=r"task 0 of 3: the question's length at byte 16: needs 4 bytes, 0 left"):
+        mc.read_multiple_choice(raw[:16])  # the offsets, then nothing
     big = struct.pack("<II", 1, 8) + struct.pack("<I", 1) + b"q" + struct.pack("<I", 101)
     with pytest.raises(ValueError, match="101 answers, more than 100"):
         mc.read_multiple_choice(big)
@@ -478,6 +488,9 @@ def test_multiple_choice_bytes_after_the_last_task_are_said():
     said += rf"\(bytes {len(one)} to {len(lost)}\) are not read"
     with pytest.warns(TaskFileWarning, match=said):
         assert [x.question for x in mc.read_multiple_choice(lost)] == ["Q one?"]
+    more = one + b"\0" * (len(one) + 5)  # more bytes after than before
+    with pytest.warns(TaskFileWarning, match=rf"^multiple-choice data: {len(one) + 5} byte\(s\) after the last"):
+        mc.read_multiple_choice(more)
     with warnings.catch_warnings():
         warnings.simplefilter("error", TaskFileWarning)
         assert len(mc.read_multiple_choice(raw)) == 2
