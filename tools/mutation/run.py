@@ -176,16 +176,12 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
         "SELECT count(*) FROM work_items WHERE job_id NOT IN (SELECT job_id FROM work_results)"
     ).fetchone()
     named = target.get("equivalent", [])
-
-    def is_equivalent(line: int, op: str, where: str, diff: str | None) -> bool:
-        return _is_equivalent(named, line, op, where, diff)
-
     killed = survived = timeouts = equiv = untested = 0
     survivors = []
     by_function: dict[str, list[int]] = {}  # killed (timeouts too), survived, equivalent
     for module, op, line, where, outcome, diff, output in rows:
         counts = by_function.setdefault(f"{Path(module).name}:{where}", [0, 0, 0])
-        if is_equivalent(line, op, where, diff):
+        if _is_equivalent(named, line, op, where, diff):
             equiv += 1
             counts[2] += 1
         elif (outcome or "").lower() == "killed":
