@@ -1,9 +1,11 @@
-"""tools/mutation/focus.py: each mutant is run against the tests that execute its function.
+"""tools/mutation/focus.py: each mutant is run against the tests that execute its statement.
 
 A survivor of the mutation run is read as "a behaviour no test holds": that holds only if the
 tests left out could not have seen the mutant. These check the choice: the function around the
 changed line (nested functions inside their parent, a signature's defaults inside their function),
-every test where no function narrows it, none where no test executes the function."""
+the statement around it in the body (a compound statement's header alone, an ``except`` clause as
+its whole ``try``), every test where no function narrows it or the statement ran outside a test's
+call, the tests that start a child always, none where no test executes the statement."""
 
 from __future__ import annotations
 
@@ -145,4 +147,83 @@ def test_map_gives_each_function_the_tests_that_execute_it(tmp_path):
     assert tests["outer"] == ["test_child", "test_outer"] and tests["get"] == ["test_child", "test_get"]
     assert len(tests["put"]) == 5  # run in a module fixture's setup, which other tests share: every test
     assert tests["untested"] == ["test_child"]
+    # and each line of a body the tests that ran it (indices into every): get's line only test_get
+    src_lines = MODULE.splitlines()
+    get = next(e for e in fmap["functions"]["pkg/m.py"] if e["name"] == "get")
+    ran = get["lines"][str(src_lines.index("        return 1") + 1)]
+    assert [fmap["every"][i].rsplit("::", 1)[1] for i in ran] == ["test_get"]
+    put = next(e for e in fmap["functions"]["pkg/m.py"] if e["name"] == "put")
+    assert put["outside_lines"] == [src_lines.index("        self.v = v") + 1]
     assert (work / "pristine" / "pkg" / "m.py").read_text() == MODULE
+
+
+BRANCHY = '''\
+def pick(n, items):
+    if (n > 0
+            and items):
+        out = [i * n
+               for i in items]
+    elif n == 0:
+        out = []
+    else:
+        try:
+            out = [1 / n]
+        except ZeroDivisionError:
+            out = None
+    for i in range(2):
+        if i: n += 1
+    return out
+'''
+
+
+def test_statement_is_the_innermost_around_the_line():
+    f = _focus()
+    lines = BRANCHY.splitlines()
+
+    def at(text: str) -> tuple[int, int]:
+        n = next(i for i, ln in enumerate(lines, 1) if text in ln)
+        lo, hi = f._statement(BRANCHY, n)
+        return lines[lo - 1].strip(), lines[hi - 1].strip()
+
+    assert at("and items") == ("if (n > 0", "and items):")  # a header of two lines, without its body
+    assert at("for i in items]") == ("out = [i * n", "for i in items]")  # a statement of two lines
+    assert at("elif n == 0") == ("elif n == 0:", "elif n == 0:")
+    assert at("out = []") == ("out = []", "out = []")
+    assert at("out = [1 / n]") == ("out = [1 / n]", "out = [1 / n]")
+    assert at("except ZeroDivisionError") == ("try:", "out = None")  # in no child: the whole try
+    assert at("for i in range(2)") == ("for i in range(2):", "for i in range(2):")
+    assert at("if i: n += 1") == ("if i: n += 1", "if i: n += 1")
+    assert at("return out") == ("return out", "return out")
+    assert f._statement(BRANCHY, len(lines) + 5) is None
+
+
+def test_choose_narrows_to_the_tests_that_ran_the_statement(tmp_path):
+    f = _focus()
+    (tmp_path / "pristine" / "pkg").mkdir(parents=True)
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    (tmp_path / "pristine" / "pkg" / "b.py").write_text(BRANCHY)
+    src = tmp_path / "src" / "pkg" / "b.py"
+    lines = BRANCHY.splitlines()
+    num = {ln.strip(): i for i, ln in enumerate(lines, 1)}
+    every = ["t::fast", "t::mid", "t::slow", "t::child"]  # fastest first
+    ran = {"if (n > 0": [1, 2], "out = [i * n": [2], "for i in items]": [2, 1], "elif n == 0:": [0, 1],
+           "out = []": [0], "return out": [0, 1, 2]}  # fmt: skip
+    entry = {"first": 1, "body": 2, "last": len(lines), "name": "pick", "tests": every,
+             "lines": {str(num[k]): v for k, v in ran.items()}, "outside_lines": [num["if i: n += 1"]]}  # fmt: skip
+    fmap = {"modules": ["pkg/b.py"], "functions": {"pkg/b.py": [entry]}, "every": every, "spawned": ["t::child"]}
+
+    def mutate(old: str, new: str):
+        assert old in BRANCHY
+        src.write_text(BRANCHY.replace(old, new, 1))
+        return f.choose(tmp_path, fmap)[0]
+
+    assert mutate("i * n", "i + n") == ["t::mid", "t::slow", "t::child"]  # either line of the statement
+    assert mutate("out = []", "out = [0]") == ["t::fast", "t::child"]
+    assert mutate("and items", "or items") == ["t::mid", "t::slow", "t::child"]  # the body's first statement
+    assert mutate("if (n > 0", "if (n >= 0") == ["t::mid", "t::slow", "t::child"]
+    assert mutate("[1 / n]", "[1 * n]") == ["t::child"]  # no test ran it here; a child may have
+    fmap["spawned"] = []
+    assert mutate("[1 / n]", "[1 * n]") == []  # no test ran it
+    fmap["spawned"] = ["t::child"]
+    assert mutate("if i: n += 1", "if i: n -= 1") == every  # ran outside a test's call: every test
+    assert mutate("def pick(n, items)", "def pick(n, items=())") == every  # the signature: the function's

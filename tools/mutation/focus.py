@@ -1,16 +1,16 @@
-"""Run, against each mutant, only the tests that execute the mutated function, fastest first.
+"""Run, against each mutant, only the tests that execute the mutated statement, fastest first.
 
     python focus.py map WORK TEST...            # the coverage pass: WORK/focus.json
     python focus.py run WORK -- PYTEST_ARGS...  # cosmic-ray's test command, one mutant at a time
 
-A mutant changes one function. A test that never executes that function cannot see the change,
-so running it is time spent for nothing; a survivor used to cost every test of the target (80 s
-and more), and now costs the tests that reach its function.
+A mutant changes one statement of one function. A test that never executes that statement cannot
+see the change, so running it is time spent for nothing; a survivor used to cost every test of the
+target (80 s and more), and now costs the tests that reach its statement.
 
 ``map`` runs the target's tests once on the unmutated copy under coverage (pytest-cov, one context
 per test), and writes, for each function of the target's modules (its whole ``def``, nested ones
-included), the tests that executed a line of it. It falls back to every test where a per-test
-trace would miss one:
+included), the tests that executed a line of it, and for each line of its body the tests that
+executed that line. It falls back to more tests where a per-test trace would miss one:
 - a function executed outside a test's call (at collection, or in a fixture's setup or teardown,
   whose result other tests share), or by a test that starts a process (``subprocess``,
   ``os.fork``, ``multiprocessing``: coverage does not follow it into the child), is given every
@@ -18,10 +18,14 @@ trace would miss one:
 - a line outside every function (the module's own code) runs every test.
 
 ``run`` compares each module of the copy with its unmutated text (``WORK/pristine/``), finds the
-function around the first changed line, and runs pytest with ``-x`` on that function's tests,
-fastest first (the durations of the coverage pass). No changed line (cosmic-ray's baseline): every
-test. No test reaches the function: it prints ``focus: no test executes ...`` and exits 0, a
-survivor whose reason the report names.
+function around the first changed line and, in the function's body, the statement around it (the
+innermost; a compound statement's header, ``if``/``for``/``while``/``with``, is a statement of its
+own; a line of it in no child, an ``except`` clause, stands for the whole compound statement). It
+runs pytest with ``-x`` on the tests that executed a line of that statement, fastest first (the
+durations of the coverage pass); a line before the body (a decorator, a default) gets the
+function's tests. No changed line (cosmic-ray's baseline): every test. No test reaches the
+statement: it prints ``focus: no test executes ...`` and exits 0, a survivor whose reason the
+report names.
 """
 
 from __future__ import annotations
@@ -140,6 +144,7 @@ def build_map(work: Path, modules: list[str], tests: list[str]) -> dict:
     durations: dict[str, float] = rec["durations"]
     spawned: list[str] = rec["spawned"]
     every = sorted(durations, key=durations.__getitem__)
+    pos = {t: i for i, t in enumerate(every)}
     functions: dict[str, list] = {}
     for m in modules:
         path = str((src / m).resolve())
@@ -148,21 +153,29 @@ def build_map(work: Path, modules: list[str], tests: list[str]) -> dict:
         for first, body, last, name in _spans((src / m).read_text()):
             calls: set[str] = set()
             outside = False
+            lines: dict[str, list[int]] = {}  # a line of the body: the tests (indices into every) that ran it
+            outside_lines: list[int] = []  # lines run outside a test's call
             for line in range(body, last + 1):
+                ran: set[str] = set()
                 for ctx in by_line.get(line, []):
                     nodeid, _, phase = ctx.rpartition("|")
                     if phase == "run" and nodeid:
-                        calls.add(nodeid)
+                        ran.add(nodeid)
                     else:
                         outside = True
+                        outside_lines.append(line)
+                calls |= ran
+                if ran:
+                    lines[str(line)] = sorted(pos[t] for t in ran if t in pos)
             if outside:
                 chosen = every
             elif calls:
                 chosen = sorted(calls | set(spawned), key=lambda t: durations.get(t, 0.0))
             else:
                 chosen = sorted(spawned, key=lambda t: durations.get(t, 0.0))
-            entries.append({"first": first, "last": last, "name": name, "tests": chosen,
-                            "reached": bool(calls) or outside})  # fmt: skip
+            entries.append({"first": first, "body": body, "last": last, "name": name, "tests": chosen,
+                            "reached": bool(calls) or outside, "lines": lines,
+                            "outside_lines": sorted(set(outside_lines))})  # fmt: skip
         functions[m] = entries
     out = {"modules": modules, "functions": functions, "every": every, "spawned": spawned,
            "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
@@ -183,6 +196,40 @@ def _changed_line(before: str, after: str) -> int | None:
     return len(a)
 
 
+def _statement(source: str, line: int) -> tuple[int, int] | None:
+    """The lines of the innermost statement around ``line``: a compound statement's header alone
+    where ``line`` is in it, the whole compound statement where ``line`` is in none of its children
+    (an ``except`` or ``case`` clause); None outside every statement."""
+    best = None
+    nodes = list(ast.parse(source).body)
+    while nodes:
+        node = nodes.pop()
+        if not (node.lineno <= line <= (node.end_lineno or node.lineno)):
+            continue
+        children = [c for c in ast.walk(node) if c is not node and isinstance(c, ast.stmt)]
+        header_end = min((c.lineno for c in children), default=node.end_lineno or node.lineno) - 1
+        if not children or line <= header_end:
+            return node.lineno, max(header_end, node.lineno) if children else node.end_lineno or node.lineno
+        best = (node.lineno, node.end_lineno or node.lineno)
+        nodes = [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)]
+        nodes += [s for h in ast.iter_child_nodes(node) if not isinstance(h, ast.stmt)
+                  for s in ast.iter_child_nodes(h) if isinstance(s, ast.stmt)]  # fmt: skip
+    return best
+
+
+def _statement_tests(fmap: dict, f: dict, span: tuple[int, int]) -> list[str] | None:
+    """The tests that executed a line of ``span`` in ``f``, fastest first, with the tests that
+    start a Python child (coverage does not see what the child runs); None (every test) where a
+    line of it ran outside a test's call; [] where no test may have run it."""
+    lo, hi = span
+    if any(lo <= n <= hi for n in f["outside_lines"]):
+        return None
+    idx = {i for n in range(lo, hi + 1) for i in f["lines"].get(str(n), [])}
+    every = fmap["every"]
+    pos = {t: i for i, t in enumerate(every)}
+    return sorted({every[i] for i in idx} | set(fmap["spawned"]), key=lambda t: pos.get(t, len(every)))
+
+
 def choose(work: Path, fmap: dict) -> tuple[list[str] | None, str]:
     """The tests for the copy as it stands: None means every test (no function to narrow to)."""
     for m in fmap["modules"]:
@@ -193,7 +240,11 @@ def choose(work: Path, fmap: dict) -> tuple[list[str] | None, str]:
         for f in fmap["functions"][m]:
             if f["first"] <= line <= f["last"]:
                 where = f"line {line} of {f['name']} in {m}"
-                return f["tests"], where
+                if "lines" not in f or line < f["body"]:  # a map of functions only; a decorator or a default
+                    return f["tests"], where
+                span = _statement(before, line) or (line, line)
+                tests = _statement_tests(fmap, f, span)
+                return (fmap["every"] if tests is None else tests), where
         return None, f"line {line} of {m}, outside every function"
     return None, "no line changed"
 

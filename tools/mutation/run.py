@@ -38,7 +38,7 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-NO_TEST = "focus: no test executes"  # what focus.py prints for a mutant whose function no test runs
+NO_TEST = "focus: no test executes"  # what focus.py prints for a mutant whose statement no test runs
 TARGETS = Path(__file__).with_name("targets.toml")
 
 SITECUSTOMIZE = """\
@@ -113,7 +113,7 @@ def _config(work: Path, target: dict, timeout: float, focus: bool) -> Path:
     tests = " ".join(target["tests"])
     k = f" -k {target['k']!r}" if target.get("k") else ""
     pytest = f"{sys.executable} -m pytest -x -q -p no:cacheprovider{k}"
-    if focus:  # the tests that execute the mutated function (focus.py), fastest first
+    if focus:  # the tests that execute the mutated statement (focus.py), fastest first
         cmd = f"env PYTHONPATH={work / 'src'} {sys.executable} {work / 'focus.py'} run {work} -- {pytest}"
     else:
         cmd = f"env PYTHONPATH={work / 'src'} {pytest} {tests}"
@@ -192,7 +192,7 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
             counts[1] += 1
             no_test = NO_TEST in (output or "")
             untested += no_test
-            survivors.append((Path(module).name, line, where, op, diff, " (no test executes this function)" * no_test))
+            survivors.append((Path(module).name, line, where, op, diff, " (no test executes its statement)" * no_test))
         else:
             timeouts += 1  # an incompetent mutant or a hang: counted as killed by the timeout
             counts[0] += 1
@@ -203,7 +203,7 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
     scope = f", {n_skipped['outside']} outside the target's functions" if n_skipped.get("outside") else ""
     print(
         f"{name} (at {commit[:10]}{commit[40:]}): {len(rows)} mutants, {killed} killed, {timeouts} timed out, "
-        f"{survived} survived" + (f" ({untested} in functions no test executes)" if untested else "") + ", "
+        f"{survived} survived" + (f" ({untested} in statements no test executes)" if untested else "") + ", "
         f"{equiv} equivalent named in targets.toml, {n_annotation} in annotations (skipped){scope}: kill rate "
         f"{rate:.1%} of the non-equivalent"
         + (f" (a random sample of {len(rows) + n_pending} of the {len(rows) + n_pending + sampled} in scope; "
@@ -253,7 +253,7 @@ def main() -> int:
         "--no-focus",
         action="store_true",
         help="run every test of the target against each mutant (default: only the "
-        "tests that execute the mutated function, tools/mutation/focus.py)",
+        "tests that execute the mutated statement, tools/mutation/focus.py)",
     )
     args = ap.parse_args()
     # HEAD's list, as the tree mutated is HEAD's (a target edited in the working tree may name files not committed)
@@ -307,6 +307,10 @@ def main() -> int:
                       "--seed", str(args.seed), "--functions", ",".join(target.get("functions", []))]  # fmt: skip
             subprocess.run(select, check=True, cwd=work)
             subprocess.run(["cosmic-ray", "baseline", str(cfg)], check=True, cwd=work)
+        elif not args.no_focus and (work / "focus.json").exists() and (
+            (work / "focus.py").read_bytes() != _git("show", "HEAD:tools/mutation/focus.py")
+        ):
+            _focus_map(work, target)  # HEAD's focus.py changed since the run began: the rest goes by its map
         subprocess.run(["cosmic-ray", "exec", str(cfg), str(session)], check=True, cwd=work)
         print(f"{args.target}: {time.perf_counter() - t0:.0f} s", flush=True)
     commit = (work / "COMMIT").read_text() if (work / "COMMIT").exists() else "?"
