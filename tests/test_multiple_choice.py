@@ -443,8 +443,9 @@ def test_multiple_choice_reader_and_writer():
     with pytest.raises(ValueError, match=r"task 0 of 3: the question's length at byte 16: needs 4 bytes, 0 left"):
         mc.read_multiple_choice(raw[:16])  # the offsets, then nothing
     past = raw[:4] + struct.pack("<3I", pos[0], len(raw) + 10, pos[2]) + raw[16:]  # an offset past the end
-    with pytest.raises(ValueError, match=rf"task 1 \(at the offset the table gives, {len(raw) + 10}\): the question's "
-                       rf"length at byte {len(raw) + 10}: needs 4 bytes, 0 left \(file of {len(raw)} bytes\)"):  # fmt: skip
+    at = len(raw) + 10
+    said = rf"task 1 \(at the offset the table gives, {at}\): the question's length at byte {at}: needs 4 bytes, 0 left"
+    with pytest.raises(ValueError, match=said + rf" \(file of {len(raw)} bytes\)"):
         mc.read_multiple_choice(past, [1])
     big = struct.pack("<II", 1, 8) + struct.pack("<I", 1) + b"q" + struct.pack("<I", 101)
     with pytest.raises(ValueError, match="101 answers, more than 100"):

@@ -157,7 +157,7 @@ def test_map_gives_each_function_the_tests_that_execute_it(tmp_path):
     assert (work / "pristine" / "pkg" / "m.py").read_text() == MODULE
 
 
-BRANCHY = '''\
+BRANCHY = """\
 def pick(n, items):
     if (n > 0
             and items):
@@ -173,7 +173,7 @@ def pick(n, items):
     for i in range(2):
         if i: n += 1
     return out
-'''
+"""
 
 
 def test_statement_is_the_innermost_around_the_line():

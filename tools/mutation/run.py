@@ -307,8 +307,10 @@ def main() -> int:
                       "--seed", str(args.seed), "--functions", ",".join(target.get("functions", []))]  # fmt: skip
             subprocess.run(select, check=True, cwd=work)
             subprocess.run(["cosmic-ray", "baseline", str(cfg)], check=True, cwd=work)
-        elif not args.no_focus and (work / "focus.json").exists() and (
-            (work / "focus.py").read_bytes() != _git("show", "HEAD:tools/mutation/focus.py")
+        elif (
+            not args.no_focus
+            and (work / "focus.json").exists()
+            and ((work / "focus.py").read_bytes() != _git("show", "HEAD:tools/mutation/focus.py"))
         ):
             _focus_map(work, target)  # HEAD's focus.py changed since the run began: the rest goes by its map
         subprocess.run(["cosmic-ray", "exec", str(cfg), str(session)], check=True, cwd=work)
