@@ -389,3 +389,43 @@ def test_a_copy_cut_short_by_a_corrupt_chunk_is_let_go(model, tmp_path):
     # the first branch restores 32 tokens and decodes the header's end; each other one finds its
     # 4 chunks by lookup but reads 2 before the corrupt one: 32 loaded, let go
     assert store.stats.corrupt == 3 and second.n_restored == 3 * 32
+
+
+def test_a_stored_context_of_more_than_256_tokens_stops_before_its_last_row(model, tmp_path):
+    """A context of 272 tokens (17 chunks) whose last token's row predicts both continuations: the
+    store holds all of it, and the rerun restores 16 chunks and decodes the last one, whose last
+    row it needs (a token count compared with ``is`` holds only below 257)."""
+    text = " ".join(LONG_DOCS)
+    words = iter(("and so on", "again", "once more", "then", "still") * 40)
+    while len(model.tokenize(text)) < 272:
+        text += " " + next(words)
+    while len(model.tokenize(text)) % LL_CHUNK:
+        text = text[: text.rstrip().rfind(" ")]  # a word fewer, until a whole number of chunks
+    size = len(model.tokenize(text))
+    assert size > 256 and size % LL_CHUNK == 0
+    reqs = [(text, " Yes"), (text, " No")]
+    args = dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=512)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(second, base)
+    assert second.n_restored == size - LL_CHUNK
+
+
+@pytest.mark.parametrize(("n_seq_max", "n_ctx", "copies"), [(3, 152, 0), (3, 192, 1), (4, 232, 2)])
+def test_a_branch_that_waits_for_the_header_copies_it_only_into_cells_the_epoch_has_spare(
+    model, tmp_path, n_seq_max, n_ctx, copies
+):
+    """The request that ends at the header's last token restores its 32 stored tokens and decodes
+    the header's last 8; the branches wait for them, then (the epoch under way, its cells partly
+    taken) each loads its own copy of the header with its document's chunks (64 tokens) only where
+    the cells the epoch has left, less those the paths in flight will take, hold it."""
+    reqs = [(HEADER + d + "Where? ", " home") for d in LONG_DOCS] + [(HEADER, " Yes")]
+    args = dict(n_threads=1, n_seq_max=n_seq_max, flash_attn="on", n_ctx=n_ctx)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(second, base)
+    assert second.n_epochs == base.n_epochs == 0 and second.n_restored == 32 + 64 * copies
