@@ -305,6 +305,31 @@ def test_ctrl_c_keeps_what_was_scored(model, sigint_raises):
         assert 0 < counts["n_decoded"] < full.n_decoded and counts["n_decodes"] == 3 and counts["seconds"] > 0
 
 
+def test_ctrl_c_while_results_are_reported_keeps_those_not_reported_yet(model, monkeypatch):
+    """Ctrl-C after a decode whose rows completed every request, while the second of them is
+    being reported: the part holds all of them, reported or not (their log-probabilities are in)."""
+    from pyllamacpp.evaluation import _engine
+
+    reqs = few_shot()[:4]
+    full = pl.loglikelihood(model, reqs, **T)
+    real, calls = _engine._result, []
+
+    def result(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(_engine, "_result", result)
+    with pytest.raises(KeyboardInterrupt) as e:
+        pl.loglikelihood(model, reqs, **T)
+    part = e.value.results
+    assert full.n_decodes == part.n_decodes == 1  # one decode completed them all
+    assert all(r is not None for r in part)
+    for a, b in zip(part, full):
+        assert np.array_equal(a.logprobs, b.logprobs)
+
+
 def test_progress_bar_on_stderr(model, capsys):
     reqs = few_shot()[:4]
     pl.loglikelihood(model, reqs, progress=True, **T)
