@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import signal
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -321,9 +322,12 @@ def test_ctrl_c_while_results_are_reported_keeps_those_not_reported_yet(model, m
         return real(*a)
 
     monkeypatch.setattr(_engine, "_result", result)
+    t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt) as e:
         pl.loglikelihood(model, reqs, **T)
+    elapsed = time.perf_counter() - t0
     part = e.value.results
+    assert 0 < part.seconds <= elapsed  # the run's own time, up to the interrupt
     assert full.n_decodes == part.n_decodes == 1  # one decode completed them all
     assert all(r is not None for r in part)
     for a, b in zip(part, full):
@@ -361,6 +365,25 @@ def test_progress_by_tokens_for_one_long_request(model, monkeypatch):
     monkeypatch.setattr(sys, "stderr", short)
     pl.loglikelihood(model, [("The sky is", " blue")], **T)  # a few tokens: no bar
     assert short.getvalue() == ""
+
+
+def test_the_bar_counts_every_request_scored_by_one_shared_row(model, monkeypatch):
+    """Three one-token continuations of one context are scored by its last row, the first as the
+    row's target, the others from the same row again: the bar says 3/3 requests before it closes."""
+    import tqdm
+
+    said: list[str] = []
+
+    class Seen(tqdm.tqdm):
+        def close(self):
+            said.append(self.postfix or "")
+            super().close()
+
+    monkeypatch.setattr(tqdm, "tqdm", Seen)
+    reqs = [("The capital of France is", x) for x in (" Paris", " Berlin", " Rome")]
+    assert all(model.tokenize(x, False).size == 1 for _, x in reqs)
+    res = pl.loglikelihood(model, reqs, progress=True, **T)
+    assert res.n_outputs == 1 and said == ["3/3 requests"]
 
 
 EMPTY = ("", " Paris")

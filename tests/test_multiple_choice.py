@@ -78,6 +78,7 @@ int main(int argc, char **argv) {
         for (int i = 0; i < 3; ++i) printf("%lu ", (unsigned long)rng());
         std::uniform_int_distribution<size_t> a(7, 7 + 4294967294ull), b(0, 4294967295ull), c(3, 10000000000ull);
         std::uniform_int_distribution<size_t> d(0, 3221225471ull);  // a quarter of the draws rejected
+        std::uniform_int_distribution<size_t> e(0, 2147483648ull);  // 2^31 + 1: near half, any low word
         for (int i = 0; i < 3; ++i) {  // one statement each: argument evaluation order is unspecified
             size_t x = a(rng);
             size_t y = b(rng);
@@ -85,6 +86,7 @@ int main(int argc, char **argv) {
             printf("%zu %zu %zu ", x, y, z);
         }
         for (int i = 0; i < 20; ++i) printf("%zu ", d(rng));
+        for (int i = 0; i < 20; ++i) printf("%zu ", e(rng));
         printf("\n");
     }
 }
@@ -116,7 +118,8 @@ def test_task_selection_is_libstdcxx(select_exe, n, k):
             R.uniform_int(rng, 0, 4294967295),
             R.uniform_int(rng, 3, 10**10),
         ]
-    mine += [R.uniform_int(rng, 0, 3221225471) for _ in range(20)]
+    mine += [R.uniform_int(rng, 0, 3221225471) for _ in range(20)]  # low words only k * 2^30
+    mine += [R.uniform_int(rng, 0, 2147483648) for _ in range(20)]  # low words below the threshold rejected
     assert [int(v) for v in raw.split()] == mine
 
 

@@ -429,3 +429,25 @@ def test_a_branch_that_waits_for_the_header_copies_it_only_into_cells_the_epoch_
     second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
     _same(second, base)
     assert second.n_epochs == base.n_epochs == 0 and second.n_restored == 32 + 64 * copies
+
+
+def test_the_progress_bar_counts_each_token_once_decoded_or_restored(model, tmp_path, monkeypatch):
+    """The bar's total is the trie's tokens to feed; a token restored for a node not scored yet is
+    work done, a copy of a node scored already is not: the bar ends at its total, not past it."""
+    import tqdm
+
+    ends: list[tuple[int, int]] = []
+
+    class Seen(tqdm.tqdm):
+        def close(self):
+            ends.append((self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(tqdm, "tqdm", Seen)
+    reqs = [(HEADER + d + "Where? ", " home") for d in LONG_DOCS] + [(HEADER, " Yes")]
+    args = dict(n_threads=1, n_seq_max=4, flash_attn="on", n_ctx=232, progress=True)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    assert second.n_restored == 32 + 64 * 2  # the header's chunks, then two copies of it with a document's
+    assert [n for n, _ in ends] == [t for _, t in ends] and ends[0][1] == ends[1][1] > 0
