@@ -227,3 +227,33 @@ def test_choose_narrows_to_the_tests_that_ran_the_statement(tmp_path):
     fmap["spawned"] = ["t::child"]
     assert mutate("if i: n += 1", "if i: n -= 1") == every  # ran outside a test's call: every test
     assert mutate("def pick(n, items)", "def pick(n, items=())") == every  # the signature: the function's
+
+
+def test_run_puts_the_tests_that_killed_the_functions_mutants_first(tmp_path):
+    f = _focus()
+    work, fmap = _work(tmp_path, f, {"outer": ["t::a", "t::b", "t::c"], "get": ["t::a", "t::c"]})
+    (work / "focus.json").write_text(json.dumps(fmap))
+    src = work / "src" / "pkg" / "m.py"
+    run = [sys.executable, str(FOCUS), "run", str(work), "--", sys.executable, "-c"]
+    fake = "import sys; print(sys.argv[1:]); print('FAILED t::c - assert 1 == 2'); raise SystemExit(1)"
+
+    def once(old: str, new: str, script: str = fake) -> str:
+        src.write_text(MODULE.replace(old, new, 1))
+        r = subprocess.run([*run, script], capture_output=True, text=True)
+        return r.stdout.splitlines()[1]
+
+    assert once("return x * k", "return x / k") == "['t::a', 't::b', 't::c']"  # fastest first
+    assert once("return x * k", "return x + k") == "['t::c', 't::a', 't::b']"  # t::c killed outer's last
+    assert once("return 1", "return 2") == "['t::a', 't::c']"  # get's own record: none yet
+    passed = "import sys; print(sys.argv[1:])"
+    assert once("return x * k", "return x - k", passed) == "['t::c', 't::a', 't::b']"  # a survivor adds none
+    kills = json.loads((work / "focus-kills.json").read_text())
+    assert kills == {"outer in pkg/m.py": {"t::c": 2}, "get in pkg/m.py": {"t::c": 1}}
+
+
+def test_failed_is_the_whole_test_id_of_the_summary_line():
+    f = _focus()
+    out = "....F\nFAILED t::a[one two] - AssertionError: x\n1 failed, 4 passed in 1.0s\n"
+    assert f._failed(out, ["t::a", "t::a[one two]"]) == "t::a[one two]"  # a parameter with a blank
+    assert f._failed("ERROR t::b - fixture\n", ["t::a", "t::b"]) == "t::b"
+    assert f._failed("1 passed\n", ["t::a"]) is None

@@ -25,7 +25,9 @@ runs pytest with ``-x`` on the tests that executed a line of that statement, fas
 durations of the coverage pass); a line before the body (a decorator, a default) gets the
 function's tests. No changed line (cosmic-ray's baseline): every test. No test reaches the
 statement: it prints ``focus: no test executes ...`` and exits 0, a survivor whose reason the
-report names.
+report names. The tests that killed earlier mutants of the same function go first (most kills
+first; ``WORK/focus-kills.json``): a mutant is most often caught by the test that caught its
+neighbours, and a kill costs the tests run before it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import time
 from pathlib import Path
 
 MAP = "focus.json"
+KILLS = "focus-kills.json"  # per function, how many of its mutants each test killed
 NO_TEST = "focus: no test executes"
 
 
@@ -249,6 +252,17 @@ def choose(work: Path, fmap: dict) -> tuple[list[str] | None, str]:
     return None, "no line changed"
 
 
+def _failed(stdout: str, tests: list[str]) -> str | None:
+    """The test that failed (pytest's ``FAILED``/``ERROR`` summary line; -x stops at the first)."""
+    for line in stdout.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            rest = line.split(" ", 1)[1]
+            for t in tests:
+                if rest == t or rest.startswith(t + " "):
+                    return t
+    return None
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[0] == "map":
         work = Path(argv[1])
@@ -265,8 +279,21 @@ def main(argv: list[str]) -> int:
         elif not tests:
             print(f"{NO_TEST} {where}", flush=True)
             return 0
+        key = where.split(" of ", 1)[1] if " of " in where else ""  # "FUNCTION in MODULE"
+        kills_file = work / KILLS
+        kills = json.loads(kills_file.read_text()) if kills_file.exists() else {}
+        mine: dict[str, int] = kills.get(key, {})
+        tests = sorted(tests, key=lambda t: -mine.get(t, 0))  # the function's killers first, then fastest first
         print(f"focus: {len(tests)} of {len(fmap['every'])} tests for {where}", flush=True)
-        return subprocess.run([*pytest_args, *tests], cwd=work).returncode
+        r = subprocess.run([*pytest_args, *tests], cwd=work, capture_output=True, text=True)
+        sys.stdout.write(r.stdout)
+        sys.stderr.write(r.stderr)
+        failed = _failed(r.stdout, tests) if r.returncode != 0 and key else None
+        if failed is not None:
+            mine[failed] = mine.get(failed, 0) + 1
+            kills[key] = mine
+            kills_file.write_text(json.dumps(kills, indent=1))
+        return r.returncode
     sys.exit(__doc__)
 
 
