@@ -386,6 +386,26 @@ def test_the_bar_counts_every_request_scored_by_one_shared_row(model, monkeypatc
     assert res.n_outputs == 1 and said == ["3/3 requests"]
 
 
+def test_a_callers_own_decode_is_put_back_after_the_bar(model):
+    reqs = few_shot()[:4]
+    with model.context(n_ctx=256, n_seq_max=3, kv_unified=True, **T) as ctx:
+        real, calls = ctx.decode, []
+
+        def spy(batch, *a, **kw):
+            calls.append(len(batch))
+            return real(batch, *a, **kw)
+
+        ctx.decode = spy
+        res = pl.loglikelihood(ctx, reqs, progress=True)
+        assert ctx.decode is spy and len(calls) == res.n_decodes > 0  # the bar went through the spy, then left
+        del ctx.decode
+
+
+def test_an_empty_list_of_requests_scores_nothing(model):
+    res = pl.loglikelihood(model, [])
+    assert len(res) == 0 and res.n_requests == res.n_unique == res.n_decoded == 0
+
+
 EMPTY = ("", " Paris")
 
 

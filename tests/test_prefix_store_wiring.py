@@ -451,3 +451,20 @@ def test_the_progress_bar_counts_each_token_once_decoded_or_restored(model, tmp_
     second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
     assert second.n_restored == 32 + 64 * 2  # the header's chunks, then two copies of it with a document's
     assert [n for n, _ in ends] == [t for _, t in ends] and ends[0][1] == ends[1][1] > 0
+
+
+def test_a_run_with_other_questions_restores_the_shared_header_whole(model, tmp_path):
+    """The prefix store's main use: a header of 48 tokens (3 chunks), stored by one run, restored
+    by a run with other questions after it. The load ends where the header's node ends; the
+    questions are decoded, the numbers bit-identical."""
+    header = HEADER + "Grass is green. Fire is hot. Ice"
+    n = len(model.tokenize(header))
+    assert n == 3 * LL_CHUNK
+    args = dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=256)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, [(header + " Where? ", " home")], prefix_store=store, **args)
+    reqs = [(header + q, " home") for q in (" Who? ", " When? ")]
+    base = pl.loglikelihood(model, reqs, **args)
+    again = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(again, base)
+    assert again.n_restored == n and again.n_decoded == base.n_decoded - n and again.n_epochs == 0
