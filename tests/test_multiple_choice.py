@@ -79,6 +79,7 @@ int main(int argc, char **argv) {
         std::uniform_int_distribution<size_t> a(7, 7 + 4294967294ull), b(0, 4294967295ull), c(3, 10000000000ull);
         std::uniform_int_distribution<size_t> d(0, 3221225471ull);  // a quarter of the draws rejected
         std::uniform_int_distribution<size_t> e(0, 2147483648ull);  // 2^31 + 1: near half, any low word
+        std::uniform_int_distribution<size_t> f(0, 8589934589ull);  // 2^33 - 3: high words from [0, 1]
         for (int i = 0; i < 3; ++i) {  // one statement each: argument evaluation order is unspecified
             size_t x = a(rng);
             size_t y = b(rng);
@@ -87,6 +88,7 @@ int main(int argc, char **argv) {
         }
         for (int i = 0; i < 20; ++i) printf("%zu ", d(rng));
         for (int i = 0; i < 20; ++i) printf("%zu ", e(rng));
+        for (int i = 0; i < 20; ++i) printf("%zu ", f(rng));
         printf("\n");
     }
 }
@@ -120,6 +122,7 @@ def test_task_selection_is_libstdcxx(select_exe, n, k):
         ]
     mine += [R.uniform_int(rng, 0, 3221225471) for _ in range(20)]  # low words only k * 2^30
     mine += [R.uniform_int(rng, 0, 2147483648) for _ in range(20)]  # low words below the threshold rejected
+    mine += [R.uniform_int(rng, 0, 2**33 - 3) for _ in range(20)]  # upscaling: 2^33 - 3 // 2^32 is 1, not 2
     assert [int(v) for v in raw.split()] == mine
 
 
