@@ -971,3 +971,38 @@ def test_the_shipped_multiple_choice_file_is_built_from_text_into_the_cache(tmp_
     assert mc.sample_path("multiple-choice") == p and p.stat().st_mtime_ns == first  # written once
     assert len(mc.read_multiple_choice(p)) == 40
     assert not list((tmp_path / "data").glob(".*.tmp"))
+
+
+def _one_task(question: str, answers: list[str]) -> bytes:
+    """A multiple-choice file of one task, written by hand (the writer refuses these)."""
+
+    def string(s: str) -> bytes:
+        return struct.pack("<I", len(s.encode())) + s.encode()
+
+    labels = [1 if i == 0 else 0 for i in range(len(answers))]
+    mc1 = struct.pack("<I", len(answers)) + b"".join(map(string, answers)) + struct.pack(f"<{len(labels)}i", *labels)
+    return struct.pack("<II", 1, 8) + string(question) + mc1 + struct.pack("<I", 0)
+
+
+@pytest.mark.parametrize(
+    ("question", "answers", "said"),
+    [("", ["a", "b"], "an empty question and/or no answers \\(llama-perplexity: 'found bad task'\\)"),
+     ("Q?", [], "an empty question and/or no answers"),
+     ("Q?", ["a", ""], "an empty answer \\(llama-perplexity: 'found empty answer'\\)")],
+)  # fmt: skip
+def test_multiple_choice_refuses_what_llama_perplexity_calls_a_bad_task(model, question, answers, said):
+    raw = _one_task(question, answers)
+    assert mc.read_multiple_choice(raw)[0].answers == tuple(answers)  # the reader takes it; the mode refuses
+    with pytest.raises(ValueError, match=rf"^multiple-choice task 0 \(at byte 8\): {said}"):
+        mc.multiple_choice(model, raw, **T)
+
+
+def test_the_modes_refuse_settings_they_cannot_run(model):
+    for kw in ({"n_ctx": 0}, {"n_batch": -1}, {"n_parallel": 0}):
+        with pytest.raises(ValueError, match=r"n_ctx \(.*\), n_batch \(.*\) and n_parallel \(.*\) must be positive"):
+            mc.winogrande(model, WG, **kw, **T)
+    with model.context(n_ctx=256, n_seq_max=1, **T) as ctx:
+        with pytest.raises(ValueError, match="Winogrande needs 2 sequences per task; this Context has n_seq_max 1"):
+            mc.winogrande(ctx, WG)
+    with pytest.raises(ValueError, match="uniform_int: b 2 < a 3"):
+        R.uniform_int(R.MT19937(1), 3, 2)
