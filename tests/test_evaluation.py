@@ -396,7 +396,9 @@ def test_a_callers_own_decode_is_put_back_after_the_bar(model):
             return real(batch, *a, **kw)
 
         ctx.decode = spy
+        t0 = time.perf_counter()
         res = pl.loglikelihood(ctx, reqs, progress=True)
+        assert 0 < res.seconds <= time.perf_counter() - t0
         assert ctx.decode is spy and len(calls) == res.n_decodes > 0  # the bar went through the spy, then left
         del ctx.decode
 
