@@ -1220,3 +1220,23 @@ def test_the_parser_does_not_import_lm_eval():
     code = "import sys; from pyllamacpp.cli import build_parser; build_parser(); print('lm_eval' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_walk_refuses_a_path_longer_than_its_cells(model):
+    """loglikelihood checks every request against n_ctx before the walk; the walk's own guard says
+    what went wrong rather than looping, should a path ever reach it longer than its cells."""
+    from pyllamacpp.evaluation._engine import Loglikelihoods
+    from pyllamacpp.evaluation._trie import _build, _finish_nodes, _mark
+    from pyllamacpp.evaluation._walk import _Walk
+
+    seq = model.tokenize("The capital of France is Paris")
+    root, ends, leaves = _build([seq])
+    _mark([seq.size - 1], ends)
+    _finish_nodes(root)
+    with model.context(n_ctx=64, n_seq_max=2, kv_unified=True, **T) as ctx:
+        walk = _Walk(ctx, leaves, 1, 1, seq.size - 2, Loglikelihoods([None]))  # one cell short
+        with pytest.raises(AssertionError, match="a path does not fit in an empty epoch"):
+            walk.run()
+        ok = _Walk(ctx, leaves, 1, 1, seq.size - 1, Loglikelihoods([None]))
+        ok.run()
+        assert ok.n_scored > 0 and ok.stats.n_epochs == 0
