@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -257,3 +259,32 @@ def test_failed_is_the_whole_test_id_of_the_summary_line():
     assert f._failed(out, ["t::a", "t::a[one two]"]) == "t::a[one two]"  # a parameter with a blank
     assert f._failed("ERROR t::b - fixture\n", ["t::a", "t::b"]) == "t::b"
     assert f._failed("1 passed\n", ["t::a"]) is None
+
+
+def test_a_mutant_that_loops_ends_at_its_tests_limit(tmp_path):
+    f = _focus()
+    work, fmap = _work(tmp_path, f, {"get": ["tests/test_loop.py::test_get"]})
+    (work / "src" / "pkg" / "__init__.py").write_text("")
+    (work / "tests").mkdir()
+    (work / "tests" / "test_loop.py").write_text(
+        "from pkg import m\n\ndef test_get():\n    assert m.Box().get() == 1\n"
+    )
+    fmap.update(every=["tests/test_loop.py::test_get"], spawned=[], limit_base=2.0,
+                durations={"tests/test_loop.py::test_get": 0.1})  # fmt: skip
+    (work / "focus.json").write_text(json.dumps(fmap))
+    assert f.limits(fmap["durations"], fmap["every"], 2.0) == {"tests/test_loop.py::test_get": 2.0 + 0.5 + 0.1}
+    run = [sys.executable, str(FOCUS), "run", str(work), "--", sys.executable, "-m", "pytest", "-x", "-q",
+           "-p", "no:cacheprovider"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(work / "src")}
+    src = work / "src" / "pkg" / "m.py"
+    src.write_text(MODULE.replace("        return 1", "        while True:\n            pass"))
+    t0 = time.perf_counter()
+    r = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "focus: timed out: tests/test_loop.py::test_get ran past its limit of 3 s" in r.stdout
+    assert time.perf_counter() - t0 < 60
+    src.write_text(MODULE.replace("        return 1", "        return 2"))  # fails, does not loop
+    r = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "timed out" not in r.stdout and "FAILED tests/test_loop.py::test_get" in r.stdout
+    src.write_text(MODULE.replace("        return 1", "        return 1  # unchanged"))  # passes
+    r = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and "1 passed" in r.stdout

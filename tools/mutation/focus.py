@@ -25,7 +25,9 @@ runs pytest with ``-x`` on the tests that executed a line of that statement, fas
 durations of the coverage pass); a line before the body (a decorator, a default) gets the
 function's tests. No changed line (cosmic-ray's baseline): every test. No test reaches the
 statement: it prints ``focus: no test executes ...`` and exits 0, a survivor whose reason the
-report names. The tests that killed earlier mutants of the same function go first (most kills
+report names. Each test runs under a watchdog (the plugin, ``faulthandler``): a mutant that
+loops ends at its test's limit (``limits``), not at cosmic-ray's timeout for the whole run, and
+``focus: timed out:`` says which test. The tests that killed earlier mutants of the same function go first (most kills
 first; ``WORK/focus-kills.json``): a mutant is most often caught by the test that caught its
 neighbours, and a kill costs the tests run before it.
 """
@@ -44,6 +46,7 @@ from pathlib import Path
 MAP = "focus.json"
 KILLS = "focus-kills.json"  # per function, how many of its mutants each test killed
 NO_TEST = "focus: no test executes"
+TIMED_OUT = "focus: timed out:"
 
 
 # -- the pytest plugin of the coverage pass (loaded with -p focus) ------------------------------
@@ -74,29 +77,55 @@ def _wrap(owner, name: str, python_only: bool) -> None:
     setattr(owner, name, spy)
 
 
+_limits: dict[str, float] = {}  # run: each test's seconds before the watchdog ends the process
+
+
 def pytest_configure(config) -> None:  # noqa: ARG001 (pytest's hook signature)
     import multiprocessing.process
     import subprocess as sp
 
-    _wrap(sp.Popen, "__init__", python_only=True)  # Popen(self, args, ...)
-    _wrap(os, "fork", python_only=False)
-    _wrap(multiprocessing.process.BaseProcess, "start", python_only=False)
+    if os.environ.get("FOCUS_RECORD"):  # the coverage pass
+        _wrap(sp.Popen, "__init__", python_only=True)  # Popen(self, args, ...)
+        _wrap(os, "fork", python_only=False)
+        _wrap(multiprocessing.process.BaseProcess, "start", python_only=False)
+    if os.environ.get("FOCUS_LIMITS"):  # a mutant's run
+        _limits.update(json.loads(Path(os.environ["FOCUS_LIMITS"]).read_text()))
 
 
 def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001
     _current.append(item.nodeid)
+    limit = _limits.get(item.nodeid)
+    if limit:  # a mutant that loops: the process ends (exit 1) instead of waiting for cosmic-ray's timeout
+        import faulthandler
+
+        Path(os.environ["FOCUS_LIMITS"] + ".running").write_text(f"{item.nodeid}\n{limit:.0f}")
+        faulthandler.dump_traceback_later(limit, exit=True, file=sys.__stderr__)
 
 
 def pytest_runtest_logreport(report) -> None:
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
     if report.when == "teardown" and _current and _current[-1] == report.nodeid:
         _current.pop()
+        if _limits:
+            import faulthandler
+
+            faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_sessionfinish(session) -> None:  # noqa: ARG001
     out = os.environ.get("FOCUS_RECORD")
     if out:
         Path(out).write_text(json.dumps({"spawned": sorted(_spawned), "durations": _durations}))
+    if _limits:
+        Path(os.environ["FOCUS_LIMITS"] + ".running").unlink(missing_ok=True)
+
+
+def limits(durations: dict[str, float], tests: list[str], base: float = 20.0) -> dict[str, float]:
+    """Each test's limit in a mutant's run: ``base`` seconds, five times its time in the coverage
+    pass (which traces every line, so runs slower), and the slowest test's time again (a fixture
+    the coverage pass set up for another test may fall to this one in the new order)."""
+    slack = max(durations.values(), default=0.0)
+    return {t: base + 5.0 * durations.get(t, slack) + slack for t in tests}
 
 
 # -- map --------------------------------------------------------------------------------------
@@ -181,7 +210,7 @@ def build_map(work: Path, modules: list[str], tests: list[str]) -> dict:
                             "outside_lines": sorted(set(outside_lines))})  # fmt: skip
         functions[m] = entries
     out = {"modules": modules, "functions": functions, "every": every, "spawned": spawned,
-           "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+           "durations": durations, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
     (work / MAP).write_text(json.dumps(out, indent=1))
     cov_file.unlink(missing_ok=True)
     return out
@@ -285,9 +314,24 @@ def main(argv: list[str]) -> int:
         mine: dict[str, int] = kills.get(key, {})
         tests = sorted(tests, key=lambda t: -mine.get(t, 0))  # the function's killers first, then fastest first
         print(f"focus: {len(tests)} of {len(fmap['every'])} tests for {where}", flush=True)
-        r = subprocess.run([*pytest_args, *tests], cwd=work, capture_output=True, text=True)
+        env = dict(os.environ)
+        watch = work / "focus-limits.json"
+        if "durations" in fmap:  # a watchdog per test (the focus plugin), where the map has the times
+            watch.write_text(json.dumps(limits(fmap["durations"], tests, fmap.get("limit_base", 20.0))))
+            env["FOCUS_LIMITS"] = str(watch)
+            pp = env.get("PYTHONPATH", "")
+            env["PYTHONPATH"] = f"{pp}{os.pathsep}{Path(__file__).parent}" if pp else str(Path(__file__).parent)
+            pytest_args = [*pytest_args, "-p", "focus"]
+        running = Path(str(watch) + ".running")
+        running.unlink(missing_ok=True)
+        r = subprocess.run([*pytest_args, *tests], cwd=work, capture_output=True, text=True, env=env)
         sys.stdout.write(r.stdout)
         sys.stderr.write(r.stderr)
+        if r.returncode == 1 and running.exists():  # the watchdog ended it (a test failing ends the session)
+            test, limit = running.read_text().split("\n")
+            print(f"{TIMED_OUT} {test} ran past its limit of {limit} s", flush=True)
+            running.unlink()
+            return 1
         failed = _failed(r.stdout, tests) if r.returncode != 0 and key else None
         if failed is not None:
             mine[failed] = mine.get(failed, 0) + 1

@@ -39,6 +39,7 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_TEST = "focus: no test executes"  # what focus.py prints for a mutant whose statement no test runs
+TIMED_OUT = "focus: timed out:"  # and for a mutant whose test ran past its limit
 TARGETS = Path(__file__).with_name("targets.toml")
 
 SITECUSTOMIZE = """\
@@ -184,6 +185,9 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
         if _is_equivalent(named, line, op, where, diff):
             equiv += 1
             counts[2] += 1
+        elif (outcome or "").lower() == "killed" and TIMED_OUT in (output or ""):
+            timeouts += 1  # a test ran past its limit (focus.py's watchdog): a loop the tests stop
+            counts[0] += 1
         elif (outcome or "").lower() == "killed":
             killed += 1
             counts[0] += 1
