@@ -1006,3 +1006,35 @@ def test_the_modes_refuse_settings_they_cannot_run(model):
             mc.winogrande(ctx, WG)
     with pytest.raises(ValueError, match="uniform_int: b 2 < a 3"):
         R.uniform_int(R.MT19937(1), 3, 2)
+
+
+def test_logf_falls_back_past_libraries_that_do_not_load(monkeypatch):
+    import ctypes
+
+    real, tried = ctypes.CDLL, []
+
+    def first_fails(name, *a, **kw):
+        tried.append(name)
+        if len(tried) == 1:
+            raise OSError(f"{name}: cannot open shared object file")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(ctypes, "CDLL", first_fails)
+    f = F._load_logf()
+    assert len(tried) == 2 and f is not None and f(2.0) == pytest.approx(math.log(2.0), rel=1e-6)
+
+    def none_loads(name, *a, **kw):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", none_loads)
+    assert F._load_logf() is None
+    monkeypatch.setattr(F, "_logf_c", None)  # no C library: the double log, rounded to float
+    assert F.logf(np.float32(2.0)) == np.float32(math.log(2.0)) and F.logf(np.float32(0.0)) == -np.inf
+
+
+def test_the_tie_margin_covers_twice_a_float_sums_rounding_over_the_vocabulary():
+    # each token's log-probability is within about n_vocab * 2^-24 of the exact one, a mean of
+    # them too; two means move by twice that: the margin is no less, and not far more
+    for n_vocab in (1000, 32000, 151936):
+        bound = 2 * n_vocab * 2.0**-24
+        assert bound < F.tie_margin(n_vocab) < 1.2 * bound + 1e-3
