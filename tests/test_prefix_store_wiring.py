@@ -468,3 +468,18 @@ def test_a_run_with_other_questions_restores_the_shared_header_whole(model, tmp_
     again = pl.loglikelihood(model, reqs, prefix_store=store, **args)
     _same(again, base)
     assert again.n_restored == n and again.n_decoded == base.n_decoded - n and again.n_epochs == 0
+
+
+def test_a_stored_header_of_whole_chunks_stops_before_the_row_its_answers_need(model, tmp_path):
+    """The same below 257 tokens: a header of 48 (3 chunks) followed by one-token answers; the
+    store holds all 48, the rerun restores 32 and decodes the last chunk for its last row."""
+    header = HEADER + "Grass is green. Fire is hot. Ice"
+    assert len(model.tokenize(header)) == 3 * LL_CHUNK
+    reqs = [(header, " Yes"), (header, " No")]
+    args = dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=128)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(second, base)
+    assert second.n_restored == 2 * LL_CHUNK
