@@ -185,8 +185,8 @@ def _report(work: Path, name: str, target: dict, commit: str) -> dict:
         if _is_equivalent(named, line, op, where, diff):
             equiv += 1
             counts[2] += 1
-        elif (outcome or "").lower() == "killed" and TIMED_OUT in (output or ""):
-            timeouts += 1  # a test ran past its limit (focus.py's watchdog): a loop the tests stop
+        elif (outcome or "").lower() == "killed" and (TIMED_OUT in (output or "") or output == "timeout"):
+            timeouts += 1  # a test ran past its limit (focus.py's watchdog) or the run past --timeout: a loop
             counts[0] += 1
         elif (outcome or "").lower() == "killed":
             killed += 1
