@@ -1038,3 +1038,20 @@ def test_the_tie_margin_covers_twice_a_float_sums_rounding_over_the_vocabulary()
     for n_vocab in (1000, 32000, 151936):
         bound = 2 * n_vocab * 2.0**-24
         assert bound < F.tie_margin(n_vocab) < 1.2 * bound + 1e-3
+
+
+def test_multiple_choice_near_ties_are_summed_in_float(model, monkeypatch):
+    # the multiple-choice mode sums a near tie's log-probabilities in float (HellaSwag: in double)
+    fast = mc.multiple_choice(model, None, 5, **T)
+    margin = F.tie_margin(model.n_vocab)
+    assert not all(t.exact for t in fast.tasks)
+    monkeypatch.setattr(F, "tie_margin", lambda n_vocab: math.inf)  # every task in float arithmetic
+    slow = mc.multiple_choice(model, None, 5, **T)
+    assert all(t.exact for t in slow.tasks) and slow.report() == fast.report()
+    for a, b in zip(fast.tasks, slow.tasks):
+        assert all(float(np.float32(v)) == v for v in b.scores)  # float32 means
+        assert np.max(np.abs(np.array(a.scores) - b.scores)) < margin / 2
+    hs = mc.hellaswag(model, None, 2, **T)
+    assert not all(float(np.float32(v)) == v for t in hs.tasks for v in t.scores)  # sums in double there
+    said = rf"<MultipleChoiceResult hellaswag: {hs.n_correct}/2 = {100 * hs.n_correct / 2:.2f}%, "
+    assert re.fullmatch(said + rf"{hs.n_decodes} decodes of {hs.n_tokens} tokens in \d+\.\d s>", repr(hs)), repr(hs)
