@@ -1055,3 +1055,14 @@ def test_multiple_choice_near_ties_are_summed_in_float(model, monkeypatch):
     assert not all(float(np.float32(v)) == v for t in hs.tasks for v in t.scores)  # sums in double there
     said = rf"<MultipleChoiceResult hellaswag: {hs.n_correct}/2 = {100 * hs.n_correct / 2:.2f}%, "
     assert re.fullmatch(said + rf"{hs.n_decodes} decodes of {hs.n_tokens} tokens in \d+\.\d s>", repr(hs)), repr(hs)
+
+
+def test_the_readers_refuse_what_they_cannot_read():
+    with pytest.raises(
+        ValueError, match=r"mode must be one of \['hellaswag', 'multiple-choice', 'winogrande'\], not 'mmlu'"
+    ):
+        mc.sample_path("mmlu")
+    with pytest.raises(TypeError, match="expected a path, a str or bytes, not int"):
+        mc.read_multiple_choice(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^no tasks$"):
+        mc.write_multiple_choice([])
