@@ -1240,3 +1240,16 @@ def test_the_walk_refuses_a_path_longer_than_its_cells(model):
         ok = _Walk(ctx, leaves, 1, 1, seq.size - 1, Loglikelihoods([None]))
         ok.run()
         assert ok.n_scored > 0 and ok.stats.n_epochs == 0
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mamba"])
+def test_loglikelihood_refuses_a_memory_it_cannot_cut_back(tmp_path, arch):
+    """A sliding window or a recurrent state cannot be cut back to a shared prefix: refused, with
+    the reason, before any decode (made-up weights: pyllamacpp.testing.make_model)."""
+    from pyllamacpp.testing import make_model
+
+    kw = {"n_swa": 4, "n_head": 4, "n_head_kv": 2} if arch == "gemma2" else {}
+    path = make_model(tmp_path / f"{arch}.gguf", arch, n_layer=2, n_embd=64, n_vocab=64, **kw)
+    with pl.Model(path) as m:
+        with pytest.raises(ValueError, match="loglikelihood needs a plain KV cache: a sliding window or a recurrent"):
+            pl.loglikelihood(m, [(np.array([1, 2, 3]), np.array([4]))])
