@@ -368,7 +368,7 @@ def test_copies_of_cached_nodes_take_only_the_cells_the_epoch_has_spare(model, t
     assert second.n_epochs == base.n_epochs == 0 and second.n_restored == 2 * 64
 
 
-def test_a_copy_cut_short_by_a_corrupt_chunk_is_let_go(model, tmp_path):
+def test_a_copy_cut_short_by_a_corrupt_chunk_is_let_go(model, tmp_path, monkeypatch):
     """The lookup found a branch's chunks, but one fails its checksum when read: the load ends
     inside the header the cache holds, so the branch lets go of its partial copy and copies the
     header from the cache; the numbers stay bit-identical."""
@@ -384,11 +384,22 @@ def test_a_copy_cut_short_by_a_corrupt_chunk_is_let_go(model, tmp_path):
         raw = bytearray(f.path.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         f.path.write_bytes(bytes(raw))
+    from pyllamacpp.memory import Memory
+
+    calls: list[tuple[str, tuple]] = []
+    for name in ("seq_cp", "seq_rm"):
+        real = getattr(Memory, name)
+        monkeypatch.setattr(Memory, name, lambda self, *a, _n=name, _r=real: (calls.append((_n, a)), _r(self, *a))[1])
     second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
     _same(second, base)
     # the first branch restores 32 tokens and decodes the header's end; each other one finds its
     # 4 chunks by lookup but reads 2 before the corrupt one: 32 loaded, let go
     assert store.stats.corrupt == 3 and second.n_restored == 3 * 32
+    # a copy let go, as any branch cut, moves to the graveyard sequence (3: after the 3 slots) before
+    # it is cut, so that no cell is free again before the epoch ends
+    cuts = [i for i, (n, a) in enumerate(calls) if n == "seq_rm" and a[0] != 3]
+    assert len(cuts) >= 2, calls
+    assert all(calls[i - 1] == ("seq_cp", (calls[i][1][0], 3, *calls[i][1][1:])) for i in cuts), calls
 
 
 def test_a_stored_context_of_more_than_256_tokens_stops_before_its_last_row(model, tmp_path):
