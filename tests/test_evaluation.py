@@ -1253,3 +1253,21 @@ def test_loglikelihood_refuses_a_memory_it_cannot_cut_back(tmp_path, arch):
     with pl.Model(path) as m:
         with pytest.raises(ValueError, match="loglikelihood needs a plain KV cache: a sliding window or a recurrent"):
             pl.loglikelihood(m, [(np.array([1, 2, 3]), np.array([4]))])
+
+
+def test_a_result_says_what_it_is(model):
+    (r,) = pl.loglikelihood(model, [("The capital of France is", " Paris")], **T)
+    lp, greedy = r  # lm-eval's tuple
+    assert (lp, greedy) == (r.logprob, r.is_greedy)
+    assert repr(r) == (f"<Loglikelihood {r.logprob:.4f} over 1 token(s), 6 byte(s), is_greedy={r.is_greedy}>")
+
+
+def test_the_lm_eval_backend_takes_empty_lists_and_refuses_sizes_below_1(model):
+    pytest.importorskip("lm_eval")
+    from pyllamacpp.evaluation.lm_eval import PyllamacppLM
+
+    lm = PyllamacppLM(model=model, n_ctx=64, n_threads=1)
+    assert lm.loglikelihood([]) == lm.loglikelihood_rolling([]) == lm.generate_until([]) == []
+    for kw in ({"n_ctx": 0}, {"n_batch": 0}, {"n_seq_max": 0}):
+        with pytest.raises(ValueError, match=r"n_ctx \(.*\), n_batch \(.*\) and n_seq_max \(.*\) must be >= 1"):
+            PyllamacppLM(model=model, **{"n_ctx": 64, "n_threads": 1, **kw})
