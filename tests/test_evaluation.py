@@ -1271,3 +1271,15 @@ def test_the_lm_eval_backend_takes_empty_lists_and_refuses_sizes_below_1(model):
     for kw in ({"n_ctx": 0}, {"n_batch": 0}, {"n_seq_max": 0}):
         with pytest.raises(ValueError, match=r"n_ctx \(.*\), n_batch \(.*\) and n_seq_max \(.*\) must be >= 1"):
             PyllamacppLM(model=model, **{"n_ctx": 64, "n_threads": 1, **kw})
+
+
+def test_the_context_made_for_a_model_is_sized_to_the_work(model, reference):
+    """No more cells than the longest request feeds (its tokens less the last), and no more slots
+    than n_batch - 1 (llama.cpp keeps an output row per sequence, the graveyard's included)."""
+    (r,) = one = pl.loglikelihood(model, [("The capital of France is", " Paris")], **T)
+    assert one.n_ctx == r.n_context + r.n_tokens - 1
+    reqs, ref = reference
+    small = pl.loglikelihood(model, reqs[:4], n_batch=3, **T)
+    assert small.n_seq == 2
+    for a, (lps, _) in zip(small, ref):
+        assert np.array_equal(a.logprobs, lps)
