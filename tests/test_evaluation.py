@@ -1283,3 +1283,18 @@ def test_the_context_made_for_a_model_is_sized_to_the_work(model, reference):
     assert small.n_seq == 2
     for a, (lps, _) in zip(small, ref):
         assert np.array_equal(a.logprobs, lps)
+
+
+def test_a_leaf_is_given_a_slot_while_a_long_node_is_fed_over_several_batches(model):
+    """Three requests of 39 tokens to feed with nothing shared, in batches of 63 and two slots: the
+    first batch holds the first and 24 tokens of the second; as the second is still being fed, the
+    slot the first freed takes the third (the 15 cells the second still needs are counted, not all
+    its 39): 117 tokens in 2 decodes, one epoch, each request bit for bit as if alone (ubatches
+    under 64 rows: the kernels' sums do not change with the rows beside them)."""
+    texts = [" ".join([w] * 39) for w in ("red", "green", "blue")]
+    reqs = [(t, " end") for t in texts]
+    with model.context(n_ctx=512, n_batch=63, n_ubatch=63, n_seq_max=3, kv_unified=True, **T) as ctx:
+        res = pl.loglikelihood(ctx, reqs)
+    assert res.n_decoded == 117 and res.n_decodes == 2 and res.n_epochs == 0 and res.n_seq == 2
+    for r, (lps, _) in zip(res, alone(model, pairs_of(model, reqs))):
+        assert np.array_equal(r.logprobs, lps)
