@@ -152,6 +152,8 @@ def test_expf_is_glibcs_bit_for_bit():
             np.array([0.0, -0.0, -np.inf, -87.33654, -103.97207, -103.97208, -1e-45], np.float32),
             # the one float in [-103.97, 0] where r = z - kd without glibc's FMA rounds the result the other way
             np.array([float.fromhex("-0x1.f8cbb2p+5")], np.float32),
+            # and one where the product's split into halves matters (a split of other halves rounds r otherwise)
+            np.array([float.fromhex("-0x1.a420f4p+4")], np.float32),
         ]
     ).astype(np.float32)
     ref = np.array([f(float(v)) for v in x], np.float32)
