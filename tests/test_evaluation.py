@@ -1298,3 +1298,18 @@ def test_a_leaf_is_given_a_slot_while_a_long_node_is_fed_over_several_batches(mo
     assert res.n_decoded == 117 and res.n_decodes == 2 and res.n_epochs == 0 and res.n_seq == 2
     for r, (lps, _) in zip(res, alone(model, pairs_of(model, reqs))):
         assert np.array_equal(r.logprobs, lps)
+
+
+def test_a_leaf_goes_to_the_free_slot_that_holds_most_of_its_path(model, monkeypatch):
+    """A free slot that holds the header and question a leaf needs takes it, rather than the first
+    free slot copying them from it (llama_memory_seq_cp): the few-shot set with three slots copies
+    8 cells from slot to slot, not 24."""
+    from pyllamacpp.memory import Memory
+
+    copies: list[tuple[int, ...]] = []
+    real = Memory.seq_cp
+    monkeypatch.setattr(Memory, "seq_cp", lambda self, *a: (copies.append(a), real(self, *a))[1])
+    res = pl.loglikelihood(model, few_shot(), n_seq_max=3, **T)
+    grave = 3  # the graveyard sequence, after the 3 slots
+    between = [(src, dst, p0, p1) for src, dst, p0, p1 in copies if grave not in (src, dst)]
+    assert sum(p1 - p0 for _, _, p0, p1 in between) == 8 and res.n_decoded == 91
