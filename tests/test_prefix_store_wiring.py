@@ -494,3 +494,20 @@ def test_a_stored_header_of_whole_chunks_stops_before_the_row_its_answers_need(m
     second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
     _same(second, base)
     assert second.n_restored == 2 * LL_CHUNK
+
+
+def test_a_stored_leaf_whose_one_continuation_token_ends_it_is_restored_up_to_its_row(model, tmp_path):
+    """A leaf of 16 context tokens and one continuation token after a 48-token header: the store
+    holds its 4 chunks (64 tokens), the rerun restores the header's 3 and decodes the leaf's 16,
+    the last of which has the row that predicts the continuation."""
+    header = HEADER + "Grass is green. Fire is hot. Ice"
+    tail = " is cold and the wind blows over the hills where the sheep sleep at night now"
+    reqs = [(header + tail, " end"), (header + " was", " end")]
+    assert len(model.tokenize(header)) == 48 and len(model.tokenize(header + tail)) == 64
+    args = dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=256)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(second, base)
+    assert second.n_restored == 48
