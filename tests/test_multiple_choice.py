@@ -1069,3 +1069,9 @@ def test_the_readers_refuse_what_they_cannot_read():
         mc.read_multiple_choice(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="^no tasks$"):
         mc.write_multiple_choice([])
+
+
+def test_float_index_keeps_an_output_near_2_to_the_32_inside_the_tasks():
+    # rng() within 128 of 2**32 rounds to 2**32 in float: llama-perplexity's index would be n
+    for out, n, want in ((0xFFFFFFFF, 10, 9), (0xFFFFFF80, 7, 6), (0xFFFFFF7F, 7, 6), (0, 7, 0), (2**31, 10, 5)):
+        assert R.float_index(lambda out=out: out, n) == want
