@@ -1313,3 +1313,19 @@ def test_a_leaf_goes_to_the_free_slot_that_holds_most_of_its_path(model, monkeyp
     grave = 3  # the graveyard sequence, after the 3 slots
     between = [(src, dst, p0, p1) for src, dst, p0, p1 in copies if grave not in (src, dst)]
     assert sum(p1 - p0 for _, _, p0, p1 in between) == 8 and res.n_decoded == 91
+
+
+def test_a_context_of_two_unified_sequences_gives_one_slot_and_the_graveyard(model, reference, monkeypatch):
+    """n_seq_max 2 with kv_unified: one slot walks the trie and sequence 1 keeps the cells of the
+    branches it cuts (llama_memory_seq_cp there first), so no cell is free again in the epoch."""
+    from pyllamacpp.memory import Memory
+
+    copies: list[tuple[int, ...]] = []
+    real = Memory.seq_cp
+    monkeypatch.setattr(Memory, "seq_cp", lambda self, *a: (copies.append(a), real(self, *a))[1])
+    reqs, ref = reference
+    with model.context(n_ctx=512, n_batch=63, n_ubatch=63, n_seq_max=2, kv_unified=True, **T) as ctx:
+        res = pl.loglikelihood(ctx, reqs)
+    assert res.n_seq == 1 and copies and all(src == 0 and dst == 1 for src, dst, _, _ in copies)
+    for r, (lps, _) in zip(res, ref):
+        assert np.array_equal(r.logprobs, lps)
