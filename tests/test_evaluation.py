@@ -247,8 +247,10 @@ def test_bad_input_is_refused_before_any_decode(model):
     n = model.n_ctx_train
     with pytest.raises(ValueError, match=f"more than n_ctx_train={n}"):
         pl.loglikelihood(model, [(list(range(5, n + 6)), [7])])
-    with pytest.raises(ValueError, match=r"needs 9 tokens .* 1 more than n_ctx=8"):
-        pl.loglikelihood(model, [(list(range(5, 14)), [7])], n_ctx=8)
+    with pytest.raises(ValueError, match=r"request 0 needs 11 tokens in the cache \(9 of context, 3 of continuation, "
+                       r"less the last\), 3 more than n_ctx=8"):  # fmt: skip
+        pl.loglikelihood(model, [(list(range(5, 14)), [7, 8, 9])], n_ctx=8)
+    assert len(pl.loglikelihood(model, [(list(range(5, 13)), [7])], n_ctx=8, **T)) == 1  # 8 fit 8: no refusal
 
 
 def test_a_context_of_the_callers(model, reference):
@@ -1329,3 +1331,11 @@ def test_a_context_of_two_unified_sequences_gives_one_slot_and_the_graveyard(mod
     assert res.n_seq == 1 and copies and all(src == 0 and dst == 1 for src, dst, _, _ in copies)
     for r, (lps, _) in zip(res, ref):
         assert np.array_equal(r.logprobs, lps)
+
+
+def test_special_token_text_is_text_unless_parse_special(model):
+    eos = model.token_to_piece(model.eos, special=True)
+    text = f"Hello {eos} world"
+    (plain,) = pl.loglikelihood(model, [(text, " end")], **T)
+    (parsed,) = pl.loglikelihood(model, [(text, " end")], parse_special=True, **T)
+    assert eos and parsed.n_context < plain.n_context  # its text is several tokens, parsed one
