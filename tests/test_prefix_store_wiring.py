@@ -195,6 +195,17 @@ def _same(a, b):
         assert x.is_greedy == y.is_greedy and x.n_context == y.n_context
 
 
+def _rerun(model, tmp_path, reqs, **args):
+    """``reqs`` without a store, then twice with a new one (the first run stores, the second
+    restores): the second's results, checked bit for bit against the first."""
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(second, base)
+    return second, base
+
+
 @pytest.mark.parametrize(
     "kw",
     [{"flash_attn": "on"}, {"flash_attn": "on", "n_ctx": 64}, {"flash_attn": "off", "n_seq_max": 1}],
@@ -360,11 +371,7 @@ def test_copies_of_cached_nodes_take_only_the_cells_the_epoch_has_spare(model, t
     has spare cells for one copy only: the other branch copies the header from the cache."""
     reqs = [(HEADER + d + "Where? ", " home") for d in LONG_DOCS]
     args = dict(n_threads=1, n_seq_max=3, flash_attn="on", n_ctx=n_ctx)
-    base = pl.loglikelihood(model, reqs, **args)
-    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
-    pl.loglikelihood(model, reqs, prefix_store=store, **args)
-    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
-    _same(second, base)
+    second, base = _rerun(model, tmp_path, reqs, **args)
     assert second.n_epochs == base.n_epochs == 0 and second.n_restored == 2 * 64
 
 
@@ -416,11 +423,7 @@ def test_a_stored_context_of_more_than_256_tokens_stops_before_its_last_row(mode
     assert size > 256 and size % LL_CHUNK == 0
     reqs = [(text, " Yes"), (text, " No")]
     args = dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=512)
-    base = pl.loglikelihood(model, reqs, **args)
-    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
-    pl.loglikelihood(model, reqs, prefix_store=store, **args)
-    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
-    _same(second, base)
+    second, base = _rerun(model, tmp_path, reqs, **args)
     assert second.n_restored == size - LL_CHUNK
 
 
@@ -434,11 +437,7 @@ def test_a_branch_that_waits_for_the_header_copies_it_only_into_cells_the_epoch_
     the cells the epoch has left, less those the paths in flight will take, hold it."""
     reqs = [(HEADER + d + "Where? ", " home") for d in LONG_DOCS] + [(HEADER, " Yes")]
     args = dict(n_threads=1, n_seq_max=n_seq_max, flash_attn="on", n_ctx=n_ctx)
-    base = pl.loglikelihood(model, reqs, **args)
-    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
-    pl.loglikelihood(model, reqs, prefix_store=store, **args)
-    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
-    _same(second, base)
+    second, base = _rerun(model, tmp_path, reqs, **args)
     assert second.n_epochs == base.n_epochs == 0 and second.n_restored == 32 + 64 * copies
 
 
@@ -488,11 +487,7 @@ def test_a_stored_header_of_whole_chunks_stops_before_the_row_its_answers_need(m
     assert len(model.tokenize(header)) == 3 * LL_CHUNK
     reqs = [(header, " Yes"), (header, " No")]
     args = dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=128)
-    base = pl.loglikelihood(model, reqs, **args)
-    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
-    pl.loglikelihood(model, reqs, prefix_store=store, **args)
-    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
-    _same(second, base)
+    second, base = _rerun(model, tmp_path, reqs, **args)
     assert second.n_restored == 2 * LL_CHUNK
 
 
@@ -505,9 +500,5 @@ def test_a_stored_leaf_whose_one_continuation_token_ends_it_is_restored_up_to_it
     reqs = [(header + tail, " end"), (header + " was", " end")]
     assert len(model.tokenize(header)) == 48 and len(model.tokenize(header + tail)) == 64
     args = dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=256)
-    base = pl.loglikelihood(model, reqs, **args)
-    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
-    pl.loglikelihood(model, reqs, prefix_store=store, **args)
-    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
-    _same(second, base)
+    second, base = _rerun(model, tmp_path, reqs, **args)
     assert second.n_restored == 48
