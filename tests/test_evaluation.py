@@ -1247,13 +1247,15 @@ with model.context(n_ctx=64, n_seq_max=2, kv_unified=True, n_threads=1, n_thread
 """
 
 
-def test_the_walk_refuses_a_path_longer_than_its_cells(model_path):
+def test_the_walk_refuses_a_path_longer_than_its_cells(model_path, tmp_path):
     """loglikelihood checks every request against n_ctx before the walk; the walk's own guard says
     what went wrong rather than looping, should a path ever reach it longer than its cells. In a
     child with a time limit: a guard that regressed loops, and must not stop the whole run."""
     import subprocess
 
-    r = subprocess.run([sys.executable, "-c", WALK_GUARD, str(model_path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", WALK_GUARD, str(model_path)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr
     assert "refused: a path does not fit in an empty epoch\nfits: True\n" in r.stdout, r.stdout
 

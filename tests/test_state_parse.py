@@ -54,14 +54,14 @@ def seq_load(ctx, data: bytes, seq_id=0) -> int:
     return lib.llama_state_seq_set_data_ext(ctx, ffi.from_buffer(data), len(data), seq_id, 0)
 
 
-def test_import_needs_no_compiled_extension():
+def test_import_needs_no_compiled_extension(tmp_path):
     code = (
         "import sys; sys.modules['pyllamacpp._pyllamacpp'] = None\n"  # any import of it fails
         "import pyllamacpp.state as s\n"
         "assert 'pyllamacpp._lib' not in sys.modules\n"
         "try:\n    s.parse(b'\\x00' * 8)\nexcept s.StateFormatError as e:\n    print('OK', e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("OK at byte 0: magic")
 
