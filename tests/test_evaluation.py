@@ -1342,3 +1342,23 @@ def test_special_token_text_is_text_unless_parse_special(model):
     (plain,) = pl.loglikelihood(model, [(text, " end")], **T)
     (parsed,) = pl.loglikelihood(model, [(text, " end")], parse_special=True, **T)
     assert eos and parsed.n_context < plain.n_context  # its text is several tokens, parsed one
+
+
+def test_a_node_past_256_tokens_fed_over_several_batches_is_copied_to_the_slot_that_waited(model, monkeypatch):
+    """A header of 300 tokens, fed by slot 0 in batches of 63, while slot 1 waits for it: once it is
+    whole in the cache, slot 1 takes it with one ``llama_memory_seq_cp`` of [0, 300) and scores its
+    own ending bit for bit as alone. (Whether a node is whole compares two counts past 256: with
+    ``is``, which holds only for Python's small ints, slot 1 fed its ending with no header in its
+    sequence and its second token's log-probability moved from -7.91 to -8.58.)"""
+    from pyllamacpp.memory import Memory
+
+    copies: list[tuple[int, ...]] = []
+    real = Memory.seq_cp
+    monkeypatch.setattr(Memory, "seq_cp", lambda self, *a: (copies.append(a), real(self, *a))[1])
+    header = " ".join(["the quick brown fox jumps over the lazy dog."] * 30)
+    reqs = [(header, " yes"), (header, " no"), (header, " maybe so")]
+    with model.context(n_ctx=1024, n_batch=63, n_ubatch=63, n_seq_max=3, kv_unified=True, **T) as ctx:
+        res = pl.loglikelihood(ctx, reqs)
+    assert res[0].n_context == 300 and res.n_seq == 2 and (0, 1, 0, 300) in copies
+    for r, (lps, _) in zip(res, alone(model, pairs_of(model, reqs))):
+        assert np.array_equal(r.logprobs, lps)

@@ -441,17 +441,25 @@ def test_a_branch_that_waits_for_the_header_copies_it_only_into_cells_the_epoch_
     assert second.n_epochs == base.n_epochs == 0 and second.n_restored == 32 + 64 * copies
 
 
+SUN = " in the sun until the evening came"
+
+
 @pytest.mark.parametrize(
-    ("cat", "restored"), [("", 48), (" in the sun until the evening came", 48 + 64)], ids=["5-past", "16-past"]
+    ("cat", "n_seq_max", "restored"),
+    [("", 2, 48), (SUN, 2, 48 + 64), (SUN, 3, 48 + 64)],
+    ids=["5-past", "16-past", "16-past-third-slot"],
 )
 def test_a_branch_whose_first_two_nodes_are_cached_loads_a_copy_only_with_a_chunk_past_them(
-    model, tmp_path, cat, restored
+    model, tmp_path, cat, n_seq_max, restored
 ):
     """The header (39 tokens) then "Grass is green." (4 more) are two nodes, as a third request
     branches after the header. The dog's branch restores its 48 stored tokens and is still being fed
     (n_batch 8) when the slot of a one-token request takes the cat's branch: both its first nodes
     are whole in the cache, 43 tokens. It loads its own copy only where the store holds a chunk past
-    them: 64 tokens, not 48 (5 past them, and the cache has the 43 to copy)."""
+    them: 64 tokens, not 48 (5 past them, and the cache has the 43 to copy). With a third slot the
+    cat's branch starts at once in slot 2, above the dog's slot 1: its copy ends inside its third
+    node, and it holds both first nodes already (counting one fewer, it copied the second again
+    from slot 1 on top of its own cells, and its logits moved)."""
     grass = HEADER + "Grass is green. "
     reqs = [
         ("A", " b"),  # sorted first: its slot is free again after one decode
@@ -461,7 +469,7 @@ def test_a_branch_whose_first_two_nodes_are_cached_loads_a_copy_only_with_a_chun
     ]
     sizes = [len(model.tokenize(c)) for c, _ in reqs[1:3]]
     assert len(model.tokenize(HEADER + "Stones")) == 40 and sizes[0] == 59 and sizes[1] in (59, 66)
-    args = dict(n_threads=1, n_seq_max=2, n_batch=8, flash_attn="on", n_ctx=256)
+    args = dict(n_threads=1, n_seq_max=n_seq_max, n_batch=8, flash_attn="on", n_ctx=256)
     second, base = _rerun(model, tmp_path, reqs, **args)
     assert second.n_epochs == base.n_epochs == 0 and second.n_restored == restored
 
