@@ -410,6 +410,14 @@ def test_an_empty_list_of_requests_scores_nothing(model):
     assert len(res) == 0 and res.n_requests == res.n_unique == res.n_decoded == 0
 
 
+def test_the_settings_are_keyword_only(model):
+    # a third positional argument is refused, not read as n_ctx; the model and the requests may be named
+    with pytest.raises(TypeError, match="positional"):
+        pl.loglikelihood(model, [], 64)
+    res = pl.loglikelihood(model_or_ctx=model, requests=[])
+    assert len(res) == 0
+
+
 EMPTY = ("", " Paris")
 
 
