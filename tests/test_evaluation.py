@@ -1298,6 +1298,19 @@ def test_the_context_made_for_a_model_is_sized_to_the_work(model, reference):
         assert np.array_equal(a.logprobs, lps)
 
 
+def test_n_threads_sets_both_thread_counts_of_the_context_made(model, monkeypatch):
+    """n_threads gives the context it makes both n_threads and n_threads_batch; without it, the
+    context's defaults (neither is passed)."""
+    seen: list[dict] = []
+    real = type(model).context
+    monkeypatch.setattr(type(model), "context", lambda self, **kw: (seen.append(kw), real(self, **kw))[1])
+    req = [("The capital of France is", " Paris")]
+    pl.loglikelihood(model, req, n_threads=1)
+    pl.loglikelihood(model, req)
+    assert seen[0]["n_threads"] == seen[0]["n_threads_batch"] == 1
+    assert "n_threads" not in seen[1] and "n_threads_batch" not in seen[1]
+
+
 def test_a_leaf_is_given_a_slot_while_a_long_node_is_fed_over_several_batches(model):
     """Three requests of 39 tokens to feed with nothing shared, in batches of 63 and two slots: the
     first batch holds the first and 24 tokens of the second; as the second is still being fed, the
