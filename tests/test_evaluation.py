@@ -1311,6 +1311,21 @@ def test_n_threads_sets_both_thread_counts_of_the_context_made(model, monkeypatc
     assert "n_threads" not in seen[1] and "n_threads_batch" not in seen[1]
 
 
+def test_a_greedy_continuation_after_another_of_the_same_context_is_greedy(model):
+    """Two continuations of one context, " A" and the model's own greedy three tokens: both
+    first tokens come from the context's last row, the greedy one's as the second child scored
+    there (a lower token id sorts " A" first). Its is_greedy is True, as decoded alone (its first
+    token's flag compared with its last token passed every test)."""
+    ctx_text = "The capital of France is"
+    g = generate_alone(model, ctx_text, 3, [])
+    reqs = [(ctx_text, g), (ctx_text, " A")]
+    toks = [model.tokenize(c) for _, c in reqs]
+    assert len(toks[0]) == 3 and toks[0][0] != toks[0][-1] and toks[1][0] < toks[0][0]
+    res = pl.loglikelihood(model, reqs, **T)
+    ref = alone(model, pairs_of(model, reqs))
+    assert [r.is_greedy for r in res] == [bool(gr.all()) for _, gr in ref] == [True, False]
+
+
 def test_a_leaf_is_given_a_slot_while_a_long_node_is_fed_over_several_batches(model):
     """Three requests of 39 tokens to feed with nothing shared, in batches of 63 and two slots: the
     first batch holds the first and 24 tokens of the second; as the second is still being fed, the
