@@ -1037,6 +1037,7 @@ def test_the_modes_refuse_settings_they_cannot_run(model):
 
 def test_logf_falls_back_past_libraries_that_do_not_load(monkeypatch):
     import ctypes
+    import ctypes.util
 
     real, tried = ctypes.CDLL, []
 
@@ -1055,6 +1056,20 @@ def test_logf_falls_back_past_libraries_that_do_not_load(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", none_loads)
     assert F._load_logf() is None
+
+    # no libm found by name (find_library gives None): that name is skipped, the next ones tried
+    tried.clear()
+
+    def only_ucrtbase(name, *a, **kw):
+        tried.append(name)
+        if name != "ucrtbase":
+            raise OSError(f"{name}: cannot open shared object file")
+        return real("libm.so.6")
+
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setattr(ctypes, "CDLL", only_ucrtbase)
+    f = F._load_logf()
+    assert tried == ["libm.so.6", "ucrtbase"] and f is not None and f(2.0) == pytest.approx(math.log(2.0), rel=1e-6)
     monkeypatch.setattr(F, "_logf_c", None)  # no C library: the double log, rounded to float
     assert F.logf(np.float32(2.0)) == np.float32(math.log(2.0)) and F.logf(np.float32(0.0)) == -np.inf
 
