@@ -1341,6 +1341,21 @@ def test_a_leaf_is_given_a_slot_while_a_long_node_is_fed_over_several_batches(mo
         assert np.array_equal(r.logprobs, lps)
 
 
+@pytest.mark.parametrize(("n_ctx", "n_decodes", "n_epochs"), [(117, 2, 0), (116, 3, 1)])
+def test_a_leaf_waits_for_the_next_epoch_when_the_cells_owed_leave_no_room(model, n_ctx, n_decodes, n_epochs):
+    """As above, with the epoch's cells to the token: after the first batch (63 cells used, 15
+    owed to the second request), the third's 39 fit in 117 cells and start in the same epoch; in
+    116 they wait for the next one. Either way each token is decoded once (the cells owed
+    undercounted, the third started, ran out of cells one token short and was decoded again: 155)."""
+    texts = [" ".join([w] * 39) for w in ("red", "green", "blue")]
+    reqs = [(t, " end") for t in texts]
+    res = pl.loglikelihood(model, reqs, n_ctx=n_ctx, n_batch=63, n_seq_max=2, **T)
+    assert res.n_ctx == n_ctx and res.n_seq == 2
+    assert (res.n_decoded, res.n_decodes, res.n_epochs) == (117, n_decodes, n_epochs)
+    for r, (lps, _) in zip(res, alone(model, pairs_of(model, reqs))):
+        assert np.array_equal(r.logprobs, lps)
+
+
 def test_a_leaf_goes_to_the_free_slot_that_holds_most_of_its_path(model, monkeypatch):
     """A free slot that holds the header and question a leaf needs takes it, rather than the first
     free slot copying them from it (llama_memory_seq_cp): the few-shot set with three slots copies
