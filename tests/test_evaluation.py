@@ -1326,6 +1326,23 @@ def test_a_greedy_continuation_after_another_of_the_same_context_is_greedy(model
     assert [r.is_greedy for r in res] == [bool(gr.all()) for _, gr in ref] == [True, False]
 
 
+def test_a_continuation_past_256_tokens_is_scored_as_alone(model):
+    """A continuation of 300 tokens beside a short one: its node asks a row for each of its
+    tokens, bit for bit as alone (the node's row flags compared by size with ``is``, which holds
+    only for Python's small ints, were cleared and the request had no result)."""
+    cont = " " + " ".join(["the quick brown fox jumps over the lazy dog."] * 30)
+    reqs = [("Once upon a time", cont), ("Once upon a time", " there")]
+    res = pl.loglikelihood(model, reqs, **T)
+    assert res[0].n_tokens > 256
+    for r, (lps, _) in zip(res, alone(model, pairs_of(model, reqs))):
+        assert np.array_equal(r.logprobs, lps)
+
+
+def test_the_default_is_16_slots(model):
+    # n_seq_max's default, as the docstring says: 16 slots where there are as many leaves
+    assert pl.loglikelihood(model, few_shot(), **T).n_seq == 16
+
+
 def test_a_leaf_is_given_a_slot_while_a_long_node_is_fed_over_several_batches(model):
     """Three requests of 39 tokens to feed with nothing shared, in batches of 63 and two slots: the
     first batch holds the first and 24 tokens of the second; as the second is still being fed, the
