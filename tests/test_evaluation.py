@@ -1339,8 +1339,10 @@ def test_a_continuation_past_256_tokens_is_scored_as_alone(model):
 
 
 def test_the_default_is_16_slots(model):
-    # n_seq_max's default, as the docstring says: 16 slots where there are as many leaves
-    assert pl.loglikelihood(model, few_shot(), **T).n_seq == 16
+    # n_seq_max's default, as the docstring says: 16 slots for 20 leaves
+    reqs = [(f"{HEADER}Question: What is {i} plus {i}?\nAnswer:", f" {2 * i}") for i in range(20)]
+    res = pl.loglikelihood(model, reqs, **T)
+    assert res.n_unique == 20 and res.n_seq == 16
 
 
 def test_a_leaf_is_given_a_slot_while_a_long_node_is_fed_over_several_batches(model):
