@@ -783,6 +783,7 @@ def test_winogrande_selection_and_final_score(model):
         num, acc, rest = line.split("\t")
         assert (num, acc) == (str(i + 1), f"{100 * n / (i + 1):.4f}"), line
         assert rest.split() == [f"{t.scores[0]:.6f}", f"{t.scores[1]:.6f}", str(t.pred + 1), str(t.gold[0] + 1)]
+        assert t.correct == (t.pred == t.gold[0])
     assert 0 < n < 100
     assert r.stderr == pytest.approx(float(sigma) / 100, rel=1e-5)
     assert "Final" not in mc.winogrande(model, text, 99, **T).report()
@@ -1024,8 +1025,30 @@ def test_multiple_choice_refuses_what_llama_perplexity_calls_a_bad_task(model, q
         mc.multiple_choice(model, raw, **T)
 
 
+def test_the_modes_count_their_decodes_and_tokens(model, monkeypatch):
+    # n_decodes and n_tokens are the llama_decode calls made and the tokens in their batches
+    from pyllamacpp.context import Context
+
+    seen: list[int] = []
+    real = Context.decode
+    monkeypatch.setattr(
+        Context, "decode", lambda self, batch, *a, **kw: (seen.append(len(batch)), real(self, batch, *a, **kw))[1]
+    )
+    for run in (lambda: mc.winogrande(model, WG, **T), lambda: mc.hellaswag(model, None, 3, **T),
+                lambda: mc.multiple_choice(model, None, 3, **T)):  # fmt: skip
+        seen.clear()
+        r = run()
+        assert (r.n_decodes, r.n_tokens) == (len(seen), sum(seen)) and r.n_decodes > 0
+
+
+def test_the_modes_settings_are_keyword_only(model):
+    for mode in (mc.hellaswag, mc.winogrande, mc.multiple_choice):
+        with pytest.raises(TypeError, match="positional"):
+            mode(model, None, 1, 512)
+
+
 def test_the_modes_refuse_settings_they_cannot_run(model):
-    for kw in ({"n_ctx": 0}, {"n_batch": -1}, {"n_parallel": 0}):
+    for kw in ({"n_ctx": 0}, {"n_batch": 0}, {"n_batch": -1}, {"n_parallel": 0}):
         with pytest.raises(ValueError, match=r"n_ctx \(.*\), n_batch \(.*\) and n_parallel \(.*\) must be positive"):
             mc.winogrande(model, WG, **kw, **T)
     with model.context(n_ctx=256, n_seq_max=1, **T) as ctx:
