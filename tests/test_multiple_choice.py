@@ -789,6 +789,14 @@ def test_winogrande_selection_and_final_score(model):
     assert "Final" not in mc.winogrande(model, text, 99, **T).report()
 
 
+def test_winogrande_puts_up_to_128_tasks_in_a_batch(model):
+    # llama-perplexity's max_tasks_per_batch (128, two sequences each): with 256 sequences, 70 short
+    # tasks go in one decode (a cap of 130 sequences took two)
+    lines = [f"{i},{'AB'[i % 2]} met _ today.,{'xyzw'[i % 4]},{'pqrs'[i % 3]},{1 + i % 2}" for i in range(70)]
+    r = mc.winogrande(model, "\n".join(lines) + "\n\n", n_ctx=768, n_batch=768, n_parallel=256, **T)
+    assert len(r.tasks) == 70 and r.n_seq_max == 256 and r.n_decodes == 1
+
+
 def test_multiple_choice_scores_and_final_lines(model):
     r = mc.multiple_choice(model, None, **ON)
     tasks = mc.read_multiple_choice(mc.sample_path("multiple-choice"))
