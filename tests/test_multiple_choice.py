@@ -676,13 +676,16 @@ def test_batches_take_tasks_while_their_tokens_fit_n_ctx():
 def test_hellaswag_batches_hold_at_most_32_tasks(model):
     """llama-perplexity's max_tasks_per_batch: at most 4 * 32 sequences of a batch, however many
     the context has. With n_batch the tokens of the first 32 tasks, a batch of 32 tasks is one
-    decode: 40 tasks take 2 (32 + 8), where 33 or 34 tasks in the first would take 3."""
+    decode: 40 tasks take 2 (32 + 8), where 33 or 34 tasks in the first would take 3; the first 32
+    alone take 1 (a cap of 31 tasks took 2)."""
     n_tok = [t.n_tokens for t in mc.hellaswag(model, None, 40, **ON).tasks]
     n_batch = sum(n_tok[:32])
     assert sum(n_tok[:33]) <= 4096 and n_batch < sum(n_tok[:33])
     with model.context(n_ctx=4096, n_batch=n_batch, n_ubatch=512, n_seq_max=136, kv_unified=True, **T) as ctx:
         r = mc.hellaswag(ctx, None, 40)
+        r32 = mc.hellaswag(ctx, None, 32)
     assert r.n_seq_max == 136 and r.n_decodes == 2 and [t.n_tokens for t in r.tasks] == n_tok
+    assert r32.n_decodes == 1 and [t.n_tokens for t in r32.tasks] == n_tok[:32]
 
 
 def test_near_ties_are_decided_in_llama_perplexitys_float_arithmetic(model, monkeypatch):
@@ -807,6 +810,7 @@ def test_multiple_choice_scores_and_final_lines(model):
             ref = mean_after(model, ctx, [q.question + " " + a for a in q.answers])
             assert np.max(np.abs(np.array(t.scores) - ref)) < 2e-4 and t.pred == int(np.argmax(ref))
             assert t.correct == (q.labels[t.pred] == 1)
+            assert t.gold == tuple(k for k, v in enumerate(q.labels) if v == 1) and t.gold
     n = r.n_correct
     text = r.report()
     assert text.startswith("\ntask\tacc_norm\n1\t") and f"\n40\t{100 * n / 40:.8f}\n\n" in text
