@@ -658,6 +658,22 @@ def _preps(required, n_seqs=4):
     return [mc._Prep([np.zeros(1, np.int32)] * n_seqs, 0, r, f"task {i}") for i, r in enumerate(required)]
 
 
+@pytest.mark.parametrize(
+    ("n_base", "said"),
+    [
+        ((3, 9), "choice 1's first part tokenizes to 3 tokens"),
+        ((9, 12), "choice 2's first part tokenizes to 12 tokens"),
+    ],
+)
+def test_winogrande_refuses_a_choice_whose_first_part_would_index_outside_the_logits(n_base, said):
+    # token counts no tokenizer gave here (first + choice shorter than the shared tokens, or longer
+    # than its whole sentence), made by hand: refused with the choice named from 1, as the line says
+    seqs = [np.arange(10, dtype=np.int32), np.concatenate([np.arange(5), np.arange(20, 26)]).astype(np.int32)]
+    p = mc._Prep(seqs, 5, 16, "Winogrande task 0 (line 1)", n_base)
+    with pytest.raises(ValueError, match=rf"^Winogrande task 0 \(line 1\): {said}, against 5 shared"):
+        mc._winogrande_pairs(p)
+
+
 def test_batches_take_tasks_while_their_tokens_fit_n_ctx():
     """The packing loop of hellaswag_score and the others: the next task joins a batch while the
     tokens so far plus its own fit n_ctx (<=) and its sequences fit n_seq_max."""
