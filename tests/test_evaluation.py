@@ -386,6 +386,13 @@ def test_the_bar_counts_every_request_scored_by_one_shared_row(model, monkeypatc
     assert all(model.tokenize(x, False).size == 1 for _, x in reqs)
     res = pl.loglikelihood(model, reqs, progress=True, **T)
     assert res.n_outputs == 1 and said == ["3/3 requests"]
+    # continuations of 1 to 4 tokens, no two with the same first: each is reported as its node's
+    # last token is scored (a node of an even size reported at size ^ 1 passed every test)
+    said.clear()
+    reqs = [("The capital of France is", x) for x in (" Paris", " Berlin is", " a city in", " the city of Lyon")]
+    assert [model.tokenize(x, False).size for _, x in reqs] == [1, 2, 3, 4]
+    pl.loglikelihood(model, reqs, progress=True, **T)
+    assert said == ["4/4 requests"]
 
 
 def test_a_callers_own_decode_is_put_back_after_the_bar(model):

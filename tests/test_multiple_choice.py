@@ -687,6 +687,8 @@ def test_batches_take_tasks_while_their_tokens_fit_n_ctx():
     assert mc._groups(mixed, 100, 6, None) == [(0, 1), (1, 2), (2, 4)]
     with pytest.raises(ValueError, match="has 4 endings, more than the 3 sequences"):
         mc._groups(_preps([1]), 100, 3, 4)
+    # past 256 tasks (counts compared with `is` hold only for Python's small ints)
+    assert mc._groups(_preps([1] * 300), 100, 1000, 4) == [(0, 100), (100, 200), (200, 300)]
 
 
 def test_hellaswag_batches_hold_at_most_32_tasks(model):
