@@ -574,19 +574,21 @@ def test_hellaswag_scores_are_each_ending_decoded_alone(model):
 
 def test_hellaswag_report_is_llama_perplexitys_lines(model):
     seen: list[str] = []
-    r = mc.hellaswag(model, None, 4, on_text=seen.append, **T)
+    r = mc.hellaswag(model, None, 10, on_text=seen.append, **T)
     assert "".join(seen) == r.report() == r.text
     lines = r.report().split("\n")
     assert lines[:2] == ["", "task\tacc_norm\t95% confidence interval"] and lines[-2:] == ["", ""]
     n = 0
-    for i, (t, line) in enumerate(zip(r.tasks, lines[2:6])):
+    for i, (t, line) in enumerate(zip(r.tasks, lines[2:12])):
         n += t.correct
+        assert t.correct == (t.pred == t.gold[0])
         z = 1.95996398454**2 / (i + 1)
         freq = n / (i + 1)
         cnf = z * math.sqrt((i + 1) * (4 * freq * (1 - freq) + z)) / (2 * 1.95996398454)
         lo, hi = (freq + z / 2 - cnf) / (1 + z), (freq + z / 2 + cnf) / (1 + z)
         assert line == f"{i + 1}\t{100 * freq:.8f}%\t[{100 * lo:.4f}%, {100 * hi:.4f}%]"
-    assert r.accuracy == n / 4 and r.interval == pytest.approx((lo, hi), abs=1e-12)
+    assert 1 < n < 10  # the running accuracy moves (n ** (i + 1) for n / (i + 1) passed with 4 tasks, none right)
+    assert r.accuracy == n / 10 and r.interval == pytest.approx((lo, hi), abs=1e-12)
 
 
 def test_packing_and_pieces_of_n_batch_give_the_same_scores(model):
@@ -858,6 +860,9 @@ def test_refusals_before_any_decode(model):
     long = "Talking: " + "and then " * 150 + "she\n0\nstops.\nsings.\nwaits.\nleaves.\n"
     with pytest.raises(ValueError, match=r"HellaSwag task 0 \(line 1\) needs 312 tokens, 56 more than n_ctx 256"):
         mc.hellaswag(model, long, n_ctx=8, **T)  # 4 sequences of 8 cells, which llama.cpp pads to 256
+    longer = "Talking: " + "and then " * 300 + "she\n0\nstops.\nsings.\nwaits.\nleaves.\n"
+    with pytest.raises(ValueError, match=r"needs 612 tokens, 356 more than n_ctx 256"):  # past twice n_ctx
+        mc.hellaswag(model, longer, n_ctx=8, **T)
     with model.context(n_ctx=512, n_seq_max=4, **T) as ctx:  # not unified
         with pytest.raises(ValueError, match="without kv_unified"):
             mc.hellaswag(ctx, None, 1)
@@ -1081,6 +1086,8 @@ def test_the_modes_settings_are_keyword_only(model):
     for mode in (mc.hellaswag, mc.winogrande, mc.multiple_choice):
         with pytest.raises(TypeError, match="positional"):
             mode(model, None, 1, 512)
+    # n_ctx's default: 512 cells per sequence (-c), 4 sequences (513 passed every test)
+    assert [mode(model, None, 1, **T).n_ctx for mode in (mc.hellaswag, mc.winogrande, mc.multiple_choice)] == [2048] * 3
 
 
 def test_the_modes_refuse_settings_they_cannot_run(model):
