@@ -1305,6 +1305,21 @@ def test_the_context_made_for_a_model_is_sized_to_the_work(model, reference):
         assert np.array_equal(a.logprobs, lps)
 
 
+@pytest.fixture
+def copies(monkeypatch) -> list[tuple[int, ...]]:
+    """The (src, dst, p0, p1) of each llama_memory_seq_cp while the test runs."""
+    from pyllamacpp.memory import Memory
+
+    calls: list[tuple[int, ...]] = []
+    real = Memory.seq_cp
+    monkeypatch.setattr(Memory, "seq_cp", lambda self, *a: (calls.append(a), real(self, *a))[1])
+    return calls
+
+
+FOX = " ".join(["the quick brown fox jumps over the lazy dog."] * 30)  # 300 tokens
+THREE_39 = [(" ".join([w] * 39), " end") for w in ("red", "green", "blue")]  # 39 tokens each, nothing shared
+
+
 def test_n_threads_sets_both_thread_counts_of_the_context_made(model, monkeypatch):
     """n_threads gives the context it makes both n_threads and n_threads_batch; without it, the
     context's defaults (neither is passed)."""
@@ -1337,8 +1352,7 @@ def test_a_continuation_past_256_tokens_is_scored_as_alone(model):
     """A continuation of 300 tokens beside a short one: its node asks a row for each of its
     tokens, bit for bit as alone (the node's row flags compared by size with ``is``, which holds
     only for Python's small ints, were cleared and the request had no result)."""
-    cont = " " + " ".join(["the quick brown fox jumps over the lazy dog."] * 30)
-    reqs = [("Once upon a time", cont), ("Once upon a time", " there")]
+    reqs = [("Once upon a time", " " + FOX), ("Once upon a time", " there")]
     res = pl.loglikelihood(model, reqs, **T)
     assert res[0].n_tokens > 256
     for r, (lps, _) in zip(res, alone(model, pairs_of(model, reqs))):
@@ -1358,8 +1372,7 @@ def test_a_leaf_is_given_a_slot_while_a_long_node_is_fed_over_several_batches(mo
     slot the first freed takes the third (the 15 cells the second still needs are counted, not all
     its 39): 117 tokens in 2 decodes, one epoch, each request bit for bit as if alone (ubatches
     under 64 rows: the kernels' sums do not change with the rows beside them)."""
-    texts = [" ".join([w] * 39) for w in ("red", "green", "blue")]
-    reqs = [(t, " end") for t in texts]
+    reqs = THREE_39
     with model.context(n_ctx=512, n_batch=63, n_ubatch=63, n_seq_max=3, kv_unified=True, **T) as ctx:
         res = pl.loglikelihood(ctx, reqs)
     assert res.n_decoded == 117 and res.n_decodes == 2 and res.n_epochs == 0 and res.n_seq == 2
@@ -1373,8 +1386,7 @@ def test_a_leaf_waits_for_the_next_epoch_when_the_cells_owed_leave_no_room(model
     owed to the second request), the third's 39 fit in 117 cells and start in the same epoch; in
     116 they wait for the next one. Either way each token is decoded once (the cells owed
     undercounted, the third started, ran out of cells one token short and was decoded again: 155)."""
-    texts = [" ".join([w] * 39) for w in ("red", "green", "blue")]
-    reqs = [(t, " end") for t in texts]
+    reqs = THREE_39
     res = pl.loglikelihood(model, reqs, n_ctx=n_ctx, n_batch=63, n_seq_max=2, **T)
     assert res.n_ctx == n_ctx and res.n_seq == 2
     assert (res.n_decoded, res.n_decodes, res.n_epochs) == (117, n_decodes, n_epochs)
@@ -1382,29 +1394,19 @@ def test_a_leaf_waits_for_the_next_epoch_when_the_cells_owed_leave_no_room(model
         assert np.array_equal(r.logprobs, lps)
 
 
-def test_a_leaf_goes_to_the_free_slot_that_holds_most_of_its_path(model, monkeypatch):
+def test_a_leaf_goes_to_the_free_slot_that_holds_most_of_its_path(model, copies):
     """A free slot that holds the header and question a leaf needs takes it, rather than the first
     free slot copying them from it (llama_memory_seq_cp): the few-shot set with three slots copies
     8 cells from slot to slot, not 24."""
-    from pyllamacpp.memory import Memory
-
-    copies: list[tuple[int, ...]] = []
-    real = Memory.seq_cp
-    monkeypatch.setattr(Memory, "seq_cp", lambda self, *a: (copies.append(a), real(self, *a))[1])
     res = pl.loglikelihood(model, few_shot(), n_seq_max=3, **T)
     grave = 3  # the graveyard sequence, after the 3 slots
     between = [(src, dst, p0, p1) for src, dst, p0, p1 in copies if grave not in (src, dst)]
     assert sum(p1 - p0 for _, _, p0, p1 in between) == 8 and res.n_decoded == 91
 
 
-def test_a_context_of_two_unified_sequences_gives_one_slot_and_the_graveyard(model, reference, monkeypatch):
+def test_a_context_of_two_unified_sequences_gives_one_slot_and_the_graveyard(model, reference, copies):
     """n_seq_max 2 with kv_unified: one slot walks the trie and sequence 1 keeps the cells of the
     branches it cuts (llama_memory_seq_cp there first), so no cell is free again in the epoch."""
-    from pyllamacpp.memory import Memory
-
-    copies: list[tuple[int, ...]] = []
-    real = Memory.seq_cp
-    monkeypatch.setattr(Memory, "seq_cp", lambda self, *a: (copies.append(a), real(self, *a))[1])
     reqs, ref = reference
     with model.context(n_ctx=512, n_batch=63, n_ubatch=63, n_seq_max=2, kv_unified=True, **T) as ctx:
         res = pl.loglikelihood(ctx, reqs)
@@ -1421,19 +1423,13 @@ def test_special_token_text_is_text_unless_parse_special(model):
     assert eos and parsed.n_context < plain.n_context  # its text is several tokens, parsed one
 
 
-def test_a_node_past_256_tokens_fed_over_several_batches_is_copied_to_the_slot_that_waited(model, monkeypatch):
+def test_a_node_past_256_tokens_fed_over_several_batches_is_copied_to_the_slot_that_waited(model, copies):
     """A header of 300 tokens, fed by slot 0 in batches of 63, while slot 1 waits for it: once it is
     whole in the cache, slot 1 takes it with one ``llama_memory_seq_cp`` of [0, 300) and scores its
     own ending bit for bit as alone. (Whether a node is whole compares two counts past 256: with
     ``is``, which holds only for Python's small ints, slot 1 fed its ending with no header in its
     sequence and its second token's log-probability moved from -7.91 to -8.58.)"""
-    from pyllamacpp.memory import Memory
-
-    copies: list[tuple[int, ...]] = []
-    real = Memory.seq_cp
-    monkeypatch.setattr(Memory, "seq_cp", lambda self, *a: (copies.append(a), real(self, *a))[1])
-    header = " ".join(["the quick brown fox jumps over the lazy dog."] * 30)
-    reqs = [(header, " yes"), (header, " no"), (header, " maybe so")]
+    reqs = [(FOX, " yes"), (FOX, " no"), (FOX, " maybe so")]
     with model.context(n_ctx=1024, n_batch=63, n_ubatch=63, n_seq_max=3, kv_unified=True, **T) as ctx:
         res = pl.loglikelihood(ctx, reqs)
     assert res[0].n_context == 300 and res.n_seq == 2 and (0, 1, 0, 300) in copies

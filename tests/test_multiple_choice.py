@@ -1086,7 +1086,10 @@ def test_the_modes_settings_are_keyword_only(model):
     for mode in (mc.hellaswag, mc.winogrande, mc.multiple_choice):
         with pytest.raises(TypeError, match="positional"):
             mode(model, None, 1, 512)
-    # n_ctx's default: 512 cells per sequence (-c), 4 sequences (513 passed every test)
+
+
+def test_the_modes_default_n_ctx_is_512_per_sequence(model):
+    # 512 cells per sequence (-c), 4 sequences (513 passed every test)
     assert [mode(model, None, 1, **T).n_ctx for mode in (mc.hellaswag, mc.winogrande, mc.multiple_choice)] == [2048] * 3
 
 
