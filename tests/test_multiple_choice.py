@@ -882,6 +882,15 @@ def test_refusals_before_any_decode(model):
         mc.hellaswag(model, mc.sample_path("winogrande"), **T)
 
 
+def test_a_multiple_choice_file_given_as_a_str_with_a_newline_is_its_content(model):
+    """As the readers take it: a str with a newline is the file's content (its bytes decoded with
+    surrogateescape), not a path; without one it is a path."""
+    raw = mc.write_multiple_choice([mc.MultipleChoiceTask("Pick one\nof these:", ("a", "b"), (0, 1))])
+    text = raw.decode("utf-8", "surrogateescape")
+    assert "\n" in text
+    assert mc.multiple_choice(model, text, **T).report() == mc.multiple_choice(model, raw, **T).report()
+
+
 def test_the_package_names(model):
     ev = pl.evaluation
     assert ev.hellaswag is mc.hellaswag and ev.winogrande is mc.winogrande

@@ -711,7 +711,8 @@ def multiple_choice(
         model_or_ctx: A :class:`Model` or a :class:`Context` (as in :func:`hellaswag`; one
             sequence per answer, 128 per batch at most: a task with more answers than
             ``n_seq_max`` needs a larger ``n_parallel``).
-        data: The binary file (a path) or its bytes; None: the 40 questions shipped. One trailing
+        data: The binary file (a path) or its bytes (a str with a newline is its content, the bytes
+            decoded with ``surrogateescape``); None: the 40 questions shipped. One trailing
             newline byte is dropped, as ``-f``.
         n_tasks: Tasks to score (None: all; ``--multiple-choice-tasks 0`` there).
         n_ctx: ``-c`` (a Model only).
