@@ -1109,6 +1109,8 @@ def test_the_modes_refuse_settings_they_cannot_run(model):
     with model.context(n_ctx=256, n_seq_max=1, **T) as ctx:
         with pytest.raises(ValueError, match="Winogrande needs 2 sequences per task; this Context has n_seq_max 1"):
             mc.winogrande(ctx, WG)
+    with model.context(n_ctx=512, n_seq_max=2, kv_unified=True, **T) as ctx:  # 2 is enough (3 passed)
+        assert mc.winogrande(ctx, WG).n_seq_max == 2
     with pytest.raises(ValueError, match="uniform_int: b 2 < a 3"):
         R.uniform_int(R.MT19937(1), 3, 2)
 
