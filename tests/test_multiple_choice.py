@@ -860,6 +860,8 @@ def test_refusals_before_any_decode(model):
     long = "Talking: " + "and then " * 150 + "she\n0\nstops.\nsings.\nwaits.\nleaves.\n"
     with pytest.raises(ValueError, match=r"HellaSwag task 0 \(line 1\) needs 312 tokens, 56 more than n_ctx 256"):
         mc.hellaswag(model, long, n_ctx=8, **T)  # 4 sequences of 8 cells, which llama.cpp pads to 256
+    exact = "Talking: " + "and then " * 122 + "she\n0\nstops.\nsings.\nwaits.\nleaves.\n"
+    assert mc.hellaswag(model, exact, n_ctx=8, **T).tasks[0].n_tokens == 256  # exactly n_ctx fits (>= refused it)
     longer = "Talking: " + "and then " * 300 + "she\n0\nstops.\nsings.\nwaits.\nleaves.\n"
     with pytest.raises(ValueError, match=r"needs 612 tokens, 356 more than n_ctx 256"):  # past twice n_ctx
         mc.hellaswag(model, longer, n_ctx=8, **T)
