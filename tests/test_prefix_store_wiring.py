@@ -474,6 +474,25 @@ def test_a_branch_whose_first_two_nodes_are_cached_loads_a_copy_only_with_a_chun
     assert second.n_epochs == base.n_epochs == 0 and second.n_restored == restored
 
 
+def test_a_branch_whose_first_three_nodes_are_cached_measures_the_chunk_past_the_third(model, tmp_path):
+    """The same with three nodes whole in the cache: the header (39 tokens), "Grass is green." (to
+    43) and "Fire is hot." (to 47). The store holds the cat's branch up to 48, one token past the
+    third node: no copy is loaded, only the dog's 48 (measured from the second node's end, 43, the
+    copy was loaded: 96)."""
+    g3 = HEADER + "Grass is green. Fire is hot. "
+    reqs = [
+        ("A", " b"),
+        (g3 + "A dog ran in the park all day, and then slept. Where? ", " home"),
+        (g3 + "The cat sat on the mat all day, and then slept. Where? ", " home"),
+        (HEADER + "Grass is green. Ice is cold. Where? ", " home"),
+        (HEADER + "Stones are hard. Where? ", " home"),
+    ]
+    assert [len(model.tokenize(t)) for t in (HEADER + "Grass is green. Ice", g3 + "A", reqs[2][0])] == [44, 48, 63]
+    args = dict(n_threads=1, n_seq_max=2, n_batch=8, flash_attn="on", n_ctx=256)
+    second, base = _rerun(model, tmp_path, reqs, **args)
+    assert second.n_epochs == base.n_epochs == 0 and second.n_restored == 48
+
+
 def test_the_progress_bar_counts_each_token_once_decoded_or_restored(model, tmp_path, monkeypatch):
     """The bar's total is the trie's tokens to feed; a token restored for a node not scored yet is
     work done, a copy of a node scored already is not: the bar ends at its total, not past it."""
