@@ -493,6 +493,36 @@ def test_a_branch_whose_first_three_nodes_are_cached_measures_the_chunk_past_the
     assert second.n_epochs == base.n_epochs == 0 and second.n_restored == 48
 
 
+def test_a_slot_does_not_claim_the_node_its_load_ends_before(model, tmp_path):
+    """Ten requests (found by a differential run against the mutant this holds): slot 2 restores 64
+    tokens, the header and the numbers' node, up to the start of "Where? ", whose first token is
+    decoded for its row. That node is not slot 2's yet: slot 1, copying the 64 tokens, feeds it in
+    the same batch, 6 decodes. (Claimed by the load that holds nothing of it, slot 1 waited a
+    batch for it: 7.)"""
+    numbers = "Numbers come in order: one, two, three, four, five, six, seven, eight, nine and ten. "
+    dog = "A dog ran in the park today, chasing a red ball across the wet grass while children laughed. "
+    reqs = [
+        (HEADER + "Where? ", " Yes"),
+        ("The" + dog + " was", " No"),
+        (HEADER + numbers + "Where? ", " a cat"),
+        (HEADER + "The cat sat on the mat.  was", " Yes"),
+        ("TheThe cat sat on the mat. Who? ", " home"),
+        ("AThe cat sat on the mat. Where? ", " home"),
+        (HEADER + dog + " was", " a cat"),
+        (HEADER + numbers + "Where? ", " Yes"),
+        ("TheGrass is green.  was", " home"),
+        (HEADER + numbers + "When? ", " a cat"),
+    ]
+    assert len(model.tokenize(HEADER + numbers.rstrip())) == 4 * LL_CHUNK
+    args = dict(n_threads=1, n_seq_max=3, n_batch=16, flash_attn="on", n_ctx=256)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, [reqs[1], reqs[2]], prefix_store=store, **args)
+    again = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(again, base)
+    assert again.n_restored == 16 + 32 + 64 and again.n_decodes == 6
+
+
 def test_the_progress_bar_counts_each_token_once_decoded_or_restored(model, tmp_path, monkeypatch):
     """The bar's total is the trie's tokens to feed; a token restored for a node not scored yet is
     work done, a copy of a node scored already is not: the bar ends at its total, not past it."""
