@@ -253,6 +253,29 @@ def test_bad_input_is_refused_before_any_decode(model):
     assert len(pl.loglikelihood(model, [(list(range(5, 13)), [7])], n_ctx=8, **T)) == 1  # 8 fit 8: no refusal
 
 
+def test_a_model_that_does_not_say_its_n_ctx_train_takes_4096_cells_or_the_longest_request(tmp_path):
+    """A GGUF whose context_length is 0 (llama_model_n_ctx_train 0: it does not say): the cells
+    are capped at 4096 or the longest request, not at 0 (a cap of n_ctx_train 0 refused every
+    request)."""
+    import gguf
+
+    from pyllamacpp.testing import make_model
+
+    src = make_model(tmp_path / "tiny.gguf", "llama", n_layer=2, n_embd=64, n_head=4, n_vocab=64)
+    data = bytearray(src.read_bytes())
+    r = gguf.GGUFReader(src)
+    part = r.fields["llama.context_length"].parts[-1]
+    off = part.ctypes.data - r.data.ctypes.data
+    del r, part
+    data[off : off + 4] = bytes(4)
+    (tmp_path / "no-ctx.gguf").write_bytes(bytes(data))
+    with pl.Model(tmp_path / "no-ctx.gguf") as tiny:
+        assert tiny.n_ctx_train == 0
+        assert pl.loglikelihood(tiny, [([1, 2, 3], [4, 5])], **T).n_ctx == 4
+        long = pl.loglikelihood(tiny, [(list(range(3, 63)) * 80, [7])], **T)  # 4,800 tokens, past 4096
+        assert long.n_ctx == 4800 and np.isfinite(long[0].logprob)
+
+
 def test_a_context_of_the_callers(model, reference):
     reqs, ref = reference
     with model.context(n_ctx=512, n_batch=63, n_ubatch=63, n_seq_max=5, kv_unified=True, **T) as ctx:
