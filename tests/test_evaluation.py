@@ -418,6 +418,14 @@ def test_the_bar_counts_every_request_scored_by_one_shared_row(model, monkeypatc
     assert said == ["4/4 requests"]
 
 
+def test_the_bar_is_cleared_when_the_run_ends(model, capsys):
+    """The bar is drawn on stderr and wiped when the run ends: no line is left behind (leave=True
+    left its last state and a newline)."""
+    pl.loglikelihood(model, [("The capital of France is", " Paris")], progress=True, **T)
+    err = capsys.readouterr().err
+    assert "loglikelihood" in err and "\n" not in err and err.endswith("\r")
+
+
 def test_a_callers_own_decode_is_put_back_after_the_bar(model):
     reqs = few_shot()[:4]
     with model.context(n_ctx=256, n_seq_max=3, kv_unified=True, **T) as ctx:

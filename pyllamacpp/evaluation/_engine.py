@@ -247,8 +247,9 @@ def loglikelihood(
             context gets one more, the graveyard).
         n_threads: ``n_threads`` and ``n_threads_batch`` of the context made (default: the
             physical cores).
-        progress: A tqdm bar on stderr over the tokens to decode, the requests scored beside it
-            (None: for at least 100 requests or 2,048 tokens, when stderr is a terminal).
+        progress: A tqdm bar on stderr over the tokens to decode, the requests scored beside it,
+            wiped when the run ends (None: for at least 100 requests or 2,048 tokens, when stderr
+            is a terminal).
         parse_special: ``llama_tokenize``'s ``parse_special`` for text requests.
         prefix_store: A :class:`~pyllamacpp.prefix_store.PrefixStore`: the trie's first nodes
             (the requests' shared context prefixes) are loaded from it where it holds them, and
