@@ -783,7 +783,9 @@ def multiple_choice(
         for k, (num, den) in enumerate(((n_correct, n_done), (n_done, n_answers))):
             p32 = np.float32(num) / np.float32(den)
             with np.errstate(all="ignore"):
-                var = p32 * (np.float32(1) - p32) / np.float32(n_done - 1) if n_done > 1 else np.float32(F.NEG_NAN)
+                # one task divides by 0 as there: 0/0 for the final result (x86's -nan), the random
+                # chance's p (1 - p) > 0 over 0 is inf
+                var = p32 * (np.float32(1) - p32) / np.float32(n_done - 1)
                 sigma = np.float32(np.sqrt(var))
             head = "Final result" if k == 0 else "Random chance"
             p100, s100 = float(np.float32(100) * p32), float(np.float32(100) * sigma)
