@@ -834,6 +834,13 @@ def test_multiple_choice_puts_up_to_128_sequences_in_a_batch_and_takes_all_tasks
     assert [t.task for t in r.tasks] == [*range(33)]
 
 
+def test_only_a_label_of_1_is_a_right_answer(model):
+    # the labels are int32; llama-perplexity counts an answer right where its label == 1
+    raw = mc.write_multiple_choice([mc.MultipleChoiceTask("Pick one:", ("yes", "no", "maybe"), (2, 1, -1))])
+    t = mc.multiple_choice(model, raw, **T).tasks[0]
+    assert t.gold == (1,) and t.correct == (t.pred == 1)
+
+
 def test_multiple_choice_scores_and_final_lines(model):
     r = mc.multiple_choice(model, None, **ON)
     tasks = mc.read_multiple_choice(mc.sample_path("multiple-choice"))
