@@ -813,11 +813,12 @@ def test_winogrande_selection_and_final_score(model):
 
 
 def test_winogrande_puts_up_to_128_tasks_in_a_batch(model):
-    # llama-perplexity's max_tasks_per_batch (128, two sequences each): with 256 sequences, 70 short
-    # tasks go in one decode (a cap of 130 sequences took two)
-    lines = [f"{i},{'AB'[i % 2]} met _ today.,{'xyzw'[i % 4]},{'pqrs'[i % 3]},{1 + i % 2}" for i in range(70)]
-    r = mc.winogrande(model, "\n".join(lines) + "\n\n", n_ctx=768, n_batch=768, n_parallel=256, **T)
-    assert len(r.tasks) == 70 and r.n_seq_max == 256 and r.n_decodes == 1
+    # llama-perplexity's max_tasks_per_batch (128, two sequences each): with 256 sequences, 100 short
+    # tasks go in one decode (a cap of 130 sequences took two); their pieces are over 256, and each
+    # task's rows are found in them (a loop over the pieces that compared with 'is not' ran past them)
+    lines = [f"{i},{'AB'[i % 2]} met _ today.,{'xyzw'[i % 4]},{'pqrs'[i % 3]},{1 + i % 2}" for i in range(100)]
+    r = mc.winogrande(model, "\n".join(lines) + "\n\n", n_ctx=1024, n_batch=1024, n_parallel=256, **T)
+    assert len(r.tasks) == 100 and r.n_seq_max == 256 and r.n_decodes == 1
 
 
 def test_multiple_choice_puts_up_to_128_sequences_in_a_batch_and_takes_all_tasks_past_the_count(model):
