@@ -676,6 +676,16 @@ def test_winogrande_refuses_a_choice_whose_first_part_would_index_outside_the_lo
         mc._winogrande_pairs(p)
 
 
+def test_winogrande_picks_the_second_choice_on_a_tie():
+    # llama-perplexity: 'score_1st > score_2nd ? 1 : 2'. No two choices a tokenizer gives score the
+    # same, so by hand: both choices' last three tokens read from the same logits
+    seqs = [np.arange(10, dtype=np.int32), np.concatenate([np.arange(5), [20], np.arange(6, 10)]).astype(np.int32)]
+    p = mc._Prep(seqs, 5, 16, "Winogrande task 0 (line 1)", (6, 6))
+    rows = np.tile(np.random.default_rng(0).standard_normal(32, dtype=np.float32), (9, 1))
+    (s1, s2), pred = mc._winogrande_scores(p, rows)
+    assert s1 == s2 and np.isfinite(s1) and pred == 1
+
+
 def test_batches_take_tasks_while_their_tokens_fit_n_ctx():
     """The packing loop of hellaswag_score and the others: the next task joins a batch while the
     tokens so far plus its own fit n_ctx (<=) and its sequences fit n_seq_max."""
@@ -1129,7 +1139,7 @@ def test_the_modes_default_n_ctx_is_512_per_sequence(model):
 
 
 def test_the_modes_refuse_settings_they_cannot_run(model):
-    for kw in ({"n_ctx": 0}, {"n_batch": 0}, {"n_batch": -1}, {"n_parallel": 0}):
+    for kw in ({"n_ctx": 0}, {"n_ctx": -1}, {"n_batch": 0}, {"n_batch": -1}, {"n_parallel": 0}, {"n_parallel": -1}):
         with pytest.raises(ValueError, match=r"n_ctx \(.*\), n_batch \(.*\) and n_parallel \(.*\) must be positive"):
             mc.winogrande(model, WG, **kw, **T)
     with model.context(n_ctx=256, n_seq_max=1, **T) as ctx:
