@@ -523,6 +523,16 @@ def test_a_slot_does_not_claim_the_node_its_load_ends_before(model, tmp_path):
     assert again.n_restored == 16 + 32 + 64 and again.n_decodes == 6
 
 
+def test_a_path_of_exactly_one_chunk_is_stored(model, tmp_path):
+    """A node fed whole stores its path's whole chunks: 15 tokens to feed store none, 16 one (the
+    first chunk ends at the node's end; a store that skipped an end of exactly one chunk lost it),
+    32 two."""
+    for n, chunks in [(15, 0), (16, 1), (32, 2)]:
+        store = PrefixStore(tmp_path / f"store{n}", chunk_size=LL_CHUNK)
+        res = pl.loglikelihood(model, [(list(range(100, 100 + n)), [200])], prefix_store=store, n_threads=1)
+        assert res.n_decoded == n and len(list(store.backend.chunks())) == chunks
+
+
 def test_the_progress_bar_counts_each_token_once_decoded_or_restored(model, tmp_path, monkeypatch):
     """The bar's total is the trie's tokens to feed; a token restored for a node not scored yet is
     work done, a copy of a node scored already is not: the bar ends at its total, not past it."""
