@@ -686,6 +686,18 @@ def test_winogrande_picks_the_second_choice_on_a_tie():
     assert s1 == s2 and np.isfinite(s1) and pred == 1
 
 
+def test_two_endings_within_the_tie_margin_are_scored_in_llama_perplexitys_arithmetic():
+    # the fast float64 means decide only with a clear winner; two endings that tie (by hand: every
+    # logit 0) go through llama-perplexity's float arithmetic, exact, the first one picked (a check
+    # of the margin skipped below three endings passed every test)
+    seqs = [np.array([1, 2, 3, 4, 5], np.int32), np.array([1, 2, 3, 6, 7], np.int32)]
+    p = mc._Prep(seqs, 3, 10, "task 0")
+    rows = np.zeros((3, 32), np.float32)
+    for in_float in (True, False):
+        (s1, s2), pred, exact = mc._mean_scores(p, rows, 1, F.tie_margin(32), in_float)
+        assert s1 == s2 == pytest.approx(-np.log(32)) and pred == 0 and exact
+
+
 def test_batches_take_tasks_while_their_tokens_fit_n_ctx():
     """The packing loop of hellaswag_score and the others: the next task joins a batch while the
     tokens so far plus its own fit n_ctx (<=) and its sequences fit n_seq_max."""
