@@ -751,8 +751,10 @@ WG = (
     "1,The cat chased the _.,dog,mouse,2\n"
     "2,Anna thanked Maria because _ had helped her move the heavy boxes upstairs.,Anna,Maria,2\n"
     "3,The cat chased the _ away.,dog,mouse,2\n"  # 3 tokens after the shared part: not skipped either
-    "4,The cat chased the _ away.,dog,big mouse,2\n"  # 3 after it in the first, 4 in the second: not skipped
-    "5,The cat chased the _ away.,big dog,mouse,1\n\n"  # and 4, 3
+    # 3 after it in the first, 4 in the second: not skipped (the shared part is 5 tokens, the longer
+    # sentence 9: the counts compared with ^ for -, 8 ^ 5 = 13, skipped it)
+    "4,The old cat chased the _ away.,dog,big mouse,2\n"
+    "5,The old cat chased the _ away.,big dog,mouse,1\n\n"  # and 4, 3
 )
 
 
@@ -769,7 +771,7 @@ def test_winogrande_partial_scores_as_winogrande_score(model):
             lps = [alone_logprobs(model, ctx, s) for s in seqs]
             skip = all(len(s) - cp > 3 for s in seqs)
             if t.task in (4, 5):  # the edge of llama-perplexity's k_min_trailing_ctx (3) in one choice only
-                assert [len(s) - cp for s in seqs] == ([3, 4] if t.task == 4 else [4, 3])
+                assert [len(s) - cp for s in seqs] == ([3, 4] if t.task == 4 else [4, 3]) and cp == 5
             ref = []
             for k, (s, lp) in enumerate(zip(seqs, lps)):
                 nb = n_base[k] if skip else cp
