@@ -1145,6 +1145,8 @@ def test_the_modes_settings_are_keyword_only(model):
     for mode in (mc.hellaswag, mc.winogrande, mc.multiple_choice):
         with pytest.raises(TypeError, match="positional"):
             mode(model, None, 1, 512)
+        # the data and the task count by keyword too (a '/' for the '*' made them positional-only)
+        assert len(mode(model_or_ctx=model, data=None, n_tasks=1, **T).tasks) == 1
 
 
 def test_the_modes_default_n_ctx_is_512_per_sequence(model):
