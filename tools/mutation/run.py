@@ -19,6 +19,10 @@ several mutants, ``to``: text of the mutated line; or ``function`` instead of ``
 survives the module being split) with the reason, and the report
 counts the kill rate over the others.
 
+A run goes on only at the commit it began (``--resume``; ``--rerun-survivors`` with HEAD's tests).
+After an edit of a target's module, start it afresh: the kills of the last run whose mutant and
+code are unchanged carry over (``carry.py``), and the rest runs against HEAD.
+
 Needs ``pip install cosmic-ray`` (not a test dependency: too slow for CI on 2 cores).
 """
 
@@ -105,7 +109,10 @@ def _refresh_tests(work: Path, target: dict) -> None:
     for m in target["modules"]:
         now = subprocess.run(["git", "-C", str(ROOT), "show", f"HEAD:{m}"], capture_output=True).stdout
         if now != (work / "src" / m).read_bytes():
-            sys.exit(f"{m} changed since the run at {(work / 'COMMIT').read_text()[:10]}: run the target afresh")
+            sys.exit(
+                f"{m} changed since the run at {(work / 'COMMIT').read_text()[:10]}: run the target afresh "
+                "(the kills of code unchanged since carry over)"
+            )
     shutil.rmtree(work / "tests")
     (work / "TESTS_COMMIT").write_text(_extract(work, "tests"))
 
@@ -254,6 +261,12 @@ def main() -> int:
         "--rerun-survivors", action="store_true", help="run the last run's survivors again against HEAD's tests"
     )
     ap.add_argument(
+        "--no-carry",
+        action="store_true",
+        help="start afresh without the last run's kills (default: its kills of code unchanged since carry "
+        "over, tools/mutation/carry.py)",
+    )
+    ap.add_argument(
         "--no-focus",
         action="store_true",
         help="run every test of the target against each mutant (default: only the "
@@ -297,6 +310,13 @@ def main() -> int:
             print(f"{args.target}: {len(again)} survivors to run again against the tests of HEAD "
                   f"({len(survivors) - len(again)} named equivalent, not run)", flush=True)  # fmt: skip
         elif not (args.resume and session.exists()):
+            import carry  # beside this file
+
+            prev = None  # the last run's kills, carried into this one where their code is unchanged
+            if not args.no_carry and session.exists() and (work / "COMMIT").exists():
+                was = (work / "COMMIT").read_text().strip()
+                texts = {m: _git("show", f"{was}:{m}").decode() for m in target["modules"]}
+                prev = (was, carry.old_results(session), texts)
             commit = _copy_tree(work)
             (work / "COMMIT").write_text(commit)
             cfg = _config(work, target, args.timeout, not args.no_focus)
@@ -310,6 +330,12 @@ def main() -> int:
             select = [sys.executable, str(here / "select_mutants.py"), str(session), "--sample", str(sample),
                       "--seed", str(args.seed), "--functions", ",".join(target.get("functions", []))]  # fmt: skip
             subprocess.run(select, check=True, cwd=work)
+            if prev is not None:
+                now = {m: (work / "src" / m).read_text() for m in target["modules"]}
+                n = carry.carry(prev[1], prev[2], session, now)
+                (work / "CARRIED").write_text(f"{n} {prev[0]}")
+                print(f"{args.target}: {n} of the {len(prev[1])} kills of the run at {prev[0][:10]} carried "
+                      "(the same mutants of unchanged code)", flush=True)  # fmt: skip
             subprocess.run(["cosmic-ray", "baseline", str(cfg)], check=True, cwd=work)
         elif (
             not args.no_focus
@@ -320,6 +346,9 @@ def main() -> int:
         subprocess.run(["cosmic-ray", "exec", str(cfg), str(session)], check=True, cwd=work)
         print(f"{args.target}: {time.perf_counter() - t0:.0f} s", flush=True)
     commit = (work / "COMMIT").read_text() if (work / "COMMIT").exists() else "?"
+    if (work / "CARRIED").exists():  # kills of an earlier run's same mutants of unchanged code
+        n, was = (work / "CARRIED").read_text().split()
+        commit += f", {n} kills carried from the run at {was[:10]}"
     if (work / "TESTS_COMMIT").exists():  # survivors run again against later tests
         commit += f", survivors against the tests of {(work / 'TESTS_COMMIT').read_text()[:10]}"
     out = _report(work, args.target, target, commit)

@@ -1,0 +1,143 @@
+"""tools/mutation/carry.py: a new run carries the last run's kills of the same mutants of unchanged code.
+
+The sessions are cosmic-ray's sqlite files, written here by hand (cosmic-ray is not a test
+dependency): the tables and columns ``carry`` reads and writes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CARRY = REPO / "tools" / "mutation" / "carry.py"
+pytestmark = pytest.mark.skipif(not CARRY.exists(), reason="tools/ is not in an installed package")
+
+REL = "pyllamacpp/mod.py"
+OLD = '''"""Mod."""
+
+
+def a(x):
+    """Doc a."""
+    return x + 1
+
+
+def b(x):
+    y = x * 2
+    return y if x > 0 else x - 1
+
+
+def c(x):
+    y = x - 3
+    return y - 3
+'''
+# a function above them all (every line moves), a's docstring edited (its code is the same), b's
+# comparison changed (all its mutants run again, those of its unchanged line too), c as it was
+NEW = '''"""Mod."""
+
+
+def first(x):
+    return x + 10
+
+
+def a(x):
+    """Doc a, longer now,
+    over two lines."""
+    return x + 1
+
+
+def b(x):
+    y = x * 2
+    return y if x > 1 else x - 1
+
+
+def c(x):
+    y = x - 3
+    return y - 3
+'''
+
+SCHEMA = """
+CREATE TABLE work_items (job_id VARCHAR NOT NULL, PRIMARY KEY (job_id));
+CREATE TABLE mutation_specs (module_path VARCHAR, operator_name VARCHAR, operator_args JSON, occurrence INTEGER,
+    start_pos_row INTEGER, start_pos_col INTEGER, end_pos_row INTEGER, end_pos_col INTEGER, definition_name VARCHAR,
+    job_id VARCHAR NOT NULL, PRIMARY KEY (job_id));
+CREATE TABLE work_results (worker_outcome VARCHAR(9), output TEXT, test_outcome VARCHAR(11), diff TEXT,
+    job_id VARCHAR NOT NULL, PRIMARY KEY (job_id));
+"""
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("carry", CARRY)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _at(text: str, line: str, span: str, nth: int = 0) -> tuple[int, int, int, int]:
+    """The (row, col, row, col) of ``span`` in the ``nth`` line of ``text`` that equals ``line`` stripped."""
+    rows = [i for i, ln in enumerate(text.splitlines(), 1) if ln.strip() == line]
+    r = rows[nth]
+    c = text.splitlines()[r - 1].index(span)
+    return r, c, r, c + len(span)
+
+
+# (job, operator, occurrence, line, span, nth line): the mutants of both runs, by their text
+MUTANTS = [
+    ("a+", "core/ReplaceBinaryOperator_Add_Sub", 0, "return x + 1", "+", 0),
+    ("b*", "core/ReplaceBinaryOperator_Mul_Add", 0, "y = x * 2", "*", 0),  # its line is the same, not b
+    ("c-", "core/ReplaceBinaryOperator_Sub_Add", 1, "y = x - 3", "-", 0),
+    ("c3+", "core/NumberReplacer", 2, "y = x - 3", "3", 0),  # one number, two mutants (3 + 1, 3 - 1)
+    ("c3-", "core/NumberReplacer", 3, "y = x - 3", "3", 0),
+    ("cy", "core/ReplaceBinaryOperator_Sub_Add", 2, "return y - 3", "-", 0),
+]
+
+
+def _session(path: Path, text: str, rows, results: dict[str, str]) -> None:
+    db = sqlite3.connect(path)
+    db.executescript(SCHEMA)
+    for job, op, occ, line, span, nth in rows:
+        r0, c0, r1, c1 = _at(text, line, span, nth)
+        db.execute("INSERT INTO work_items VALUES (?)", (job,))
+        db.execute(
+            "INSERT INTO mutation_specs VALUES (?, ?, '{}', ?, ?, ?, ?, ?, 'f', ?)",
+            (f"/w/src/{REL}", op, occ, r0, c0, r1, c1, job),
+        )
+    for job, outcome in results.items():
+        db.execute("INSERT INTO work_results VALUES ('NORMAL', ?, ?, 'diff', ?)", (f"out {job}", outcome, job))
+    db.commit()
+    db.close()
+
+
+def test_kills_of_unchanged_code_carry_at_their_new_places_and_nothing_else(tmp_path):
+    carry = _load()
+    old, new = tmp_path / "old.sqlite", tmp_path / "new.sqlite"
+    # the old run: five kills and one survivor (survivors run again: not carried)
+    _session(old, OLD, MUTANTS, {"a+": "KILLED", "b*": "KILLED", "c-": "KILLED", "c3+": "KILLED", "c3-": "KILLED",
+                                 "cy": "SURVIVED"})  # fmt: skip
+    fresh = [(f"new-{j}", *rest) for j, *rest in MUTANTS]
+    fresh.append(("new-first", "core/ReplaceBinaryOperator_Add_Sub", 0, "return x + 10", "+", 0))
+    _session(new, NEW, fresh, {})
+    kills = carry.old_results(old)
+    assert len(kills) == 5
+    n = carry.carry(kills, {REL: OLD}, new, {REL: NEW})
+    db = sqlite3.connect(new)
+    got = dict(db.execute("SELECT job_id, test_outcome FROM work_results").fetchall())
+    outputs = dict(db.execute("SELECT job_id, output FROM work_results").fetchall())
+    db.close()
+    # a (docstring edited) and c (unchanged, its number's two mutants paired in order) carry; b's
+    # changed code, the survivor and the new function's mutant run again
+    assert n == 4 and got == {"new-a+": "KILLED", "new-c-": "KILLED", "new-c3+": "KILLED", "new-c3-": "KILLED"}
+    assert outputs["new-c3+"] == "out c3+" and outputs["new-c3-"] == "out c3-"
+
+
+def test_a_unit_is_its_code_without_docstrings():
+    carry = _load()
+    spans, code = carry.units(NEW)
+    assert [s[0] for s in spans] == ["first", "a", "b", "c"] and spans[1][1:] == (8, 11)
+    _, old_code = carry.units(OLD)
+    assert [k for k in code if code[k] != old_code.get(k)] == ["first", "b"]
+    assert code["<module>"] == old_code["<module>"]  # the module docstring is left out too

@@ -1,0 +1,136 @@
+"""Carry the killed mutants of an earlier run into a new one, where the code they mutate is unchanged.
+
+A fix in a target's module used to mean running the whole group again: its mutants are numbered
+per operator (cosmic-ray's ``occurrence``), so an edit above a mutant moves it, and a run can only
+go on at the commit it began. A new run (``cosmic-ray init`` at HEAD) carries over, from the last
+run, the result of each mutant that is the same mutant of the same code:
+
+- the same operator on the same text (the mutated span and its whole line) in the same module;
+- inside a top-level ``def`` or ``class`` whose code is the same at both commits (its ``ast`` with
+  the docstrings left out, so an edited docstring or a moved function keeps its results, and any
+  other edit in it runs all its mutants again); module-level code counts as one unit;
+- several such mutants (one number replaced two ways, one line written twice) pair in order.
+
+Only kills are carried (a test failed, or looped to its limit): a kill stays one against HEAD's
+tests, which only grow. Survivors run again, against HEAD's tests. Skipped mutants (annotations,
+outside the target's functions, unsampled) are decided afresh by the new run's filters.
+"""
+
+from __future__ import annotations
+
+import ast
+import sqlite3
+from collections import defaultdict
+from pathlib import Path
+
+
+def _strip_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def units(text: str) -> tuple[list[tuple[str, int, int]], dict[str, str]]:
+    """The module's top-level units: ``[(name, first line, last line)]`` of its ``def``s and
+    ``class``es (decorators included), and per name (``<module>`` for the rest) its code as
+    ``ast.dump`` without docstrings or line numbers."""
+    tree = ast.parse(text)
+    spans, rest = [], []
+    code: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            spans.append((node.name, first, node.end_lineno or node.lineno))
+            code[node.name] = ast.dump(_strip_docstrings(ast.parse(ast.unparse(node))))
+        else:
+            rest.append(node)
+    code["<module>"] = ast.dump(_strip_docstrings(ast.Module(body=rest, type_ignores=[])))
+    return spans, code
+
+
+def _unit_at(spans: list[tuple[str, int, int]], line: int) -> str:
+    for name, first, last in spans:
+        if first <= line <= last:
+            return name
+    return "<module>"
+
+
+def _key(text_lines: list[str], spans, rel: str, op: str, r0: int, c0: int, r1: int, c1: int) -> tuple:
+    """A mutant's identity in one commit's text: module, operator, unit, its line and its span."""
+    line = text_lines[r0 - 1] if 0 < r0 <= len(text_lines) else ""
+    if r0 == r1:
+        span = line[c0:c1]
+    else:
+        last = text_lines[r1 - 1][:c1] if r1 <= len(text_lines) else ""
+        span = "\n".join([line[c0:], *text_lines[r0 : r1 - 1], last])
+    return (rel, op, _unit_at(spans, r0), line.strip(), span, c0 - (len(line) - len(line.lstrip())))
+
+
+def _rel(module_path: str) -> str:
+    return str(module_path).rsplit("/src/", 1)[-1]
+
+
+def old_results(session: Path) -> list[tuple]:
+    """The killed mutants of a run: ``(module, operator, occurrence, start row, start col, end
+    row, end col, worker_outcome, output, test_outcome, diff)``, read before its copy is removed."""
+    db = sqlite3.connect(session)
+    try:
+        return db.execute(
+            "SELECT m.module_path, m.operator_name, m.occurrence, m.start_pos_row, m.start_pos_col, m.end_pos_row, "
+            "m.end_pos_col, r.worker_outcome, r.output, r.test_outcome, r.diff FROM mutation_specs m "
+            "JOIN work_results r ON r.job_id = m.job_id WHERE r.test_outcome = 'KILLED'"
+        ).fetchall()
+    finally:
+        db.close()
+
+
+def carry(old: list[tuple], old_texts: dict[str, str], session: Path, new_texts: dict[str, str]) -> int:
+    """Write into the new run's ``session`` the results of ``old`` (:func:`old_results`) for its
+    pending mutants that are the same mutants of unchanged code; ``old_texts`` and ``new_texts``
+    map a module (relative, ``pyllamacpp/...``) to its text at each commit. Returns how many."""
+    parsed = {}
+    for rel in set(old_texts) | set(new_texts):
+        if rel in old_texts and rel in new_texts:
+            parsed[rel] = (units(old_texts[rel]), units(new_texts[rel]))
+    olds: dict[tuple, list[tuple]] = defaultdict(list)
+    for row in sorted(old, key=lambda r: (r[0], r[1], r[2])):
+        rel = _rel(row[0])
+        if rel not in parsed:
+            continue
+        (spans, code), (_, new_code) = parsed[rel]
+        key = _key(old_texts[rel].splitlines(), spans, rel, *row[1:2], *row[3:7])
+        if code.get(key[2]) is None or code[key[2]] != new_code.get(key[2]):
+            continue  # its unit changed (or is gone): its mutants run again
+        olds[key].append(row)
+    db = sqlite3.connect(session)
+    try:
+        pending = db.execute(
+            "SELECT m.job_id, m.module_path, m.operator_name, m.occurrence, m.start_pos_row, m.start_pos_col, "
+            "m.end_pos_row, m.end_pos_col FROM mutation_specs m LEFT JOIN work_results r ON r.job_id = m.job_id "
+            "WHERE r.job_id IS NULL ORDER BY m.module_path, m.operator_name, m.occurrence"
+        ).fetchall()
+        out = []
+        for job, path, op, _occ, r0, c0, r1, c1 in pending:
+            rel = _rel(path)
+            if rel not in parsed:
+                continue
+            spans = parsed[rel][1][0]
+            key = _key(new_texts[rel].splitlines(), spans, rel, op, r0, c0, r1, c1)
+            if olds.get(key):
+                *_, worker, output, test, diff = olds[key].pop(0)
+                out.append((worker, output, test, diff, job))
+        db.executemany(
+            "INSERT INTO work_results (worker_outcome, output, test_outcome, diff, job_id) VALUES (?, ?, ?, ?, ?)", out
+        )
+        db.commit()
+        return len(out)
+    finally:
+        db.close()
