@@ -93,6 +93,7 @@ MUTANTS = [
     ("c3+", "core/NumberReplacer", 2, "y = x - 3", "3", 0),  # one number, two mutants (3 + 1, 3 - 1)
     ("c3-", "core/NumberReplacer", 3, "y = x - 3", "3", 0),
     ("cy", "core/ReplaceBinaryOperator_Sub_Add", 2, "return y - 3", "-", 0),
+    ("cy3", "core/NumberReplacer", 4, "return y - 3", "3", 0),
 ]
 
 
@@ -112,25 +113,33 @@ def _session(path: Path, text: str, rows, results: dict[str, str]) -> None:
     db.close()
 
 
-def test_kills_of_unchanged_code_carry_at_their_new_places_and_nothing_else(tmp_path):
+def test_kills_and_named_survivors_of_unchanged_code_carry_at_their_new_places_and_nothing_else(tmp_path):
     carry = _load()
     old, new = tmp_path / "old.sqlite", tmp_path / "new.sqlite"
-    # the old run: five kills and one survivor (survivors run again: not carried)
+    # the old run: five kills and two survivors, one of them named equivalent
     _session(old, OLD, MUTANTS, {"a+": "KILLED", "b*": "KILLED", "c-": "KILLED", "c3+": "KILLED", "c3-": "KILLED",
-                                 "cy": "SURVIVED"})  # fmt: skip
+                                 "cy": "SURVIVED", "cy3": "SURVIVED"})  # fmt: skip
     fresh = [(f"new-{j}", *rest) for j, *rest in MUTANTS]
     fresh.append(("new-first", "core/ReplaceBinaryOperator_Add_Sub", 0, "return x + 10", "+", 0))
     _session(new, NEW, fresh, {})
-    kills = carry.old_results(old)
-    assert len(kills) == 5
-    n = carry.carry(kills, {REL: OLD}, new, {REL: NEW})
+    results = carry.old_results(old)
+    assert len(results) == 7
+    seen = []
+
+    def named(line, op, where, diff):  # targets.toml's test, on the new run's line
+        seen.append((line, op))
+        return op == "core/ReplaceBinaryOperator_Sub_Add" and NEW.splitlines()[line - 1].strip() == "return y - 3"
+
+    assert carry.carry(results, {REL: OLD}, new, {REL: NEW}, named) == (4, 1)
+    assert sorted(seen) == [(21, "core/NumberReplacer"), (21, "core/ReplaceBinaryOperator_Sub_Add")]
     db = sqlite3.connect(new)
     got = dict(db.execute("SELECT job_id, test_outcome FROM work_results").fetchall())
     outputs = dict(db.execute("SELECT job_id, output FROM work_results").fetchall())
     db.close()
-    # a (docstring edited) and c (unchanged, its number's two mutants paired in order) carry; b's
-    # changed code, the survivor and the new function's mutant run again
-    assert n == 4 and got == {"new-a+": "KILLED", "new-c-": "KILLED", "new-c3+": "KILLED", "new-c3-": "KILLED"}
+    # a (docstring edited) and c (unchanged, its number's two mutants paired in order) carry, with
+    # c's named survivor; b's changed code, the other survivor and the new function run again
+    kills = {"new-a+": "KILLED", "new-c-": "KILLED", "new-c3+": "KILLED", "new-c3-": "KILLED"}
+    assert got == {**kills, "new-cy": "SURVIVED"}
     assert outputs["new-c3+"] == "out c3+" and outputs["new-c3-"] == "out c3-"
 
 

@@ -11,9 +11,11 @@ run, the result of each mutant that is the same mutant of the same code:
   other edit in it runs all its mutants again); module-level code counts as one unit;
 - several such mutants (one number replaced two ways, one line written twice) pair in order.
 
-Only kills are carried (a test failed, or looped to its limit): a kill stays one against HEAD's
-tests, which only grow. Survivors run again, against HEAD's tests. Skipped mutants (annotations,
-outside the target's functions, unsampled) are decided afresh by the new run's filters.
+Kills are carried (a test failed, or looped to its limit): a kill stays one against HEAD's tests,
+which only grow. So are the survivors ``targets.toml`` names equivalent (the rate leaves them out,
+and running them again costs every test that reaches them); the other survivors run again, against
+HEAD's tests. Skipped mutants (annotations, outside the target's functions, unsampled) are decided
+afresh by the new run's filters.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import ast
 import sqlite3
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -79,23 +82,33 @@ def _rel(module_path: str) -> str:
 
 
 def old_results(session: Path) -> list[tuple]:
-    """The killed mutants of a run: ``(module, operator, occurrence, start row, start col, end
-    row, end col, worker_outcome, output, test_outcome, diff)``, read before its copy is removed."""
+    """The killed and surviving mutants of a run: ``(module, operator, occurrence, start row, start
+    col, end row, end col, worker_outcome, output, test_outcome, diff, definition_name)``, read before
+    its copy is removed."""
     db = sqlite3.connect(session)
     try:
         return db.execute(
             "SELECT m.module_path, m.operator_name, m.occurrence, m.start_pos_row, m.start_pos_col, m.end_pos_row, "
-            "m.end_pos_col, r.worker_outcome, r.output, r.test_outcome, r.diff FROM mutation_specs m "
-            "JOIN work_results r ON r.job_id = m.job_id WHERE r.test_outcome = 'KILLED'"
+            "m.end_pos_col, r.worker_outcome, r.output, r.test_outcome, r.diff, m.definition_name "
+            "FROM mutation_specs m JOIN work_results r ON r.job_id = m.job_id "
+            "WHERE r.test_outcome IN ('KILLED', 'SURVIVED')"
         ).fetchall()
     finally:
         db.close()
 
 
-def carry(old: list[tuple], old_texts: dict[str, str], session: Path, new_texts: dict[str, str]) -> int:
+def carry(
+    old: list[tuple],
+    old_texts: dict[str, str],
+    session: Path,
+    new_texts: dict[str, str],
+    equivalent: Callable[[int, str, str, str | None], bool] = lambda *a: False,
+) -> tuple[int, int]:
     """Write into the new run's ``session`` the results of ``old`` (:func:`old_results`) for its
     pending mutants that are the same mutants of unchanged code; ``old_texts`` and ``new_texts``
-    map a module (relative, ``pyllamacpp/...``) to its text at each commit. Returns how many."""
+    map a module (relative, ``pyllamacpp/...``) to its text at each commit; a survivor is carried
+    where ``equivalent(new line, operator, function, diff)`` names it. Returns (kills, survivors)
+    carried."""
     parsed = {}
     for rel in set(old_texts) | set(new_texts):
         if rel in old_texts and rel in new_texts:
@@ -125,12 +138,15 @@ def carry(old: list[tuple], old_texts: dict[str, str], session: Path, new_texts:
             spans = parsed[rel][1][0]
             key = _key(new_texts[rel].splitlines(), spans, rel, op, r0, c0, r1, c1)
             if olds.get(key):
-                *_, worker, output, test, diff = olds[key].pop(0)
+                *_, worker, output, test, diff, where = olds[key].pop(0)
+                if test == "SURVIVED" and not equivalent(r0, op, where, diff):
+                    continue  # runs again, against HEAD's tests
                 out.append((worker, output, test, diff, job))
         db.executemany(
             "INSERT INTO work_results (worker_outcome, output, test_outcome, diff, job_id) VALUES (?, ?, ?, ?, ?)", out
         )
         db.commit()
-        return len(out)
+        n_kills = sum(1 for row in out if row[2] == "KILLED")
+        return n_kills, len(out) - n_kills
     finally:
         db.close()

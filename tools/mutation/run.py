@@ -20,8 +20,9 @@ survives the module being split) with the reason, and the report
 counts the kill rate over the others.
 
 A run goes on only at the commit it began (``--resume``; ``--rerun-survivors`` with HEAD's tests).
-After an edit of a target's module, start it afresh: the kills of the last run whose mutant and
-code are unchanged carry over (``carry.py``), and the rest runs against HEAD.
+After an edit of a target's module, start it afresh: the kills of the last run, and its survivors
+named equivalent, whose mutant and code are unchanged carry over (``carry.py``), and the rest runs
+against HEAD.
 
 Needs ``pip install cosmic-ray`` (not a test dependency: too slow for CI on 2 cores).
 """
@@ -332,10 +333,12 @@ def main() -> int:
             subprocess.run(select, check=True, cwd=work)
             if prev is not None:
                 now = {m: (work / "src" / m).read_text() for m in target["modules"]}
-                n = carry.carry(prev[1], prev[2], session, now)
-                (work / "CARRIED").write_text(f"{n} {prev[0]}")
-                print(f"{args.target}: {n} of the {len(prev[1])} kills of the run at {prev[0][:10]} carried "
-                      "(the same mutants of unchanged code)", flush=True)  # fmt: skip
+                named = target.get("equivalent", [])
+                kills, equiv = carry.carry(prev[1], prev[2], session, now,
+                                           lambda *m: _is_equivalent(named, *m))  # fmt: skip
+                (work / "CARRIED").write_text(f"{kills} {equiv} {prev[0]}")
+                print(f"{args.target}: from the run at {prev[0][:10]}, {kills} kills and {equiv} survivors named "
+                      "equivalent carried (the same mutants of unchanged code)", flush=True)  # fmt: skip
             subprocess.run(["cosmic-ray", "baseline", str(cfg)], check=True, cwd=work)
         elif (
             not args.no_focus
@@ -347,8 +350,8 @@ def main() -> int:
         print(f"{args.target}: {time.perf_counter() - t0:.0f} s", flush=True)
     commit = (work / "COMMIT").read_text() if (work / "COMMIT").exists() else "?"
     if (work / "CARRIED").exists():  # kills of an earlier run's same mutants of unchanged code
-        n, was = (work / "CARRIED").read_text().split()
-        commit += f", {n} kills carried from the run at {was[:10]}"
+        kills, equiv, was = (work / "CARRIED").read_text().split()
+        commit += f", {kills} kills and {equiv} named equivalents carried from the run at {was[:10]}"
     if (work / "TESTS_COMMIT").exists():  # survivors run again against later tests
         commit += f", survivors against the tests of {(work / 'TESTS_COMMIT').read_text()[:10]}"
     out = _report(work, args.target, target, commit)
