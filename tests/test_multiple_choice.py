@@ -698,6 +698,16 @@ def test_two_endings_within_the_tie_margin_are_scored_in_llama_perplexitys_arith
         assert s1 == s2 == pytest.approx(-np.log(32)) and pred == 0 and exact
 
 
+def test_a_winogrande_task_with_nothing_after_its_choices_scores_neither(model):
+    # the blank ends the sentence and both choices add more than 3 tokens (partial scoring): no
+    # token is scored after either choice, both means are 0/0 (-nan there) and the second is picked
+    line = "0,The cat chased the _,big brown dog that barked,small grey mouse that squeaked,1\n\n"
+    r = mc.winogrande(model, line, **T)
+    (t,) = r.tasks
+    assert math.isnan(t.scores[0]) and math.isnan(t.scores[1]) and t.pred == 1 and not t.correct
+    assert r.report() == "1\t0.0000\t      -nan        -nan  2  1\n\n"
+
+
 def test_batches_take_tasks_while_their_tokens_fit_n_ctx():
     """The packing loop of hellaswag_score and the others: the next task joins a batch while the
     tokens so far plus its own fit n_ctx (<=) and its sequences fit n_seq_max."""
