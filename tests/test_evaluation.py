@@ -291,6 +291,10 @@ def test_a_context_of_the_callers(model, reference):
         for r, (lps, _) in zip(res, ref):
             assert np.allclose(r.logprobs, lps, atol=1.5)
         assert [r.logprob for r in res[:4]].index(max(r.logprob for r in res[:4])) == 0
+    # one unified sequence: one slot, no graveyard (one sequence taken for the graveyard left no slot)
+    with model.context(n_ctx=512, n_batch=63, n_ubatch=63, n_seq_max=1, kv_unified=True, **T) as ctx:
+        res = pl.loglikelihood(ctx, reqs[:3])
+        assert res.n_seq == 1 and all(r is not None for r in res)
 
 
 @pytest.fixture
