@@ -187,6 +187,14 @@ def test_all_trailing_whitespace_of_the_context_moves_to_the_continuation(model)
         res = pl.loglikelihood(model, [(c, x), (c, x + "!")], **T)
         assert res[0].n_context == want_ctx.size and res[0].tokens.tolist() == want_cont.tolist(), (c, x)
         assert res[1].n_context == want_ctx.size and res[1].tokens[:1].tolist() == want_cont[:1].tolist()
+    # the same tokens from a space moved and a space given are one request to decode, each with its
+    # own bytes whichever comes first (the first's kept for a longer second passed every test)
+    for reqs, n_bytes in [
+        ((("Paris is ", "big"), ("Paris is", " big")), [3, 4]),
+        ((("Paris is", " big"), ("Paris is ", "big")), [4, 3]),
+    ]:
+        res = pl.loglikelihood(model, list(reqs), **T)
+        assert res.n_unique == 1 and [r.n_bytes for r in res] == n_bytes and res[0].logprob == res[1].logprob
 
 
 def test_a_context_that_ends_inside_a_node_asks_rows_only_for_the_continuation(model):
