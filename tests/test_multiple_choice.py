@@ -869,6 +869,21 @@ def test_multiple_choice_puts_up_to_128_sequences_in_a_batch_and_takes_all_tasks
     assert [t.task for t in r.tasks] == [*range(33)]
 
 
+def test_multiple_choice_tasks_of_three_answers_share_a_batch_in_their_own_sequences(model):
+    # with 8 sequences, two tasks of 3 answers go in one batch, the second in sequences 3 to 5 (its
+    # seq ids as s0 ^ s, 3 ^ 1 = 2, went into the first task's): the scores of each task alone
+    tasks = [
+        mc.MultipleChoiceTask("Which color is the sky on a clear day?", ("blue", "green", "red"), (1, 0, 0)),
+        mc.MultipleChoiceTask("What do cows drink most of the time?", ("milk", "water", "juice"), (0, 1, 0)),
+    ]
+    raw = mc.write_multiple_choice(tasks)
+    both = mc.multiple_choice(model, raw, n_parallel=8, **T)
+    alone = mc.multiple_choice(model, raw, n_parallel=4, **T)
+    assert both.n_decodes == 1 and alone.n_decodes == 2
+    for a, b in zip(both.tasks, alone.tasks):
+        assert np.max(np.abs(np.array(a.scores) - b.scores)) < F.tie_margin(model.n_vocab) / 2 and a.pred == b.pred
+
+
 def test_only_a_label_of_1_is_a_right_answer(model):
     # the labels are int32; llama-perplexity counts an answer right where its label == 1
     raw = mc.write_multiple_choice([mc.MultipleChoiceTask("Pick one:", ("yes", "no", "maybe"), (2, 1, -1))])
@@ -1162,6 +1177,10 @@ def test_the_modes_settings_are_keyword_only(model):
 def test_the_modes_default_n_ctx_is_512_per_sequence(model):
     # 512 cells per sequence (-c), 4 sequences (513 passed every test)
     assert [mode(model, None, 1, **T).n_ctx for mode in (mc.hellaswag, mc.winogrande, mc.multiple_choice)] == [2048] * 3
+    # -b 2048 by default, seen where n_ctx is more (8 sequences; 2049 passed while n_ctx capped it)
+    assert [
+        mode(model, None, 1, n_parallel=8, **T).n_batch for mode in (mc.hellaswag, mc.winogrande, mc.multiple_choice)
+    ] == [2048] * 3
 
 
 def test_the_modes_refuse_settings_they_cannot_run(model):
