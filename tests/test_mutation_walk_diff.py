@@ -1,0 +1,35 @@
+"""tools/mutation/walk_diff.py: a change of the walk run against the walk over random request sets."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tools" / "mutation" / "walk_diff.py"
+pytestmark = pytest.mark.skipif(not TOOL.exists(), reason="tools/ is not in an installed package")
+ROOM = "        room = min(wo.room, self.n_ctx - self.used)"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("walk_diff", TOOL)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_change_that_feeds_one_token_a_batch_differs_and_the_same_text_does_not(capsys):
+    from pyllamacpp.evaluation import _engine, _walk
+
+    tool = _load()
+    assert tool.main([ROOM, ROOM.replace("self.n_ctx - self.used", "1"), "--runs", "2"]) == 1
+    out = capsys.readouterr().out
+    assert out.endswith("2 of 2 runs differ\n") and "n_decodes" in out
+    assert tool.main([ROOM, ROOM, "--runs", "2", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.endswith("0 of 2 runs differ\n")
+    assert _engine._Walk is _walk._Walk  # put back
+    with pytest.raises(SystemExit, match="found 0 times"):
+        tool.main(["no such text", "x"])

@@ -1,0 +1,125 @@
+"""Run a change of the trie's walk against the walk as it is, over random request sets.
+
+    python tools/mutation/walk_diff.py OLD NEW [--runs 100] [--seed 0] [--deep] [--max-requests 6]
+
+OLD is text of ``pyllamacpp/evaluation/_walk.py`` (once, exactly) and NEW what replaces it: a
+surviving mutant, say. Each run draws requests (a shared header, short sentences, questions and
+continuations), settings (1 to 4 slots, n_batch 8 to 512, n_ctx 96 to 512) and a chunk size, fills
+a prefix store with some of the requests, then scores all of them twice with a copy of that store:
+once with the walk, once with the changed one. It prints each run whose results (bit for bit) or
+counts (``Loglikelihoods.summary()`` without the time) differ, then how many did. None in many runs
+supports a mutant's name as equivalent in ``targets.toml``; one is the test to write.
+``--deep`` strings up to four sentences per request (tries up to five nodes deep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import random
+import shutil
+import sys
+import tempfile
+import types
+import warnings
+
+HEADER = (
+    "Answer each question with one word, as the examples do. The capital of France is Paris. "
+    "The sky on a clear day is blue. Water at room temperature is wet. Snow is cold. "
+)
+MIDS = [
+    "",
+    "Grass is green. ",
+    "Grass is green. Fire is hot. Ice",
+    "The cat sat on the mat. ",
+    "A dog ran in the park today, chasing a red ball across the wet grass while children laughed. ",
+    "Numbers come in order: one, two, three, four, five, six, seven, eight, nine and ten. ",
+]
+SENTENCES = [
+    "Grass is green. ",
+    "Fire is hot. ",
+    "Ice is cold and the wind blows over the hills. ",
+    "Dogs bark. ",
+    "The sheep sleep at night now, under the stars. ",
+]
+QUESTIONS = ["", "Where? ", "Who? ", " was", "When? "]
+CONTINUATIONS = [" home", " Yes", " a cat", " No", " end of it"]
+
+
+def _draw(rng: random.Random, deep: bool, max_requests: int):
+    reqs = []
+    for _ in range(rng.randint(2, max_requests)):
+        head = rng.choice([HEADER, HEADER, HEADER, "The", "A"])
+        mid = "".join(rng.choice(SENTENCES) for _ in range(rng.randint(0, 4))) if deep else rng.choice(MIDS)
+        reqs.append((head + mid + rng.choice(QUESTIONS), rng.choice(CONTINUATIONS)))
+    first = rng.sample(reqs, rng.randint(1, len(reqs)))
+    args = dict(
+        n_threads=1,
+        n_seq_max=rng.randint(1, 4),
+        n_batch=rng.choice([8, 16, 32, 512]),
+        flash_attn="on",
+        n_ctx=rng.choice([96, 128, 192, 256, 512]),
+    )
+    return reqs, first, args, rng.choice([8, 16])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old", help="text of _walk.py to replace (found exactly once)")
+    ap.add_argument("new", help="what replaces it")
+    ap.add_argument("--runs", type=int, default=100, help="request sets to draw (default 100)")
+    ap.add_argument("--seed", type=int, default=0, help="random.Random's seed (default 0)")
+    ap.add_argument("--deep", action="store_true", help="up to four sentences per request (deeper tries)")
+    ap.add_argument("--max-requests", type=int, default=6, help="requests per set, 2 to this (default 6)")
+    args = ap.parse_args(argv)
+    warnings.simplefilter("ignore")
+    import pyllamacpp as pl
+    from pyllamacpp.evaluation import _engine, _walk
+    from pyllamacpp.prefix_store import PrefixStore
+
+    src = pathlib.Path(_walk.__file__).read_text()
+    if src.count(args.old) != 1:
+        sys.exit(f"the old text is found {src.count(args.old)} times in {_walk.__file__}, not once")
+    changed = types.ModuleType("pyllamacpp.evaluation._walk_changed")
+    changed.__package__ = "pyllamacpp.evaluation"
+    exec(compile(src.replace(args.old, args.new), _walk.__file__, "exec"), changed.__dict__)
+    walks = (_walk._Walk, changed._Walk)
+    model = pl.Model(pl.default_model_path())
+    rng = random.Random(args.seed)
+    n_diff = n_run = 0
+    for k in range(args.runs):
+        reqs, first, kw, chunk = _draw(rng, args.deep, args.max_requests)
+        d = pathlib.Path(tempfile.mkdtemp())
+        try:
+            try:
+                pl.loglikelihood(model, first, prefix_store=PrefixStore(d / "s", chunk_size=chunk), **kw)
+            except ValueError:
+                continue  # a request past n_ctx: not a run
+            out = []
+            for walk in walks:
+                shutil.rmtree(d / "c", ignore_errors=True)
+                shutil.copytree(d / "s", d / "c")
+                _engine._Walk = walk
+                try:
+                    res = pl.loglikelihood(model, reqs, prefix_store=PrefixStore(d / "c", chunk_size=chunk), **kw)
+                    counts = res.summary()
+                    counts.pop("seconds")
+                    out.append(([r.logprobs.tobytes() for r in res], [r.is_greedy for r in res], counts))
+                except Exception as e:  # the changed walk may fail: that is a difference
+                    out.append(repr(e))
+                finally:
+                    _engine._Walk = walks[0]
+            n_run += 1
+            if out[0] != out[1]:
+                n_diff += 1
+                said = [x if isinstance(x, str) else (x[0] == out[0][0], x[2]) for x in out]
+                print(f"run {k}: {kw}, chunk {chunk}\n  walk:    {said[0]}\n  changed: {said[1]}")
+                print(f"  requests: {reqs}\n  stored first: {first}", flush=True)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    print(f"{n_diff} of {n_run} runs differ")
+    return 1 if n_diff else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
