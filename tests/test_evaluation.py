@@ -282,6 +282,9 @@ def test_a_model_that_does_not_say_its_n_ctx_train_takes_4096_cells_or_the_longe
         assert pl.loglikelihood(tiny, [([1, 2, 3], [4, 5])], **T).n_ctx == 4
         long = pl.loglikelihood(tiny, [(list(range(3, 63)) * 80, [7])], **T)  # 4,800 tokens, past 4096
         assert long.n_ctx == 4800 and np.isfinite(long[0].logprob)
+        # two of 2,100 tokens: their trie is more than 4,096, each less: 4,096 cells (4,095 passed)
+        two = pl.loglikelihood(tiny, [(list(range(k, k + 60)) * 35, [7]) for k in (3, 4)], **T)
+        assert two.n_ctx == 4096 and all(np.isfinite(r.logprob) for r in two)
 
 
 def test_a_context_of_the_callers(model, reference):
