@@ -303,3 +303,14 @@ def call_in_child(fn, *args: object, timeout: float = 300) -> object:
     lines = [ln for ln in child.stdout.splitlines() if ln.startswith(_RESULT)]
     assert lines, f"{fn.__name__}() exited with 0 and printed no result; stdout ends: {child.stdout[-500:]!r}"
     return json.loads(lines[-1][len(_RESULT) :])
+
+
+def load_tool(path: Path, name: str):
+    """A script of tools/ imported as a module, for its tests (tools/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -6,11 +6,11 @@ dependency): the tables and columns ``carry`` reads and writes.
 
 from __future__ import annotations
 
-import importlib.util
 import sqlite3
 from pathlib import Path
 
 import pytest
+from conftest import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 CARRY = REPO / "tools" / "mutation" / "carry.py"
@@ -36,28 +36,11 @@ def c(x):
 '''
 # a function above them all (every line moves), a's docstring edited (its code is the same), b's
 # comparison changed (all its mutants run again, those of its unchanged line too), c as it was
-NEW = '''"""Mod."""
-
-
-def first(x):
-    return x + 10
-
-
-def a(x):
-    """Doc a, longer now,
-    over two lines."""
-    return x + 1
-
-
-def b(x):
-    y = x * 2
-    return y if x > 1 else x - 1
-
-
-def c(x):
-    y = x - 3
-    return y - 3
-'''
+NEW = (
+    OLD.replace('"""Mod."""\n', '"""Mod."""\n\n\ndef first(x):\n    return x + 10\n')
+    .replace('"""Doc a."""', '"""Doc a, longer now,\n    over two lines."""')
+    .replace("x > 0", "x > 1")
+)
 
 SCHEMA = """
 CREATE TABLE work_items (job_id VARCHAR NOT NULL, PRIMARY KEY (job_id));
@@ -70,11 +53,7 @@ CREATE TABLE work_results (worker_outcome VARCHAR(9), output TEXT, test_outcome 
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("carry", CARRY)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool(CARRY, "carry")
 
 
 def _at(text: str, line: str, span: str, nth: int = 0) -> tuple[int, int, int, int]:

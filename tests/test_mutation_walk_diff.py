@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "mutation" / "walk_diff.py"
@@ -14,11 +14,7 @@ ROOM = "        room = min(wo.room, self.n_ctx - self.used)"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("walk_diff", TOOL)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool(TOOL, "walk_diff")
 
 
 def test_a_change_that_feeds_one_token_a_batch_differs_and_the_same_text_does_not(capsys):
