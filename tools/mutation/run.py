@@ -112,7 +112,7 @@ def _refresh_tests(work: Path, target: dict) -> None:
         if now != (work / "src" / m).read_bytes():
             sys.exit(
                 f"{m} changed since the run at {(work / 'COMMIT').read_text()[:10]}: run the target afresh "
-                "(the kills of code unchanged since carry over)"
+                "(the kills and named survivors of code unchanged since carry over)"
             )
     shutil.rmtree(work / "tests")
     (work / "TESTS_COMMIT").write_text(_extract(work, "tests"))
@@ -264,8 +264,8 @@ def main() -> int:
     ap.add_argument(
         "--no-carry",
         action="store_true",
-        help="start afresh without the last run's kills (default: its kills of code unchanged since carry "
-        "over, tools/mutation/carry.py)",
+        help="start afresh without the last run's results (default: its kills, and its survivors named "
+        "equivalent, of code unchanged since carry over, tools/mutation/carry.py)",
     )
     ap.add_argument(
         "--no-focus",
