@@ -129,3 +129,44 @@ def test_a_unit_is_its_code_without_docstrings():
     _, old_code = carry.units(OLD)
     assert [k for k in code if code[k] != old_code.get(k)] == ["first", "b"]
     assert code["<module>"] == old_code["<module>"]  # the module docstring is left out too
+
+
+def test_a_ledger_carries_what_its_session_carries_and_holds_no_path_of_the_machine(tmp_path):
+    carry = _load()
+    old, ledger = tmp_path / "old.sqlite", tmp_path / "ledger" / "g.jsonl"
+    _session(old, OLD, MUTANTS, {"a+": "KILLED", "b*": "KILLED", "c-": "KILLED", "c3+": "KILLED", "c3-": "KILLED",
+                                 "cy": "SURVIVED", "cy3": "SURVIVED"})  # fmt: skip
+    db = sqlite3.connect(old)  # what cosmic-ray and focus.py leave: pytest's text, the diff's file names
+    db.execute("UPDATE work_results SET output = 'timeout' WHERE job_id = 'c-'")
+    db.execute("UPDATE work_results SET output = '/w/x.py:3: in a\nfocus: timed out: t1 after 9 s\n' "
+               "WHERE job_id = 'c3+'")  # fmt: skip
+    db.execute("UPDATE work_results SET diff = '--- mutation diff ---\n--- a/w/src/m.py\n+++ b/w/src/m.py\n"
+               "@@ -1 +1 @@\n-    return y - 3\n+    return y + 3' WHERE job_id = 'cy'")  # fmt: skip
+    db.commit()
+    db.close()
+    assert carry.write_ledger(old, "abc123", ledger, ("focus: timed out:",)) == 7
+    text = ledger.read_text()
+    assert "/w/" not in text  # neither the outputs' nor the diffs' paths
+    commit, rows = carry.read_ledger(ledger)
+    assert commit == "abc123" and len(rows) == 7
+    by_job = {r[3:5]: r for r in rows}  # by (row, col): c-'s and c3's share a line
+    outputs = sorted(r[8] for r in rows)
+    assert outputs == ["", "", "", "", "", "focus: timed out: t1 after 9 s", "timeout"]
+    assert "-    return y - 3\n+    return y + 3" in [r[10] for r in by_job.values()]
+
+    def named(line, op, where, diff):
+        return op == "core/ReplaceBinaryOperator_Sub_Add" and NEW.splitlines()[line - 1].strip() == "return y - 3"
+
+    got = {}
+    for name, results in (("session", carry.old_results(old)), ("ledger", rows)):
+        new = tmp_path / f"new-{name}.sqlite"
+        _session(new, NEW, [(f"new-{j}", *rest) for j, *rest in MUTANTS], {})
+        assert carry.carry(results, {REL: OLD}, new, {REL: NEW}, named) == (4, 1)
+        db = sqlite3.connect(new)
+        got[name] = dict(db.execute("SELECT job_id, test_outcome FROM work_results").fetchall())
+        db.close()
+    assert got["ledger"] == got["session"] == {"new-a+": "KILLED", "new-c-": "KILLED", "new-c3+": "KILLED",
+                                               "new-c3-": "KILLED", "new-cy": "SURVIVED"}  # fmt: skip
+    ledger.write_text(text.replace('"results": 7', '"results": 8'))
+    with pytest.raises(ValueError, match="7 results, its header says 8"):
+        carry.read_ledger(ledger)

@@ -11,6 +11,11 @@ run, the result of each mutant that is the same mutant of the same code:
   other edit in it runs all its mutants again); module-level code counts as one unit;
 - several such mutants (one number replaced two ways, one line written twice) pair in order.
 
+The last run is its session (``build/mutation/<target>/session.sqlite``) where this machine has
+one, else the group's ledger (``tools/mutation/ledger/<target>.jsonl``, :func:`write_ledger`): its
+results in the same form, committed, so that a run of many hours goes on across sessions and
+machines whose build folders do not survive.
+
 Kills are carried (a test failed, or looped to its limit): a kill stays one against HEAD's tests,
 which only grow. So are the survivors ``targets.toml`` names equivalent (the rate leaves them out,
 and running them again costs every test that reaches them); the other survivors run again, against
@@ -21,6 +26,7 @@ afresh by the new run's filters.
 from __future__ import annotations
 
 import ast
+import json
 import sqlite3
 from collections import defaultdict
 from collections.abc import Callable
@@ -150,3 +156,40 @@ def carry(
         return n_kills, len(out) - n_kills
     finally:
         db.close()
+
+
+def _marker(output: str | None, markers: tuple[str, ...]) -> str:
+    """What the report reads of a mutant's test output: cosmic-ray's ``timeout``, or the line of
+    focus.py's that names no test run or a test's time limit; the rest (pytest's text, with the
+    machine's paths) is left out."""
+    if output == "timeout":
+        return output
+    return next((ln.strip() for ln in (output or "").splitlines() if any(m in ln for m in markers)), "")
+
+
+def _changed(diff: str | None) -> str:
+    """A mutant's diff as its - and + lines (the file names, with the machine's paths, left out)."""
+    return "\n".join(ln for ln in (diff or "").splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---"))
+
+
+def write_ledger(session: Path, commit: str, path: Path, markers: tuple[str, ...]) -> int:
+    """The run's results (:func:`old_results`, the mutants of ``commit``) into ``path``: a header
+    line, then one JSON list per mutant, in a stable order. Returns how many."""
+    rows = sorted(old_results(session), key=lambda r: (_rel(r[0]), r[1], r[2], r[3], r[4]))
+    lines = [json.dumps({"commit": commit, "results": len(rows)})]
+    for module, op, occ, r0, c0, r1, c1, worker, output, test, diff, where in rows:
+        lines.append(json.dumps([_rel(module), op, occ, r0, c0, r1, c1, worker, _marker(output, markers),
+                                 test, _changed(diff), where]))  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return len(rows)
+
+
+def read_ledger(path: Path) -> tuple[str, list[tuple]]:
+    """A ledger's commit and its results, in :func:`old_results`' form."""
+    head, *rows = path.read_text().splitlines()
+    meta = json.loads(head)
+    got = [tuple(json.loads(r)) for r in rows if r.strip()]
+    if len(got) != meta["results"]:
+        raise ValueError(f"{path}: {len(got)} results, its header says {meta['results']}")
+    return meta["commit"], got

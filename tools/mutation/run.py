@@ -22,7 +22,10 @@ counts the kill rate over the others.
 A run goes on only at the commit it began (``--resume``; ``--rerun-survivors`` with HEAD's tests).
 After an edit of a target's module, start it afresh: the kills of the last run, and its survivors
 named equivalent, whose mutant and code are unchanged carry over (``carry.py``), and the rest runs
-against HEAD.
+against HEAD. The last run is the one in ``build/mutation/<target>/``, or, on a machine without
+one, the group's ledger: ``--save-ledger`` writes a run's results so far into
+``tools/mutation/ledger/<target>.jsonl`` (a run that ends writes it too); commit it, and a fresh
+start on any machine goes on from there.
 
 Needs ``pip install cosmic-ray`` (not a test dependency: too slow for CI on 2 cores).
 """
@@ -46,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NO_TEST = "focus: no test executes"  # what focus.py prints for a mutant whose statement no test runs
 TIMED_OUT = "focus: timed out:"  # and for a mutant whose test ran past its limit
 TARGETS = Path(__file__).with_name("targets.toml")
+LEDGERS = Path(__file__).with_name("ledger")  # each group's last results, committed (carry.py)
 
 SITECUSTOMIZE = """\
 # mutation testing: import the mutated copy, not the editable install's source tree
@@ -151,6 +155,15 @@ def _focus_map(work: Path, target: dict) -> None:
     unreached = [f["name"] for v in fmap["functions"].values() for f in v if not f["reached"]]
     print(f"focus: {len(fmap['every'])} tests mapped onto {n} functions in {fmap['seconds']} s"
           + (f"; no test executes {', '.join(unreached)}" if unreached else ""), flush=True)  # fmt: skip
+
+
+def _save_ledger(work: Path, ledger: Path) -> int:
+    """The run's results into its group's ledger (carry.py), what a fresh start on another machine
+    carries."""
+    import carry  # beside this file
+
+    return carry.write_ledger(work / "session.sqlite", (work / "COMMIT").read_text().strip(), ledger,
+                              (NO_TEST, TIMED_OUT))  # fmt: skip
 
 
 def _is_equivalent(named: list[dict], line: int, op: str, where: str, diff: str | None) -> bool:
@@ -268,6 +281,12 @@ def main() -> int:
         "equivalent, of code unchanged since carry over, tools/mutation/carry.py)",
     )
     ap.add_argument(
+        "--save-ledger",
+        action="store_true",
+        help="write the run's results so far to tools/mutation/ledger/<target>.jsonl (done at a run's end too), "
+        "which a fresh start where this machine has no run carries from; commit it",
+    )
+    ap.add_argument(
         "--no-focus",
         action="store_true",
         help="run every test of the target against each mutant (default: only the "
@@ -287,6 +306,14 @@ def main() -> int:
     work = ROOT / "build" / "mutation" / args.target
     session = work / "session.sqlite"
     cfg = work / "cosmic-ray.toml"
+    ledger = LEDGERS / f"{args.target}.jsonl"
+    if args.save_ledger:
+        if not session.exists():
+            sys.exit(f"no run of {args.target} in {work}")
+        n = _save_ledger(work, ledger)
+        print(f"{args.target}: {n} results of the run at {(work / 'COMMIT').read_text()[:10]} written to "
+              f"{ledger.relative_to(ROOT)}")  # fmt: skip
+        return 0
     if not args.report_only:
         if shutil.which("cosmic-ray") is None:
             sys.exit("cosmic-ray is not installed: pip install cosmic-ray")
@@ -316,8 +343,12 @@ def main() -> int:
             prev = None  # the last run's kills, carried into this one where their code is unchanged
             if not args.no_carry and session.exists() and (work / "COMMIT").exists():
                 was = (work / "COMMIT").read_text().strip()
-                texts = {m: _git("show", f"{was}:{m}").decode() for m in target["modules"]}
-                prev = (was, carry.old_results(session), texts)
+                prev = (was, carry.old_results(session))
+            elif not args.no_carry and ledger.exists():  # no run on this machine: the committed one
+                prev = carry.read_ledger(ledger)
+            if prev is not None:
+                texts = {m: _git("show", f"{prev[0]}:{m}").decode() for m in target["modules"]}
+                prev = (*prev, texts)
             commit = _copy_tree(work)
             (work / "COMMIT").write_text(commit)
             cfg = _config(work, target, args.timeout, not args.no_focus)
@@ -347,6 +378,7 @@ def main() -> int:
         ):
             _focus_map(work, target)  # HEAD's focus.py changed since the run began: the rest goes by its map
         subprocess.run(["cosmic-ray", "exec", str(cfg), str(session)], check=True, cwd=work)
+        _save_ledger(work, ledger)
         print(f"{args.target}: {time.perf_counter() - t0:.0f} s", flush=True)
     commit = (work / "COMMIT").read_text() if (work / "COMMIT").exists() else "?"
     if (work / "CARRIED").exists():  # kills of an earlier run's same mutants of unchanged code
