@@ -605,6 +605,28 @@ def test_packing_and_pieces_of_n_batch_give_the_same_scores(model):
     assert with_ctx.report() == base.report()
 
 
+def test_a_decode_that_begins_with_a_finished_tasks_last_token_scores_each_task_once(model, monkeypatch):
+    """A task's last token predicts nothing (no row); cut alone into the next decode, before the
+    next task's shared tokens, it is a piece without rows of a task whose rows are all out: skipped,
+    not the task finished twice (8 sequences, n_batch 21: task 4's, seen in the batches)."""
+    firsts: list[tuple] = []
+    decode = pl.Context.decode
+
+    def spy(ctx, batch, *args, **kwargs):
+        firsts.append((bool(batch.logits[0]), int(batch.n_seq_id[0]), int(batch.seq_id[0, 0]), int(batch.n_seq_id[1])))
+        return decode(ctx, batch, *args, **kwargs)
+
+    base = mc.hellaswag(model, None, 8, n_parallel=8, **ON)
+    monkeypatch.setattr(pl.Context, "decode", spy)
+    cut = mc.hellaswag(model, None, 8, n_parallel=8, n_batch=21, **ON)
+    # a decode whose first slot has no row, in the last ending (seq 3 or 7) of one task, the next
+    # task's shared tokens (4 seq ids) after it
+    assert any(not out and n == 1 and s % 4 == 3 and n1 == 4 for out, n, s, n1 in firsts)
+    assert [t.task for t in cut.tasks] == [t.task for t in base.tasks]
+    for a, b in zip(base.tasks, cut.tasks):
+        assert np.max(np.abs(np.array(a.scores) - b.scores)) < 2e-4 and a.pred == b.pred
+
+
 def test_each_decode_is_llama_perplexitys_batch_cut_every_n_batch(model, monkeypatch):
     """hellaswag_score's batch, slot for slot: per task its endings' shared tokens once, carrying
     every ending's seq id, a row at their last; then each ending's own tokens in its sequence, rows
