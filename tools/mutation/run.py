@@ -27,7 +27,8 @@ one, the group's ledger: ``--save-ledger`` writes a run's results so far into
 ``tools/mutation/ledger/<target>.jsonl`` (a run that ends writes it too); commit it, and a fresh
 start on any machine goes on from there.
 
-Needs ``pip install cosmic-ray`` (not a test dependency: too slow for CI on 2 cores).
+Needs ``pip install cosmic-ray pytest-cov`` (not test dependencies: too slow for CI on 2 cores;
+pytest-cov for focus.py's coverage pass).
 """
 
 from __future__ import annotations
@@ -316,7 +317,9 @@ def main() -> int:
         return 0
     if not args.report_only:
         if shutil.which("cosmic-ray") is None:
-            sys.exit("cosmic-ray is not installed: pip install cosmic-ray")
+            sys.exit("cosmic-ray is not installed: pip install cosmic-ray pytest-cov")
+        if not args.no_focus and importlib.util.find_spec("pytest_cov") is None:
+            sys.exit("pytest-cov is not installed (focus.py's coverage pass; or --no-focus): pip install pytest-cov")
         t0 = time.perf_counter()
         if (args.resume or args.rerun_survivors) and (work / "COMMIT").exists():
             _restore_modules(work, target)  # a run stopped mid-mutant leaves its mutant in the copy
