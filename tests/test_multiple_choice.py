@@ -975,6 +975,10 @@ def test_refusals_before_any_decode(model):
     same = "Q: A man. He\n0\nruns.\nruns. Fast\nruns.\nruns.\n"
     with pytest.raises(ValueError, match="ending 0 adds no token"):
         mc.hellaswag(model, same, **T)
+    # the default model adds no BOS: a blank that opens the sentence leaves the choices no shared
+    # token, where llama-perplexity's flag of the shared part's last token would land before the batch
+    with pytest.raises(ValueError, match=r"task 0 \(line 1\): its endings share no token"):
+        mc.winogrande(model, "0,_ was late so she ran.,Anna,Bob,1\n\n", **T)
     with pytest.raises(ValueError, match="not a multiple of 6"):
         mc.hellaswag(model, mc.sample_path("winogrande"), **T)
 
