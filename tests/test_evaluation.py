@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import call_in_child
 
 import pyllamacpp as pl
 from pyllamacpp.batch import Batch
@@ -261,30 +262,42 @@ def test_bad_input_is_refused_before_any_decode(model):
     assert len(pl.loglikelihood(model, [(list(range(5, 13)), [7])], n_ctx=8, **T)) == 1  # 8 fit 8: no refusal
 
 
-def test_a_model_that_does_not_say_its_n_ctx_train_takes_4096_cells_or_the_longest_request(tmp_path):
-    """A GGUF whose context_length is 0 (llama_model_n_ctx_train 0: it does not say): the cells
-    are capped at 4096 or the longest request, not at 0 (a cap of n_ctx_train 0 refused every
-    request)."""
+def _no_ctx_train(folder: str) -> dict:
+    """In a child process (call_in_child): a tiny GGUF with its context_length patched to 0, loaded
+    and scored. A llama.cpp that asserts on n_ctx_train 0 then ends that child, not the run."""
+    from pathlib import Path
+
     import gguf
 
     from pyllamacpp.testing import make_model
 
-    src = make_model(tmp_path / "tiny.gguf", "llama", n_layer=2, n_embd=64, n_head=4, n_vocab=64)
+    tmp = Path(folder)
+    src = make_model(tmp / "tiny.gguf", "llama", n_layer=2, n_embd=64, n_head=4, n_vocab=64)
     data = bytearray(src.read_bytes())
     r = gguf.GGUFReader(src)
     part = r.fields["llama.context_length"].parts[-1]
     off = part.ctypes.data - r.data.ctypes.data
     del r, part
     data[off : off + 4] = bytes(4)
-    (tmp_path / "no-ctx.gguf").write_bytes(bytes(data))
-    with pl.Model(tmp_path / "no-ctx.gguf") as tiny:
-        assert tiny.n_ctx_train == 0
-        assert pl.loglikelihood(tiny, [([1, 2, 3], [4, 5])], **T).n_ctx == 4
+    (tmp / "no-ctx.gguf").write_bytes(bytes(data))
+    with pl.Model(tmp / "no-ctx.gguf") as tiny:
+        short = pl.loglikelihood(tiny, [([1, 2, 3], [4, 5])], **T)
         long = pl.loglikelihood(tiny, [(list(range(3, 63)) * 80, [7])], **T)  # 4,800 tokens, past 4096
-        assert long.n_ctx == 4800 and np.isfinite(long[0].logprob)
-        # two of 2,100 tokens: their trie is more than 4,096, each less: 4,096 cells (4,095 passed)
         two = pl.loglikelihood(tiny, [(list(range(k, k + 60)) * 35, [7]) for k in (3, 4)], **T)
-        assert two.n_ctx == 4096 and all(np.isfinite(r.logprob) for r in two)
+        return {
+            "n_ctx_train": tiny.n_ctx_train,
+            "n_ctx": [short.n_ctx, long.n_ctx, two.n_ctx],
+            "finite": [bool(np.isfinite(x.logprob)) for x in (*long, *two)],
+        }
+
+
+def test_a_model_that_does_not_say_its_n_ctx_train_takes_4096_cells_or_the_longest_request(tmp_path):
+    """A GGUF whose context_length is 0 (llama_model_n_ctx_train 0: it does not say): the cells
+    are capped at 4096 or the longest request, not at 0 (a cap of n_ctx_train 0 refused every
+    request). Two of 2,100 tokens: their trie is more than 4,096, each less: 4,096 cells (4,095
+    passed)."""
+    got = call_in_child(_no_ctx_train, str(tmp_path))
+    assert got == {"n_ctx_train": 0, "n_ctx": [4, 4800, 4096], "finite": [True, True, True]}
 
 
 def test_a_context_of_the_callers(model, reference):
