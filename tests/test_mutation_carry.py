@@ -144,15 +144,25 @@ def test_a_ledger_carries_what_its_session_carries_and_holds_no_path_of_the_mach
                "@@ -1 +1 @@\n-    return y - 3\n+    return y + 3' WHERE job_id = 'cy'")  # fmt: skip
     db.commit()
     db.close()
-    assert carry.write_ledger(old, "abc123", ledger, ("focus: timed out:",)) == 7
+    # a mutant of unchanged code that neither killed nor survived: in the ledger (the report counts
+    # it), not carried; one the filters skipped: in neither
+    db = sqlite3.connect(old)
+    for job, outcome, output in (("cy*", "INCOMPETENT", ""), ("skipped", "SKIPPED", "annotation")):
+        r0, c0, r1, c1 = _at(OLD, "return y - 3", "-")
+        db.execute("INSERT INTO work_items VALUES (?)", (job,))
+        db.execute("INSERT INTO mutation_specs VALUES (?, 'core/ReplaceBinaryOperator_Sub_Mul', '{}', ?, ?, ?, ?, ?, "
+                   "'f', ?)", (f"/w/src/{REL}", len(job), r0, c0, r1, c1, job))  # fmt: skip
+        db.execute("INSERT INTO work_results VALUES ('ABNORMAL', ?, ?, '', ?)", (output, outcome, job))
+    db.commit()
+    db.close()
+    assert carry.write_ledger(old, "abc123", ledger, ("focus: timed out:",), not_run=3) == 8
     text = ledger.read_text()
     assert "/w/" not in text  # neither the outputs' nor the diffs' paths
-    commit, rows = carry.read_ledger(ledger)
-    assert commit == "abc123" and len(rows) == 7
-    by_job = {r[3:5]: r for r in rows}  # by (row, col): c-'s and c3's share a line
+    meta, rows = carry.read_ledger(ledger)
+    assert meta == {"commit": "abc123", "results": 8, "not_run": 3} and len(rows) == 8
     outputs = sorted(r[8] for r in rows)
-    assert outputs == ["", "", "", "", "", "focus: timed out: t1 after 9 s", "timeout"]
-    assert "-    return y - 3\n+    return y + 3" in [r[10] for r in by_job.values()]
+    assert outputs == ["", "", "", "", "", "", "focus: timed out: t1 after 9 s", "timeout"]
+    assert "-    return y - 3\n+    return y + 3" in [r[10] for r in rows]
 
     def named(line, op, where, diff):
         return op == "core/ReplaceBinaryOperator_Sub_Add" and NEW.splitlines()[line - 1].strip() == "return y - 3"
@@ -160,13 +170,14 @@ def test_a_ledger_carries_what_its_session_carries_and_holds_no_path_of_the_mach
     got = {}
     for name, results in (("session", carry.old_results(old)), ("ledger", rows)):
         new = tmp_path / f"new-{name}.sqlite"
-        _session(new, NEW, [(f"new-{j}", *rest) for j, *rest in MUTANTS], {})
+        more = [("cy*", "core/ReplaceBinaryOperator_Sub_Mul", 3, "return y - 3", "-", 0)]
+        _session(new, NEW, [(f"new-{j}", *rest) for j, *rest in MUTANTS + more], {})
         assert carry.carry(results, {REL: OLD}, new, {REL: NEW}, named) == (4, 1)
         db = sqlite3.connect(new)
         got[name] = dict(db.execute("SELECT job_id, test_outcome FROM work_results").fetchall())
         db.close()
     assert got["ledger"] == got["session"] == {"new-a+": "KILLED", "new-c-": "KILLED", "new-c3+": "KILLED",
                                                "new-c3-": "KILLED", "new-cy": "SURVIVED"}  # fmt: skip
-    ledger.write_text(text.replace('"results": 7', '"results": 8'))
-    with pytest.raises(ValueError, match="7 results, its header says 8"):
+    ledger.write_text(text.replace('"results": 8', '"results": 9'))
+    with pytest.raises(ValueError, match="8 results, its header says 9"):
         carry.read_ledger(ledger)

@@ -19,8 +19,8 @@ machines whose build folders do not survive.
 Kills are carried (a test failed, or looped to its limit): a kill stays one against HEAD's tests,
 which only grow. So are the survivors ``targets.toml`` names equivalent (the rate leaves them out,
 and running them again costs every test that reaches them); the other survivors run again, against
-HEAD's tests. Skipped mutants (annotations, outside the target's functions, unsampled) are decided
-afresh by the new run's filters.
+HEAD's tests, as do the rest (incompetent). Skipped mutants (annotations, outside the target's
+functions, unsampled) are decided afresh by the new run's filters.
 """
 
 from __future__ import annotations
@@ -87,17 +87,24 @@ def _rel(module_path: str) -> str:
     return str(module_path).rsplit("/src/", 1)[-1]
 
 
-def old_results(session: Path) -> list[tuple]:
-    """The killed and surviving mutants of a run: ``(module, operator, occurrence, start row, start
-    col, end row, end col, worker_outcome, output, test_outcome, diff, definition_name)``, read before
-    its copy is removed."""
+SKIPPED = ("annotation", "outside", "unsampled")  # not run: the filters' marks (run.py), decided afresh
+
+
+def old_results(session: Path, judged: bool = False) -> list[tuple]:
+    """The killed and surviving mutants of a run (``judged``: every mutant run, an incompetent or
+    timed-out one too): ``(module, operator, occurrence, start row, start col, end row, end col,
+    worker_outcome, output, test_outcome, diff, definition_name)``, read before its copy is removed."""
     db = sqlite3.connect(session)
+    which = (
+        " AND ".join(f"r.output IS NOT '{m}'" for m in SKIPPED)
+        if judged
+        else "r.test_outcome IN ('KILLED', 'SURVIVED')"
+    )
     try:
         return db.execute(
             "SELECT m.module_path, m.operator_name, m.occurrence, m.start_pos_row, m.start_pos_col, m.end_pos_row, "
             "m.end_pos_col, r.worker_outcome, r.output, r.test_outcome, r.diff, m.definition_name "
-            "FROM mutation_specs m JOIN work_results r ON r.job_id = m.job_id "
-            "WHERE r.test_outcome IN ('KILLED', 'SURVIVED')"
+            f"FROM mutation_specs m JOIN work_results r ON r.job_id = m.job_id WHERE {which}"
         ).fetchall()
     finally:
         db.close()
@@ -122,7 +129,7 @@ def carry(
     olds: dict[tuple, list[tuple]] = defaultdict(list)
     for row in sorted(old, key=lambda r: (r[0], r[1], r[2])):
         rel = _rel(row[0])
-        if rel not in parsed:
+        if rel not in parsed or row[9] not in ("KILLED", "SURVIVED"):
             continue
         (spans, code), (_, new_code) = parsed[rel]
         key = _key(old_texts[rel].splitlines(), spans, rel, *row[1:2], *row[3:7])
@@ -172,11 +179,12 @@ def _changed(diff: str | None) -> str:
     return "\n".join(ln for ln in (diff or "").splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---"))
 
 
-def write_ledger(session: Path, commit: str, path: Path, markers: tuple[str, ...]) -> int:
-    """The run's results (:func:`old_results`, the mutants of ``commit``) into ``path``: a header
-    line, then one JSON list per mutant, in a stable order. Returns how many."""
-    rows = sorted(old_results(session), key=lambda r: (_rel(r[0]), r[1], r[2], r[3], r[4]))
-    lines = [json.dumps({"commit": commit, "results": len(rows)})]
+def write_ledger(session: Path, commit: str, path: Path, markers: tuple[str, ...], **header: object) -> int:
+    """The run's results (:func:`old_results`, every mutant run, of ``commit``) into ``path``: a
+    header line (the commit, the count, and ``header``: what the run's report needs besides), then
+    one JSON list per mutant, in a stable order. Returns how many."""
+    rows = sorted(old_results(session, judged=True), key=lambda r: (_rel(r[0]), r[1], r[2], r[3], r[4]))
+    lines = [json.dumps({"commit": commit, "results": len(rows), **header})]
     for module, op, occ, r0, c0, r1, c1, worker, output, test, diff, where in rows:
         lines.append(json.dumps([_rel(module), op, occ, r0, c0, r1, c1, worker, _marker(output, markers),
                                  test, _changed(diff), where]))  # fmt: skip
@@ -185,11 +193,12 @@ def write_ledger(session: Path, commit: str, path: Path, markers: tuple[str, ...
     return len(rows)
 
 
-def read_ledger(path: Path) -> tuple[str, list[tuple]]:
-    """A ledger's commit and its results, in :func:`old_results`' form."""
+def read_ledger(path: Path) -> tuple[dict, list[tuple]]:
+    """A ledger's header (``commit``, ``results`` and what the run added) and its results, in
+    :func:`old_results`' form."""
     head, *rows = path.read_text().splitlines()
     meta = json.loads(head)
     got = [tuple(json.loads(r)) for r in rows if r.strip()]
     if len(got) != meta["results"]:
         raise ValueError(f"{path}: {len(got)} results, its header says {meta['results']}")
-    return meta["commit"], got
+    return meta, got

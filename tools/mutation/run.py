@@ -158,13 +158,26 @@ def _focus_map(work: Path, target: dict) -> None:
           + (f"; no test executes {', '.join(unreached)}" if unreached else ""), flush=True)  # fmt: skip
 
 
+def _describe(work: Path) -> str:
+    """The run's commit, and what it carried and against which tests its survivors ran again."""
+    commit = (work / "COMMIT").read_text().strip() if (work / "COMMIT").exists() else "?"
+    if (work / "CARRIED").exists():  # kills of an earlier run's same mutants of unchanged code
+        kills, equiv, was = (work / "CARRIED").read_text().split()
+        commit += f", {kills} kills and {equiv} named equivalents carried from the run at {was[:10]}"
+    if (work / "TESTS_COMMIT").exists():  # survivors run again against later tests
+        commit += f", survivors against the tests of {(work / 'TESTS_COMMIT').read_text()[:10]}"
+    return commit
+
+
 def _save_ledger(work: Path, ledger: Path) -> int:
     """The run's results into its group's ledger (carry.py), what a fresh start on another machine
-    carries."""
+    carries, and what ``--report-only`` reads where there is no run here."""
     import carry  # beside this file
 
+    n_skipped, n_pending = _counts(work / "session.sqlite")
     return carry.write_ledger(work / "session.sqlite", (work / "COMMIT").read_text().strip(), ledger,
-                              (NO_TEST, TIMED_OUT))  # fmt: skip
+                              (NO_TEST, TIMED_OUT), skipped=n_skipped, not_run=n_pending,
+                              described=_describe(work))  # fmt: skip
 
 
 def _is_equivalent(named: list[dict], line: int, op: str, where: str, diff: str | None) -> bool:
@@ -185,19 +198,28 @@ def _wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return max(0.0, mid - half), min(1.0, mid + half)
 
 
-def _report(work: Path, name: str, target: dict, commit: str) -> dict:
-    db = sqlite3.connect(work / "session.sqlite")
-    rows = db.execute(
-        "SELECT m.module_path, m.operator_name, m.start_pos_row, m.definition_name, r.test_outcome, r.diff, r.output "
-        "FROM mutation_specs m JOIN work_results r ON m.job_id = r.job_id "
-        "WHERE r.output IS NOT 'annotation' AND r.output IS NOT 'outside' AND r.output IS NOT 'unsampled'"
-    ).fetchall()
-    n_skipped = dict(db.execute("SELECT output, count(*) FROM work_results WHERE output IN "
-                                "('annotation', 'outside', 'unsampled') GROUP BY output").fetchall())  # fmt: skip
+def _counts(session: Path) -> tuple[dict[str, int], int]:
+    """A run's mutants skipped, per reason (the filters' marks), and not run yet."""
+    db = sqlite3.connect(session)
+    try:
+        n_skipped = dict(db.execute("SELECT output, count(*) FROM work_results WHERE output IN "
+                                    "('annotation', 'outside', 'unsampled') GROUP BY output").fetchall())  # fmt: skip
+        (n_pending,) = db.execute(
+            "SELECT count(*) FROM work_items WHERE job_id NOT IN (SELECT job_id FROM work_results)"
+        ).fetchone()
+    finally:
+        db.close()
+    return n_skipped, n_pending
+
+
+def _report(name: str, target: dict, commit: str, results: list[tuple], n_skipped: dict, n_pending: int) -> dict:
+    """The report of a run's ``results`` (carry.old_results(..., judged=True), from its session or
+    its ledger)."""
+    rows = [
+        (m, op, r0, where, test, diff, output)
+        for m, op, _o, r0, _c0, _r1, _c1, _w, output, test, diff, where in results
+    ]
     n_annotation = n_skipped.get("annotation", 0)
-    (n_pending,) = db.execute(
-        "SELECT count(*) FROM work_items WHERE job_id NOT IN (SELECT job_id FROM work_results)"
-    ).fetchone()
     named = target.get("equivalent", [])
     killed = survived = timeouts = equiv = untested = 0
     survivors = []
@@ -348,7 +370,8 @@ def main() -> int:
                 was = (work / "COMMIT").read_text().strip()
                 prev = (was, carry.old_results(session))
             elif not args.no_carry and ledger.exists():  # no run on this machine: the committed one
-                prev = carry.read_ledger(ledger)
+                meta, results = carry.read_ledger(ledger)
+                prev = (meta["commit"], results)
             if prev is not None:
                 texts = {m: _git("show", f"{prev[0]}:{m}").decode() for m in target["modules"]}
                 prev = (*prev, texts)
@@ -383,14 +406,20 @@ def main() -> int:
         subprocess.run(["cosmic-ray", "exec", str(cfg), str(session)], check=True, cwd=work)
         _save_ledger(work, ledger)
         print(f"{args.target}: {time.perf_counter() - t0:.0f} s", flush=True)
-    commit = (work / "COMMIT").read_text() if (work / "COMMIT").exists() else "?"
-    if (work / "CARRIED").exists():  # kills of an earlier run's same mutants of unchanged code
-        kills, equiv, was = (work / "CARRIED").read_text().split()
-        commit += f", {kills} kills and {equiv} named equivalents carried from the run at {was[:10]}"
-    if (work / "TESTS_COMMIT").exists():  # survivors run again against later tests
-        commit += f", survivors against the tests of {(work / 'TESTS_COMMIT').read_text()[:10]}"
-    out = _report(work, args.target, target, commit)
-    (work / "report.json").write_text(json.dumps(out, indent=1))
+    import carry  # beside this file
+
+    if session.exists():
+        n_skipped, n_pending = _counts(session)
+        out = _report(
+            args.target, target, _describe(work), carry.old_results(session, judged=True), n_skipped, n_pending
+        )
+        (work / "report.json").write_text(json.dumps(out, indent=1))
+    elif args.report_only and ledger.exists():  # no run on this machine: the committed one's
+        meta, results = carry.read_ledger(ledger)
+        print(f"(from {ledger.relative_to(ROOT)})")
+        _report(args.target, target, meta["described"], results, meta["skipped"], meta["not_run"])
+    else:
+        sys.exit(f"no run of {args.target} in {work}, and no ledger")
     return 0
 
 
