@@ -447,8 +447,9 @@ def test_the_bar_counts_every_request_scored_by_one_shared_row(model, monkeypatc
     said: list[str] = []
 
     class Seen(tqdm.tqdm):
-        def close(self):
-            said.append(self.postfix or "")
+        def close(self):  # tqdm's __del__ closes a closed bar again (disabled then): once each
+            if not self.disable:
+                said.append(self.postfix or "")
             super().close()
 
     monkeypatch.setattr(tqdm, "tqdm", Seen)
