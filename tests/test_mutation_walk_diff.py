@@ -29,3 +29,14 @@ def test_a_change_that_feeds_one_token_a_batch_differs_and_the_same_text_does_no
     assert _engine._Walk is _walk._Walk  # put back
     with pytest.raises(SystemExit, match="found 0 times"):
         tool.main(["no such text", "x"])
+
+
+def test_token_requests_build_what_text_requests_missed(capsys):
+    """A slot that copies the shared nodes before one another slot still feeds, recorded as a
+    holder of that node too (``deep << 1``): 60 runs of text requests passed it; the token
+    requests of seed 32 (its first run) catch it, as test_evaluation.py's test built for it does."""
+    tool = _load()
+    old = "            for n in path[i : deep + 1]:"
+    assert tool.main([old, old.replace("deep + 1", "deep << 1"), "--tokens", "--runs", "1", "--seed", "32",
+                      "--max-requests", "10"]) == 1  # fmt: skip
+    assert capsys.readouterr().out.endswith("1 of 1 runs differ\n")

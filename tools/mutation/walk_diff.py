@@ -1,6 +1,6 @@
 """Run a change of the trie's walk against the walk as it is, over random request sets.
 
-    python tools/mutation/walk_diff.py OLD NEW [--runs 100] [--seed 0] [--deep] [--max-requests 6]
+    python tools/mutation/walk_diff.py OLD NEW [--runs 100] [--seed 0] [--deep | --tokens] [--max-requests 6]
 
 OLD is text of ``pyllamacpp/evaluation/_walk.py`` (once, exactly) and NEW what replaces it: a
 surviving mutant, say. Each run draws requests (a shared header, short sentences, questions and
@@ -9,7 +9,11 @@ a prefix store with some of the requests, then scores all of them twice with a c
 once with the walk, once with the changed one. It prints each run whose results (bit for bit) or
 counts (``Loglikelihoods.summary()`` without the time) differ, then how many did. None in many runs
 supports a mutant's name as equivalent in ``targets.toml``; one is the test to write.
-``--deep`` strings up to four sentences per request (tries up to five nodes deep).
+``--deep`` strings up to four sentences per request (tries up to five nodes deep). ``--tokens``
+draws requests of token ids instead, built as a trie with runs of 1 to 40 tokens against an
+``n_batch`` of 4 to 32 and 1 to 5 slots: nodes fed over several batches while other slots wait
+for them or copy what lies before them, which the text requests seldom build (a survivor that 60
+text runs passed failed the first token runs).
 """
 
 from __future__ import annotations
@@ -63,6 +67,47 @@ def _draw(rng: random.Random, deep: bool, max_requests: int):
     return reqs, first, args, rng.choice([8, 16])
 
 
+def _draw_tokens(rng: random.Random, max_requests: int):
+    """Requests of token ids built as a random trie (up to six nodes deep, 1 to 3 children a node,
+    runs of 1 to 40 tokens, a request ending at an inner node now and then, continuations of 1 to
+    3 tokens). Ids are given in the order the trie is grown, so its depth-first order is the order
+    of growth: a first branch that is one long request keeps a slot busy while another feeds the
+    next branch's shared nodes over several batches, and a third slot waits or copies what lies
+    before them (what text requests seldom build)."""
+    nxt = iter(range(100, 40_000))
+    reqs: list[tuple[list[int], list[int]]] = []
+
+    def cont() -> list[int]:
+        return [next(nxt) for _ in range(rng.randint(1, 3))]
+
+    def grow(prefix: list[int], depth: int) -> None:
+        for _ in range(rng.choice([1, 2, 2, 3])):
+            if len(reqs) >= max_requests:
+                return
+            path = prefix + [next(nxt) for _ in range(rng.choice([1, 2, 3, 5, 8, 13, 21, 40]))]
+            if depth < 5 and rng.random() < 0.7:
+                if rng.random() < 0.3:
+                    reqs.append((path, cont()))
+                grow(path, depth + 1)
+            else:
+                reqs.append((path, cont()))
+
+    if rng.random() < 0.5:  # a first request apart from the rest, long: a slot busy with it
+        reqs.append(([next(nxt) for _ in range(rng.choice([8, 21, 40]))], cont()))
+    while len(reqs) < 2:
+        grow([], 0)
+    rng.shuffle(reqs)
+    first = rng.sample(reqs, rng.randint(1, len(reqs)))
+    args = dict(
+        n_threads=1,
+        n_seq_max=rng.choice([1, 2, 2, 3, 3, 4, 5]),
+        n_batch=rng.choice([4, 8, 16, 32]),
+        flash_attn="on",
+        n_ctx=rng.choice([128, 192, 256, 512]),
+    )
+    return reqs, first, args, rng.choice([4, 8, 16])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("old", help="text of _walk.py to replace (found exactly once)")
@@ -71,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="random.Random's seed (default 0)")
     ap.add_argument("--deep", action="store_true", help="up to four sentences per request (deeper tries)")
     ap.add_argument("--max-requests", type=int, default=6, help="requests per set, 2 to this (default 6)")
+    ap.add_argument(
+        "--tokens", action="store_true", help="requests of token ids built as a trie, long runs against n_batch"
+    )
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     import pyllamacpp as pl
@@ -88,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     n_diff = n_run = 0
     for k in range(args.runs):
-        reqs, first, kw, chunk = _draw(rng, args.deep, args.max_requests)
+        if args.tokens:
+            reqs, first, kw, chunk = _draw_tokens(rng, args.max_requests)
+        else:
+            reqs, first, kw, chunk = _draw(rng, args.deep, args.max_requests)
         d = pathlib.Path(tempfile.mkdtemp())
         try:
             try:
