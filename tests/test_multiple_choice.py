@@ -605,6 +605,26 @@ def test_packing_and_pieces_of_n_batch_give_the_same_scores(model):
     assert with_ctx.report() == base.report()
 
 
+def test_hellaswag_takes_400_tasks_by_default_as_hellaswag_tasks_does(model, monkeypatch):
+    """``--hellaswag-tasks`` defaults to 400: of a file of 401, 400 in llama-perplexity's random
+    order (the tasks are picked before any decode; the decode is stopped here)."""
+    text = "".join(f"Task {k}: a man\n0\nruns.\nwalks.\nsits.\nstands.\n" for k in range(401))
+    picked: list[list[int]] = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(ctx, model, preps, *args):
+        picked.append([int(p.what.split()[2]) for p in preps])
+        raise Stop
+
+    monkeypatch.setattr(mc, "_decode_groups", spy)
+    for kw, n in (({}, 400), ({"n_tasks": 401}, 401)):
+        with pytest.raises(Stop):
+            mc.hellaswag(model, text, **kw, **T)
+        assert picked[-1] == R.hellaswag_order(401, n)
+
+
 def test_a_decode_that_begins_with_a_finished_tasks_last_token_scores_each_task_once(model, monkeypatch):
     """A task's last token predicts nothing (no row); cut alone into the next decode, before the
     next task's shared tokens, it is a piece without rows of a task whose rows are all out: skipped,
