@@ -937,6 +937,8 @@ def test_multiple_choice_scores_and_final_lines(model):
     r = mc.multiple_choice(model, None, **ON)
     tasks = mc.read_multiple_choice(mc.sample_path("multiple-choice"))
     assert len(r.tasks) == 40 and r.n_decodes < 40  # tasks of 2 or 3 answers share a batch of 4 sequences
+    # -c 512 a sequence, and -b 2048 (n_batch is min(-b, n_ctx); llama.cpp pads n_ctx to 256)
+    assert r.n_seq_max == 4 and r.n_ctx == r.n_batch == 4 * 512
     with model.context(n_ctx=256, **ON) as ctx:
         for t in r.tasks[::8]:
             q = tasks[t.task]
