@@ -300,16 +300,21 @@ def test_a_model_that_does_not_say_its_n_ctx_train_takes_4096_cells_or_the_longe
     assert got == {"n_ctx_train": 0, "n_ctx": [4, 4800, 4096], "finite": [True, True, True]}
 
 
-def test_a_slot_that_copies_the_nodes_before_one_still_fed_holds_only_those(model):
+@pytest.mark.parametrize("copied", [3, 1])
+def test_a_slot_that_copies_the_nodes_before_one_still_fed_holds_only_those(model, copied):
     """Two slots, n_batch 16. Slot 0 decodes an unrelated request (21 tokens: two batches) while
-    slot 1 feeds the shared nodes A, B, C (a branch after each) and starts J (30 tokens). Then
-    slot 0 takes the path through J too: it copies A, B and C from slot 1 and waits for J, which
-    slot 1 is still feeding; once J is whole, it copies J from the slot that holds it. Recording
-    slot 0 as a holder of J at the first copy (``_catch_up``'s ``path[i : deep << 1]``) made it
-    copy J from itself, and llama_decode refused its next token (position 36 after 5)."""
+    slot 1 feeds the shared nodes (A, B, C with a branch after each; or A alone) and starts J (30
+    tokens). Then slot 0 takes the path through J too: it copies the nodes before J from slot 1
+    and waits for J, which slot 1 is still feeding; once J is whole, it copies J from the slot that
+    holds it. Recording slot 0 as a holder of J at the first copy (``_catch_up``'s ``path[i : deep
+    << 1]`` past three nodes; ``path[i : deep - 1]`` past one, as ``[0:-1]`` is all but the last)
+    made it copy J from itself, and llama_decode refused its next token."""
     a, b, c, j = [200, 201], [300, 301], [400, 401], list(range(500, 530))
-    reqs = [(list(range(100, 120)), [120, 121]), (a + b + c + j, [600, 603]), (a + b + c + j, [601, 602]),
-            (a + b + c, [700, 701]), (a + b, [710, 711]), (a, [720, 721])]  # fmt: skip
+    if copied == 3:
+        reqs = [(a + b + c + j, [600, 603]), (a + b + c + j, [601, 602]), (a + b + c, [700, 701]), (a + b, [710, 711])]
+    else:
+        reqs = [(a + j, [600, 603]), (a + j, [601, 602])]
+    reqs = [(list(range(100, 120)), [120, 121]), *reqs, (a, [720, 721])]
     with model.context(n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=2, kv_unified=True, **T) as ctx:
         whole = pl.loglikelihood(ctx, reqs)
     with model.context(n_ctx=512, n_batch=16, n_ubatch=16, n_seq_max=3, kv_unified=True, **T) as ctx:
