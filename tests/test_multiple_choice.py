@@ -886,6 +886,7 @@ def test_winogrande_selection_and_final_score(model):
     assert 0 < n < 100
     assert r.stderr == pytest.approx(float(sigma) / 100, rel=1e-5)
     assert "Final" not in mc.winogrande(model, text, 99, **T).report()
+    assert "\nFinal Winogrande score(101 tasks): " in mc.winogrande(model, text, 101, **T).report()  # not 100 only
 
 
 def test_winogrande_puts_up_to_128_tasks_in_a_batch(model):
