@@ -914,11 +914,14 @@ def test_multiple_choice_puts_up_to_128_sequences_in_a_batch_and_takes_all_tasks
 
 def test_multiple_choice_tasks_of_three_answers_share_a_batch_in_their_own_sequences(model):
     # with 8 sequences, two tasks of 3 answers go in one batch, the second in sequences 3 to 5 (its
-    # seq ids as s0 ^ s, 3 ^ 1 = 2, went into the first task's): the scores of each task alone
+    # seq ids as s0 ^ s, 3 ^ 1 = 2, went into the first task's; as s0 | s, all three into 3, which
+    # answers of one token each hid: a last token has no row): the scores of each task alone
     tasks = [
-        mc.MultipleChoiceTask("Which color is the sky on a clear day?", ("blue", "green", "red"), (1, 0, 0)),
-        mc.MultipleChoiceTask("What do cows drink most of the time?", ("milk", "water", "juice"), (0, 1, 0)),
-    ]
+        mc.MultipleChoiceTask("Which color is the sky on a clear day?", ("blue and clear", "green like grass",
+                                                                         "red at dusk"), (1, 0, 0)),
+        mc.MultipleChoiceTask("What do cows drink most of the time?", ("milk from cows", "plain cold water",
+                                                                      "orange juice"), (0, 1, 0)),
+    ]  # fmt: skip
     raw = mc.write_multiple_choice(tasks)
     both = mc.multiple_choice(model, raw, n_parallel=8, **T)
     alone = mc.multiple_choice(model, raw, n_parallel=4, **T)
