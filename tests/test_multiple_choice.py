@@ -706,6 +706,7 @@ def _preps(required, n_seqs=4):
     ("n_base", "said"),
     [
         ((3, 9), "choice 1's first part tokenizes to 3 tokens"),
+        ((4, 9), "choice 1's first part tokenizes to 4 tokens"),  # its first row would be -1: the last
         ((9, 12), "choice 2's first part tokenizes to 12 tokens"),
     ],
 )
@@ -814,6 +815,8 @@ def test_winogrande_partial_scores_as_winogrande_score(model):
     r = mc.winogrande(model, WG, **ON)
     tasks, _ = mc.read_winogrande(WG)
     assert len(r.tasks) == 6 and all(t.exact for t in r.tasks)
+    # a task count past the file's (7 of 6) takes all of them in order, as --winogrande-tasks does
+    assert mc.winogrande(model, WG, 7, **ON).report() == r.report()
     with model.context(n_ctx=256, **ON) as ctx:
         for t in r.tasks:
             w = tasks[t.task]
