@@ -1240,6 +1240,18 @@ def test_the_modes_default_n_ctx_is_512_per_sequence(model):
     ] == [2048] * 3
 
 
+def test_the_modes_leave_a_callers_context_open(model):
+    """A Context passed in stays the caller's: open after each mode and usable (a mode closes only
+    the context it made from a Model; the memory it clears before each batch, as there)."""
+    with model.context(n_ctx=1024, n_seq_max=4, kv_unified=True, **T) as ctx:
+        for mode in (mc.hellaswag, mc.winogrande, mc.multiple_choice):
+            assert len(mode(ctx, None, 1).tasks) == 1
+            assert not ctx.closed, mode.__name__
+        ctx.memory.clear()
+        ctx.prefill(model.tokenize("The sky is"))
+        assert ctx.memory.seq_pos_max(0) == 2
+
+
 def test_the_modes_refuse_settings_they_cannot_run(model):
     for kw in ({"n_ctx": 0}, {"n_ctx": -1}, {"n_batch": 0}, {"n_batch": -1}, {"n_parallel": 0}, {"n_parallel": -1}):
         with pytest.raises(ValueError, match=r"n_ctx \(.*\), n_batch \(.*\) and n_parallel \(.*\) must be positive"):
