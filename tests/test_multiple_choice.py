@@ -913,6 +913,8 @@ def test_multiple_choice_puts_up_to_128_sequences_in_a_batch_and_takes_all_tasks
     # --multiple-choice-tasks past the file's count: all of them, in order (as 0 does)
     r = mc.multiple_choice(model, raw, 50, n_ctx=768, n_batch=768, n_parallel=160, **T)
     assert [t.task for t in r.tasks] == [*range(33)]
+    r = mc.multiple_choice(model, raw, 33, n_ctx=768, n_batch=768, n_parallel=160, **T)  # and at it
+    assert [t.task for t in r.tasks] == [*range(33)]
 
 
 def test_multiple_choice_tasks_of_three_answers_share_a_batch_in_their_own_sequences(model):
@@ -938,6 +940,12 @@ def test_only_a_label_of_1_is_a_right_answer(model):
     raw = mc.write_multiple_choice([mc.MultipleChoiceTask("Pick one:", ("yes", "no", "maybe"), (2, 1, -1))])
     t = mc.multiple_choice(model, raw, **T).tasks[0]
     assert t.gold == (1,) and t.correct == (t.pred == 1)
+    # the label 2 on each answer in turn, so that the one the model picks has it in one task
+    labels = [(2, 1, 0), (1, 2, 0), (1, 0, 2)]
+    raw = mc.write_multiple_choice([mc.MultipleChoiceTask("Pick one:", ("yes", "no", "maybe"), ls) for ls in labels])
+    r = mc.multiple_choice(model, raw, **T)
+    assert [t.correct for t in r.tasks] == [labels[t.task][t.pred] == 1 for t in r.tasks]
+    assert any(labels[t.task][t.pred] == 2 for t in r.tasks)
 
 
 def test_multiple_choice_scores_and_final_lines(model):
