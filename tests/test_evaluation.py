@@ -291,6 +291,22 @@ def _no_ctx_train(folder: str) -> dict:
         }
 
 
+def _a_path_of_exactly_n_ctx_cells_after_an_epoch() -> dict:
+    """In a child process (call_in_child): a hang fails the test, not the run."""
+    model = pl.Model(pl.default_model_path())
+    reqs = [(list(range(100, 250)), [250]), (list(range(300, 556)), [556])]
+    r = pl.loglikelihood(model, reqs, n_ctx=256, n_seq_max=1, **T)
+    return {"n_epochs": r.summary()["n_epochs"], "finite": [bool(np.isfinite(x.logprob)) for x in r]}
+
+
+def test_a_path_of_exactly_n_ctx_cells_fits_the_next_epoch():
+    """256 cells: a request of 150 tokens to feed, then one of 256, which cannot share the first
+    epoch and fills the second to the last cell (an epoch that began with one cell taken waited
+    for room that never came: a hang)."""
+    got = call_in_child(_a_path_of_exactly_n_ctx_cells_after_an_epoch, timeout=240)
+    assert got == {"n_epochs": 1, "finite": [True, True]}
+
+
 def test_a_model_that_does_not_say_its_n_ctx_train_takes_4096_cells_or_the_longest_request(tmp_path):
     """A GGUF whose context_length is 0 (llama_model_n_ctx_train 0: it does not say): the cells
     are capped at 4096 or the longest request, not at 0 (a cap of n_ctx_train 0 refused every
