@@ -6,7 +6,9 @@ dependency): the tables and columns ``carry`` reads and writes.
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,3 +183,50 @@ def test_a_ledger_carries_what_its_session_carries_and_holds_no_path_of_the_mach
     ledger.write_text(text.replace('"results": 8', '"results": 9'))
     with pytest.raises(ValueError, match="8 results, its header says 9"):
         carry.read_ledger(ledger)
+
+
+def test_report_only_reads_from_the_ledger_what_the_run_reported(tmp_path, monkeypatch, capsys):
+    """run.py ``--save-ledger`` writes the run's counts beside its results (skipped per reason, not
+    run yet, what it carried), and ``--report-only`` on a machine without the run prints from the
+    ledger the report the run printed."""
+    monkeypatch.syspath_prepend(str(CARRY.parent))  # run.py imports carry.py from beside it
+    run = load_tool(REPO / "tools" / "mutation" / "run.py", "mutation_run")
+    root = tmp_path / "repo"  # no git here: run.py reads the targets from TARGETS
+    (root / "tools" / "mutation").mkdir(parents=True)
+    targets = root / "tools" / "mutation" / "targets.toml"
+    r0 = _at(OLD, "return y - 3", "-")[0]
+    targets.write_text(
+        f'[target.g]\nmodules = ["{REL}"]\ntests = ["tests/test_mod.py"]\n'
+        f'[[target.g.equivalent]]\nline = {r0}\noperator = "core/ReplaceBinaryOperator_Sub_Add"\nwhy = "y"\n'
+    )
+    monkeypatch.setattr(run, "ROOT", root)
+    monkeypatch.setattr(run, "TARGETS", targets)
+    monkeypatch.setattr(run, "LEDGERS", root / "tools" / "mutation" / "ledger")
+    work = root / "build" / "mutation" / "g"
+    work.mkdir(parents=True)
+    (work / "COMMIT").write_text("c0ffee" * 6 + "abcd")
+    (work / "CARRIED").write_text("2 1 " + "be" * 20)
+    (work / "TESTS_COMMIT").write_text("fade" * 10)
+    _session(work / "session.sqlite", OLD, MUTANTS,
+             {"a+": "KILLED", "b*": "SURVIVED", "c-": "KILLED", "cy": "SURVIVED"})  # fmt: skip
+    db = sqlite3.connect(work / "session.sqlite")  # the filters' marks; c3+ and cy3 not run yet
+    db.execute("UPDATE work_results SET output = 'timeout' WHERE job_id = 'c-'")
+    db.execute("INSERT INTO work_results VALUES ('SKIPPED', 'annotation', 'SKIPPED', '', 'c3-')")
+    db.commit()
+    db.close()
+
+    def main(*argv: str) -> str:
+        monkeypatch.setattr(sys, "argv", ["run.py", "g", *argv])
+        assert run.main() in (0, None)
+        return capsys.readouterr().out
+
+    assert "4 results of the run at c0ffeec0ff written to tools/mutation/ledger/g.jsonl" in main("--save-ledger")
+    here = main("--report-only")
+    assert here.startswith(
+        "g (at c0ffeec0ff, 2 kills and 1 named equivalents carried from the run at bebebebebe, survivors against "
+        "the tests of fadefadefa): 4 mutants, 1 killed, 1 timed out, 1 survived, 1 equivalent named in "
+        "targets.toml, 1 in annotations (skipped): kill rate 66.7% of the non-equivalent; 2 not run yet"
+    )
+    assert "-- survived: mod.py:" in here
+    shutil.rmtree(root / "build")
+    assert main("--report-only") == "(from tools/mutation/ledger/g.jsonl)\n" + here

@@ -200,10 +200,13 @@ def _wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 
 def _counts(session: Path) -> tuple[dict[str, int], int]:
     """A run's mutants skipped, per reason (the filters' marks), and not run yet."""
+    import carry  # beside this file
+
+    marks = ", ".join("?" * len(carry.SKIPPED))
     db = sqlite3.connect(session)
     try:
-        n_skipped = dict(db.execute("SELECT output, count(*) FROM work_results WHERE output IN "
-                                    "('annotation', 'outside', 'unsampled') GROUP BY output").fetchall())  # fmt: skip
+        n_skipped = dict(db.execute(f"SELECT output, count(*) FROM work_results WHERE output IN ({marks}) "
+                                    "GROUP BY output", carry.SKIPPED).fetchall())  # fmt: skip
         (n_pending,) = db.execute(
             "SELECT count(*) FROM work_items WHERE job_id NOT IN (SELECT job_id FROM work_results)"
         ).fetchone()

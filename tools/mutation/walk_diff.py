@@ -56,15 +56,17 @@ def _draw(rng: random.Random, deep: bool, max_requests: int):
         head = rng.choice([HEADER, HEADER, HEADER, "The", "A"])
         mid = "".join(rng.choice(SENTENCES) for _ in range(rng.randint(0, 4))) if deep else rng.choice(MIDS)
         reqs.append((head + mid + rng.choice(QUESTIONS), rng.choice(CONTINUATIONS)))
+    return _settings(rng, reqs, slots=[1, 2, 3, 4], n_batch=[8, 16, 32, 512], n_ctx=[96, 128, 192, 256, 512],
+                     store=[8, 16])  # fmt: skip
+
+
+def _settings(rng: random.Random, reqs: list, slots: list[int], n_batch: list[int], n_ctx: list[int], store: list[int]):
+    """What both draws add to their requests: those scored first (a first call), the context's
+    slots, batch and size, and the store's size, each drawn from the lists given."""
     first = rng.sample(reqs, rng.randint(1, len(reqs)))
-    args = dict(
-        n_threads=1,
-        n_seq_max=rng.randint(1, 4),
-        n_batch=rng.choice([8, 16, 32, 512]),
-        flash_attn="on",
-        n_ctx=rng.choice([96, 128, 192, 256, 512]),
-    )
-    return reqs, first, args, rng.choice([8, 16])
+    args = dict(n_threads=1, n_seq_max=rng.choice(slots), n_batch=rng.choice(n_batch), flash_attn="on",
+                n_ctx=rng.choice(n_ctx))  # fmt: skip
+    return reqs, first, args, rng.choice(store)
 
 
 def _draw_tokens(rng: random.Random, max_requests: int):
@@ -97,15 +99,8 @@ def _draw_tokens(rng: random.Random, max_requests: int):
     while len(reqs) < 2:
         grow([], 0)
     rng.shuffle(reqs)
-    first = rng.sample(reqs, rng.randint(1, len(reqs)))
-    args = dict(
-        n_threads=1,
-        n_seq_max=rng.choice([1, 2, 2, 3, 3, 4, 5]),
-        n_batch=rng.choice([4, 8, 16, 32]),
-        flash_attn="on",
-        n_ctx=rng.choice([128, 192, 256, 512]),
-    )
-    return reqs, first, args, rng.choice([4, 8, 16])
+    return _settings(rng, reqs, slots=[1, 2, 2, 3, 3, 4, 5], n_batch=[4, 8, 16, 32], n_ctx=[128, 192, 256, 512],
+                     store=[4, 8, 16])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
