@@ -495,6 +495,37 @@ def test_the_bar_is_cleared_when_the_run_ends(model, capsys):
     assert "loglikelihood" in err and "\n" not in err and err.endswith("\r")
 
 
+def test_nothing_of_a_run_outlives_it_waiting_for_the_garbage_collector(model, monkeypatch):
+    """With the cyclic GC off, the bar and every reference to the caller's Context are gone when
+    the call returns (the walk held its report hook, which held the bar's tick, which held the
+    walk: a cycle kept both until a collection)."""
+    import gc
+    import weakref
+
+    import tqdm
+
+    bars: list[weakref.ref] = []
+
+    class Seen(tqdm.tqdm):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            bars.append(weakref.ref(self))
+
+    monkeypatch.setattr(tqdm, "tqdm", Seen)
+    reqs = [("The capital of France is", x) for x in (" Paris", " Berlin is")]
+    with model.context(n_ctx=256, n_seq_max=2, **T) as ctx:
+        before = sys.getrefcount(ctx)
+        gc.collect()
+        gc.disable()
+        try:
+            pl.loglikelihood(ctx, reqs, progress=True)
+            alive = [b() is not None for b in bars]
+            after = sys.getrefcount(ctx)
+        finally:
+            gc.enable()
+    assert alive == [False] and after == before
+
+
 def test_a_callers_own_decode_is_put_back_after_the_bar(model):
     reqs = few_shot()[:4]
     with model.context(n_ctx=256, n_seq_max=3, kv_unified=True, **T) as ctx:

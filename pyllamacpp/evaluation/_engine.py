@@ -424,6 +424,8 @@ def loglikelihood(
         raise
     finally:
         out.seconds = time.perf_counter() - t0
+        if walk is not None:  # walk -> scored -> tick -> walk: a cycle that kept the bar and ctx until a GC
+            walk.on_scored = None
         if bar is not None:
             bar.close()
             if own_decode:
