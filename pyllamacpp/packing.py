@@ -43,6 +43,7 @@ __all__ = [
     "decode",
     "common_prefix",
     "model_and_context",
+    "release",
     "fork",
 ]
 
@@ -607,6 +608,22 @@ def model_and_context(model_or_ctx: Model | Context) -> tuple[Model, Context | N
     if isinstance(model_or_ctx, Model):
         return model_or_ctx, None
     raise TypeError(f"expected a Model or a Context, not {type(model_or_ctx).__name__}")
+
+
+def release(ctx: Context, own: bool) -> None:
+    """The end of a run over a context's whole memory (scoring, evaluation), done or not: a context
+    the run made for itself (``own``) is closed; a caller's stays open, its memory cleared, as it
+    was cleared before the run began (cells of the run's last batch left there would make the
+    caller's next decode of those sequences start past their position 0).
+
+    Args:
+        ctx: The context the run used.
+        own: Whether the run made it (from a Model) rather than being given it.
+    """
+    if own:
+        ctx.close()
+    elif not ctx.closed:
+        ctx.memory.clear()
 
 
 def fork(ctx: Context, src: int, dsts: Iterable[int], p0: int = -1, p1: int = -1) -> None:

@@ -1248,16 +1248,30 @@ def test_the_modes_default_n_ctx_is_512_per_sequence(model):
     ] == [2048] * 3
 
 
-def test_the_modes_leave_a_callers_context_open(model):
-    """A Context passed in stays the caller's: open after each mode and usable (a mode closes only
-    the context it made from a Model; the memory it clears before each batch, as there)."""
+def test_the_modes_leave_a_callers_context_open_and_its_memory_cleared(model):
+    """A Context passed in stays the caller's: open after each mode, its memory cleared as before
+    the run (the last batch's cells left in it made the caller's next prefill of sequence 0 start
+    past position 0), whether the run ended or was stopped (a mode closes only the context it made
+    from a Model)."""
     with model.context(n_ctx=1024, n_seq_max=4, kv_unified=True, **T) as ctx:
         for mode in (mc.hellaswag, mc.winogrande, mc.multiple_choice):
             assert len(mode(ctx, None, 1).tasks) == 1
             assert not ctx.closed, mode.__name__
-        ctx.memory.clear()
-        ctx.prefill(model.tokenize("The sky is"))
-        assert ctx.memory.seq_pos_max(0) == 2
+            assert [ctx.memory.seq_pos_max(s) for s in range(4)] == [-1] * 4, mode.__name__
+            ctx.prefill(model.tokenize("The sky is"))
+            assert ctx.memory.seq_pos_max(0) == 2
+        real = ctx.decode
+
+        def stop(*a, **kw):
+            real(*a, **kw)
+            raise KeyboardInterrupt
+
+        ctx.decode = stop  # a Ctrl-C after the first batch was decoded
+        for mode in (mc.hellaswag, mc.winogrande, mc.multiple_choice):
+            with pytest.raises(KeyboardInterrupt):
+                mode(ctx, None, 1)
+            assert [ctx.memory.seq_pos_max(s) for s in range(4)] == [-1] * 4, mode.__name__
+        del ctx.decode
 
 
 def test_the_modes_refuse_settings_they_cannot_run(model):

@@ -214,6 +214,32 @@ def base_file(model, text_tokens, tmp_path_factory):
     return path, r
 
 
+def test_perplexity_and_kl_leave_a_callers_context_open_and_its_memory_cleared(model, text_tokens, base_file):
+    """A Context passed in is cleared when the run ends, as it is before each group of chunks
+    (its cells would make the caller's next prefill of sequence 0 start past position 0), and
+    when a run is stopped (a KeyboardInterrupt from on_chunk after the first chunk)."""
+    path, r = base_file
+
+    def stopped(*_):
+        raise KeyboardInterrupt
+
+    with model.context(n_ctx=128, n_batch=128, n_seq_max=2, **T) as ctx:
+        runs = {
+            "perplexity": lambda **kw: scoring.perplexity(ctx, text_tokens, 64, n_chunks=4, **kw),
+            "kl_divergence": lambda **kw: scoring.kl_divergence(ctx, path, **kw),
+        }
+        for name, run in runs.items():
+            for on_chunk in (None, stopped):
+                if on_chunk is None:
+                    assert run().n_chunk == 4
+                else:
+                    with pytest.raises(KeyboardInterrupt):
+                        run(on_chunk=on_chunk)
+                assert not ctx.closed and [ctx.memory.seq_pos_max(s) for s in (0, 1)] == [-1, -1], (name, on_chunk)
+                ctx.prefill(model.tokenize("The sky is"))
+                assert ctx.memory.seq_pos_max(0) == 2
+
+
 def test_base_file_format(model, text_tokens, base_file):
     path, r = base_file
     b = scoring.BaseLogits(path)

@@ -95,7 +95,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._lib import lib
-from ..packing import model_and_context
+from ..packing import model_and_context, release
 
 # encode_pair stays importable from here: lm_eval, the tests and tools/bench import it from _engine
 from ._trie import _build, _finish_nodes, _mark, _Node, _prepare, _trie_tokens, encode_pair
@@ -432,10 +432,7 @@ def loglikelihood(
                 ctx.decode = real_decode  # type: ignore[method-assign]
             else:
                 del ctx.decode
-        if own:
-            ctx.close()
-        elif not ctx.closed:
-            ctx.memory.clear()
+        release(ctx, own)
     for k in range(len(uniq)):
         if done[k] is None:
             seq, c, nb = uniq[k]

@@ -269,6 +269,13 @@ def _context(
     return model, model.context(**kw), True
 
 
+def _release(ctx: Context, own: bool) -> None:
+    """A mode's end, done or not: packing.release (the context made here closed, a caller's cleared)."""
+    from ..packing import release
+
+    release(ctx, own)
+
+
 def _groups(preps: list[_Prep], n_ctx: int, max_seq: int, per_task: int | None) -> list[tuple[int, int]]:
     """The tasks of each batch, ``[i0, i1)``, as the scorers' packing loops choose them: while the
     next task's tokens fit ``n_ctx`` and its sequences ``max_seq`` (``per_task`` seq ids per task
@@ -498,7 +505,8 @@ def hellaswag(
         model_or_ctx: A :class:`Model` (a context is made as llama-perplexity makes it:
             ``n_seq_max = max(4, n_parallel)``, ``n_ctx = n_seq_max * n_ctx``, ``kv_unified``) or a
             :class:`Context` (its ``n_ctx``, ``n_batch`` and ``n_seq_max`` are used; it needs 4
-            sequences and ``kv_unified``; its memory is cleared before each batch).
+            sequences and ``kv_unified``; its memory is cleared before each batch and when the
+            run ends or is stopped, and it is left open).
         data: The HellaSwag file (a path), or its content (bytes, or a str with newlines); None:
             the 40 tasks shipped (:func:`sample_path`). One trailing newline is dropped, as ``-f``.
         n_tasks: Tasks to score (None: all of the file's, in llama-perplexity's random order).
@@ -558,8 +566,7 @@ def hellaswag(
         result.text = say.text
         return _finish_run(result, stats, t0)
     finally:
-        if own:
-            ctx.close()
+        _release(ctx, own)
 
 
 class _Transcript:
@@ -682,8 +689,7 @@ def winogrande(
         result.text = say.text
         return _finish_run(result, stats, t0)
     finally:
-        if own:
-            ctx.close()
+        _release(ctx, own)
 
 
 def multiple_choice(
@@ -795,5 +801,4 @@ def multiple_choice(
         result.text = say.text
         return _finish_run(result, stats, t0)
     finally:
-        if own:
-            ctx.close()
+        _release(ctx, own)

@@ -12,7 +12,7 @@ import numpy as np
 
 from .._cpu import default_n_threads
 from .._lib import lib
-from ..packing import model_and_context
+from ..packing import model_and_context, release
 from ._base_logits import BaseLogits
 from ._kl_stats import KLDivergence, _kl_result, _KLSums
 from ._perplexity import _check_vocab_flags, _chunk_batches, _chunk_plan
@@ -55,7 +55,8 @@ def kl_divergence(
 
     Args:
         model_or_ctx: A :class:`Model` (a context is made and closed) or a :class:`Context` (its
-            ``n_batch`` is used; its memory is cleared before each group of chunks).
+            ``n_batch`` is used; its memory is cleared before each group of chunks and when the
+            run ends or is stopped, and it is left open).
         base: A :class:`BaseLogits`, or the path of a base-logits file (``perplexity(...,
             save_base=path)``, or ``llama-perplexity --kl-divergence-base path``).
         n_batch: Tokens per decode (``-b``).
@@ -127,6 +128,5 @@ def kl_divergence(
                     on_chunk(i + seq, n_chunk, chunks[-1])
         seconds = time.perf_counter() - t0
     finally:
-        if own:
-            ctx.close()
+        release(ctx, own)
     return _kl_result(n_ctx, n_chunk, sums, chunks, kld, p_diff, same, seconds)

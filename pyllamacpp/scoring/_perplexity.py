@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from .._cpu import default_n_threads
 from .._lib import lib
-from ..packing import Segment, decode, model_and_context
+from ..packing import Segment, decode, model_and_context, release
 from ._base_logits import MAGIC, _nv
 from ._inputs import _tokens_of
 from ._rows import _row_loop, _rows, _targets, log_softmax
@@ -153,7 +153,8 @@ def perplexity(
     Args:
         model_or_ctx: A :class:`Model` (a context is made and closed) or a :class:`Context` whose
             ``n_batch`` plays the part of ``-b`` (it must hold ``n_batch // n_ctx`` sequences of
-            ``n_ctx``; its whole memory is cleared before each group of chunks).
+            ``n_ctx``; its whole memory is cleared before each group of chunks and when the run
+            ends or is stopped, and it is left open).
         text: A str or bytes, or token ids (then used as they are).
         n_ctx: Tokens per chunk (``-c``).
         n_batch: Tokens per decode (``-b``); a multiple of ``n_ctx`` or less than it.
@@ -255,8 +256,7 @@ def perplexity(
     finally:
         if out is not None:
             out.close()
-        if own:
-            ctx.close()
+        release(ctx, own)
 
 
 def _base_rows(logits: np.ndarray, targets: np.ndarray, out: np.ndarray, nll: np.ndarray, n_threads: int) -> None:
