@@ -40,3 +40,24 @@ def test_token_requests_build_what_text_requests_missed(capsys):
     assert tool.main([old, old.replace("deep + 1", "deep << 1"), "--tokens", "--runs", "1", "--seed", "32",
                       "--max-requests", "10"]) == 1  # fmt: skip
     assert capsys.readouterr().out.endswith("1 of 1 runs differ\n")
+
+
+def test_named_runs_the_mutants_targets_toml_names_and_no_other(capsys):
+    """``--named``: the mutants of _walk.py run.py's report counts as named equivalent (the same
+    test of a name), none withdrawn (``deep - 1`` was named, and differed); OLD and NEW, or
+    --named, not both or one alone."""
+    tool = _load()
+    for argv in (["--named", "a", "b"], ["a"], []):
+        with pytest.raises(SystemExit):
+            tool.main(argv)
+    assert "give OLD and NEW, or --named" in capsys.readouterr().err
+    pytest.importorskip("cosmic_ray")  # a developer's tool, not a test dependency
+    from pyllamacpp.evaluation import _walk
+
+    src = Path(_walk.__file__).read_text()
+    got = tool._named(src, {"_catch_up"})
+    plus = [m[3] for m in got]
+    assert {m[0] for m in got} == {"_catch_up"} and len(got) == len(set(plus))
+    assert "+            for n in path[i : deep ** 1]:" in plus  # named: deep is 0 or 1 here
+    assert not any("deep - 1" in p or "deep << 1" in p for p in plus)  # withdrawn, and never named
+    assert all(m[3][1:] in m[4].splitlines() and m[3][1:] not in src.splitlines() for m in got)

@@ -1,6 +1,7 @@
 """Run a change of the trie's walk against the walk as it is, over random request sets.
 
     python tools/mutation/walk_diff.py OLD NEW [--runs 100] [--seed 0] [--deep | --tokens] [--max-requests 6]
+    python tools/mutation/walk_diff.py --named [--functions _assign,run] --tokens --runs 20
 
 OLD is text of ``pyllamacpp/evaluation/_walk.py`` (once, exactly) and NEW what replaces it: a
 surviving mutant, say. Each run draws requests (a shared header, short sentences, questions and
@@ -14,6 +15,11 @@ draws requests of token ids instead, built as a trie with runs of 1 to 40 tokens
 ``n_batch`` of 4 to 32 and 1 to 5 slots: nodes fed over several batches while other slots wait
 for them or copy what lies before them, which the text requests seldom build (a survivor that 60
 text runs passed failed the first token runs).
+
+``--named`` runs each mutant of ``_walk.py`` that ``targets.toml`` names equivalent (in the
+evaluation-trie group, made with cosmic-ray's operators as a mutation run makes them; ``--functions``
+narrows them) in place of OLD and NEW, and prints for each whether any run differed: a name whose
+mutant differs is wrong (``deep - 1`` in ``_catch_up`` was, 4 of 20 runs).
 """
 
 from __future__ import annotations
@@ -103,31 +109,49 @@ def _draw_tokens(rng: random.Random, max_requests: int):
                      store=[4, 8, 16])  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("old", help="text of _walk.py to replace (found exactly once)")
-    ap.add_argument("new", help="what replaces it")
-    ap.add_argument("--runs", type=int, default=100, help="request sets to draw (default 100)")
-    ap.add_argument("--seed", type=int, default=0, help="random.Random's seed (default 0)")
-    ap.add_argument("--deep", action="store_true", help="up to four sentences per request (deeper tries)")
-    ap.add_argument("--max-requests", type=int, default=6, help="requests per set, 2 to this (default 6)")
-    ap.add_argument(
-        "--tokens", action="store_true", help="requests of token ids built as a trie, long runs against n_batch"
-    )
-    args = ap.parse_args(argv)
-    warnings.simplefilter("ignore")
+def _named(src: str, functions: set[str]) -> list[tuple[str, str, int, str, str]]:
+    """Each mutant of ``_walk.py`` (cosmic-ray's operators, made as a run makes them) that
+    ``targets.toml`` names equivalent in the evaluation-trie group, in ``functions`` if any:
+    (function, operator, line, its + lines, the mutated text)."""
+    import difflib
+
+    import tomllib
+    from cosmic_ray.ast import ast_nodes, get_ast
+    from cosmic_ray.ast.ast_query import ASTQuery
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator, operator_names
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import run  # beside this file: its test of a name
+
+    named = tomllib.loads(run.TARGETS.read_text())["target"]["evaluation-trie"]["equivalent"]
+    module = get_ast(src)
+    out = []
+    for op in operator_names():
+        operator = get_operator(op)
+        if operator.arguments():
+            continue  # run.py gives no operator arguments: these make no mutants there
+        spots = [(node, start) for node in ast_nodes(module) for start, _ in operator().mutation_positions(node)]
+        for occurrence, (node, start) in enumerate(spots):
+            where = ASTQuery(node).get_definition_name()
+            if functions and where not in functions:
+                continue
+            text = mutate_code(src, operator(), occurrence)
+            if text is None or text == src:
+                continue
+            diff = "\n".join(difflib.unified_diff(src.splitlines(), text.splitlines(), lineterm="", n=0))
+            if run._is_equivalent(named, start[0], op, where, diff):
+                plus = "\n".join(ln for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++"))
+                out.append((where, op, start[0], plus, text))
+    return sorted(out, key=lambda m: (m[2], m[1], m[3]))
+
+
+def _compare(model, walks: tuple, args: argparse.Namespace, say) -> tuple[int, int]:
+    """The walk and the changed one over ``args.runs`` request sets: (runs that differ, runs)."""
     import pyllamacpp as pl
-    from pyllamacpp.evaluation import _engine, _walk
+    from pyllamacpp.evaluation import _engine
     from pyllamacpp.prefix_store import PrefixStore
 
-    src = pathlib.Path(_walk.__file__).read_text()
-    if src.count(args.old) != 1:
-        sys.exit(f"the old text is found {src.count(args.old)} times in {_walk.__file__}, not once")
-    changed = types.ModuleType("pyllamacpp.evaluation._walk_changed")
-    changed.__package__ = "pyllamacpp.evaluation"
-    exec(compile(src.replace(args.old, args.new), _walk.__file__, "exec"), changed.__dict__)
-    walks = (_walk._Walk, changed._Walk)
-    model = pl.Model(pl.default_model_path())
     rng = random.Random(args.seed)
     n_diff = n_run = 0
     for k in range(args.runs):
@@ -159,12 +183,66 @@ def main(argv: list[str] | None = None) -> int:
             if out[0] != out[1]:
                 n_diff += 1
                 said = [x if isinstance(x, str) else (x[0] == out[0][0], x[2]) for x in out]
-                print(f"run {k}: {kw}, chunk {chunk}\n  walk:    {said[0]}\n  changed: {said[1]}")
-                print(f"  requests: {reqs}\n  stored first: {first}", flush=True)
+                say(f"run {k}: {kw}, chunk {chunk}\n  walk:    {said[0]}\n  changed: {said[1]}")
+                say(f"  requests: {reqs}\n  stored first: {first}")
         finally:
             shutil.rmtree(d, ignore_errors=True)
-    print(f"{n_diff} of {n_run} runs differ")
-    return 1 if n_diff else 0
+    return n_diff, n_run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old", nargs="?", help="text of _walk.py to replace (found exactly once)")
+    ap.add_argument("new", nargs="?", help="what replaces it")
+    ap.add_argument(
+        "--named",
+        action="store_true",
+        help="instead of OLD and NEW: each mutant of _walk.py that targets.toml names equivalent (needs cosmic-ray)",
+    )
+    ap.add_argument("--functions", default="", help="with --named: only these functions' (comma-separated)")
+    ap.add_argument("--runs", type=int, default=100, help="request sets to draw (default 100)")
+    ap.add_argument("--seed", type=int, default=0, help="random.Random's seed (default 0)")
+    ap.add_argument("--deep", action="store_true", help="up to four sentences per request (deeper tries)")
+    ap.add_argument("--max-requests", type=int, default=6, help="requests per set, 2 to this (default 6)")
+    ap.add_argument(
+        "--tokens", action="store_true", help="requests of token ids built as a trie, long runs against n_batch"
+    )
+    args = ap.parse_args(argv)
+    if args.named == (args.old is not None and args.new is not None) or (args.old is None) != (args.new is None):
+        ap.error("give OLD and NEW, or --named")
+    warnings.simplefilter("ignore")
+    import pyllamacpp as pl
+    from pyllamacpp.evaluation import _walk
+
+    src = pathlib.Path(_walk.__file__).read_text()
+    if args.named:
+        changes = [((where, op, line, plus), text) for where, op, line, plus, text in
+                   _named(src, {f for f in args.functions.split(",") if f})]  # fmt: skip
+        print(f"{len(changes)} mutants of _walk.py named equivalent", flush=True)
+    else:
+        if src.count(args.old) != 1:
+            sys.exit(f"the old text is found {src.count(args.old)} times in {_walk.__file__}, not once")
+        changes = [(None, src.replace(args.old, args.new))]
+    model = pl.Model(pl.default_model_path())
+    differ = 0
+    for what, text in changes:
+        changed = types.ModuleType("pyllamacpp.evaluation._walk_changed")
+        changed.__package__ = "pyllamacpp.evaluation"
+        exec(compile(text, _walk.__file__, "exec"), changed.__dict__)
+        said: list[str] = []
+        n_diff, n_run = _compare(model, (_walk._Walk, changed._Walk), args, print if what is None else said.append)
+        differ += n_diff > 0
+        if what is None:
+            print(f"{n_diff} of {n_run} runs differ")
+        else:
+            where, op, line, plus = what
+            print(f"{'DIFFERS' if n_diff else 'same   '} {where}:{line} {op} {plus.strip()!r}: "
+                  f"{n_diff} of {n_run} runs differ", flush=True)  # fmt: skip
+            if n_diff:
+                print("\n".join(said[:4]), flush=True)  # the first two runs that differ
+    if args.named:
+        print(f"{differ} of {len(changes)} named mutants differ")
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":
