@@ -6,6 +6,7 @@ lm-eval is installed, the lm-evaluation-harness backend run by lm-eval itself on
 from __future__ import annotations
 
 import io
+import re
 import signal
 import sys
 import time
@@ -489,10 +490,12 @@ def test_the_bar_counts_every_request_scored_by_one_shared_row(model, monkeypatc
 
 def test_the_bar_is_cleared_when_the_run_ends(model, capsys):
     """The bar is drawn on stderr and wiped when the run ends: no line is left behind (leave=True
-    left its last state and a newline)."""
+    left its last state and a newline). Its token counts are scaled, as 5.00k for a request of
+    thousands (tqdm's unit_scale: three figures, so 5.00 here; without it, 5)."""
     pl.loglikelihood(model, [("The capital of France is", " Paris")], progress=True, **T)
     err = capsys.readouterr().err
     assert "loglikelihood" in err and "\n" not in err and err.endswith("\r")
+    assert re.search(r" \d\.\d\d/\d\.\d\d ", err), err
 
 
 def test_nothing_of_a_run_outlives_it_waiting_for_the_garbage_collector(model, monkeypatch):

@@ -815,8 +815,10 @@ def test_winogrande_partial_scores_as_winogrande_score(model):
     r = mc.winogrande(model, WG, **ON)
     tasks, _ = mc.read_winogrande(WG)
     assert len(r.tasks) == 6 and all(t.exact for t in r.tasks)
-    # a task count past the file's (7 of 6) takes all of them in order, as --winogrande-tasks does
+    # a task count past the file's (7 of 6), or equal to it, takes all of them in order, as
+    # --winogrande-tasks does (n <= 6 drew the 6 at random)
     assert mc.winogrande(model, WG, 7, **ON).report() == r.report()
+    assert mc.winogrande(model, WG, 6, **ON).report() == r.report()
     with model.context(n_ctx=256, **ON) as ctx:
         for t in r.tasks:
             w = tasks[t.task]
