@@ -308,6 +308,26 @@ def test_a_path_of_exactly_n_ctx_cells_fits_the_next_epoch():
     assert got == {"n_epochs": 1, "finite": [True, True]}
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "mamba", "lfm2"])
+def test_a_memory_that_cannot_be_cut_back_to_a_prefix_is_refused(tmp_path, arch):
+    """A sliding window (gemma3's, n_swa 8), a recurrent state (mamba) or a hybrid of both kinds
+    (lfm2): the trie cuts each branch back to its shared prefix, which these memories cannot do,
+    so loglikelihood refuses them before any decode, with a Model and with a Context (an SWA model
+    that is neither recurrent nor hybrid was scored when the test was n_swa and recurrent)."""
+    from pyllamacpp.testing import make_model
+
+    kw = {"n_swa": 8, "swa_pattern": [1, 0]} if arch == "gemma3" else {}
+    heads = {} if arch == "mamba" else {"n_head": 2}
+    path = make_model(tmp_path / f"{arch}.gguf", arch, n_layer=2, n_embd=32, n_vocab=64, seed=3, **heads, **kw)
+    with pl.Model(path) as tiny:
+        with pytest.raises(ValueError, match="needs a plain KV cache: a sliding window or a recurrent state"):
+            pl.loglikelihood(tiny, [([1, 2, 3], [4, 5])], **T)
+        with tiny.context(n_ctx=64, **T) as ctx:
+            with pytest.raises(ValueError, match="needs a plain KV cache"):
+                pl.loglikelihood(ctx, [([1, 2, 3], [4, 5])])
+            assert ctx.memory.seq_pos_max(0) == -1  # nothing decoded
+
+
 def test_a_model_that_does_not_say_its_n_ctx_train_takes_4096_cells_or_the_longest_request(tmp_path):
     """A GGUF whose context_length is 0 (llama_model_n_ctx_train 0: it does not say): the cells
     are capped at 4096 or the longest request, not at 0 (a cap of n_ctx_train 0 refused every
