@@ -523,6 +523,24 @@ def test_a_slot_does_not_claim_the_node_its_load_ends_before(model, tmp_path):
     assert again.n_restored == 16 + 32 + 64 and again.n_decodes == 6
 
 
+def test_a_shared_node_of_more_than_256_tokens_whole_in_the_cache_lets_a_copy_load(model, tmp_path):
+    """Two requests of token ids share a context of 303 tokens; the second goes on for 321 more.
+    Both stored (chunks of 8), the rerun restores 296 of the shared node into slot 0, decodes its
+    last 7 (its last row predicts both continuations), and, the node whole in the cache, loads
+    slot 1's own copy of it with the 321 past it: 616 tokens (found by a differential run; a
+    token count compared with ``is`` holds only below 257: the node of 303 taken as not whole
+    stopped the load, and the 321 were decoded, 331 tokens in all)."""
+    shared = list(range(122, 425))
+    reqs = [(shared, [425, 426, 427]), (shared + list(range(428, 749)), [749, 750])]
+    args = dict(n_threads=1, n_seq_max=2, n_batch=32, flash_attn="on", n_ctx=1024)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=8)
+    pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    again = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(again, base)
+    assert (again.n_restored, again.n_decoded, again.n_epochs) == (296 + 616, 18, 0)
+
+
 def test_a_path_of_exactly_one_chunk_is_stored(model, tmp_path):
     """A node fed whole stores its path's whole chunks: 15 tokens to feed store none, 16 one (the
     first chunk ends at the node's end; a store that skipped an end of exactly one chunk lost it),
