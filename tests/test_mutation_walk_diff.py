@@ -61,3 +61,18 @@ def test_named_runs_the_mutants_targets_toml_names_and_no_other(capsys):
     assert "+            for n in path[i : deep ** 1]:" in plus  # named: deep is 0 or 1 here
     assert not any("deep - 1" in p or "deep << 1" in p for p in plus)  # withdrawn, and never named
     assert all(m[3][1:] in m[4].splitlines() and m[3][1:] not in src.splitlines() for m in got)
+
+
+def test_long_token_draws_have_nodes_past_256_tokens_and_the_others_do_not(capsys):
+    """``--long`` (with ``--tokens``) draws runs of 300 tokens, counts that ``is`` compares wrongly,
+    into n_ctx of 512 or 1024; without it no request passes 6 nodes of 40 tokens and a first one."""
+    import random
+
+    tool = _load()
+    longest = [max(len(c) for c, _ in tool._draw_tokens(random.Random(s), 8, True)[0]) for s in range(20)]
+    assert max(longest) > 256
+    assert {tool._draw_tokens(random.Random(s), 8, True)[2]["n_ctx"] for s in range(20)} == {512, 1024}
+    assert max(max(len(c) for c, _ in tool._draw_tokens(random.Random(s), 8)[0]) for s in range(200)) <= 6 * 40
+    with pytest.raises(SystemExit):
+        tool.main(["a", "b", "--long"])
+    assert "--long goes with --tokens" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Run a change of the trie's walk against the walk as it is, over random request sets.
 
-    python tools/mutation/walk_diff.py OLD NEW [--runs 100] [--seed 0] [--deep | --tokens] [--max-requests 6]
+    python tools/mutation/walk_diff.py OLD NEW [--runs 100] [--seed 0] [--deep | --tokens [--long]] [--max-requests 6]
     python tools/mutation/walk_diff.py --named [--functions _assign,run] --tokens --runs 20
 
 OLD is text of ``pyllamacpp/evaluation/_walk.py`` (once, exactly) and NEW what replaces it: a
@@ -14,7 +14,9 @@ supports a mutant's name as equivalent in ``targets.toml``; one is the test to w
 draws requests of token ids instead, built as a trie with runs of 1 to 40 tokens against an
 ``n_batch`` of 4 to 32 and 1 to 5 slots: nodes fed over several batches while other slots wait
 for them or copy what lies before them, which the text requests seldom build (a survivor that 60
-text runs passed failed the first token runs).
+text runs passed failed the first token runs). ``--long`` adds nodes of 300 tokens: a count
+compared with ``is`` holds below 257 only (``_restore``'s ``n_dec is n_feed`` differed in run 12 of
+seed 0, and in none of 40 runs without it).
 
 ``--named`` runs each mutant of ``_walk.py`` that ``targets.toml`` names equivalent (in the
 evaluation-trie group, made with cosmic-ray's operators as a mutation run makes them; ``--functions``
@@ -75,7 +77,7 @@ def _settings(rng: random.Random, reqs: list, slots: list[int], n_batch: list[in
     return reqs, first, args, rng.choice(store)
 
 
-def _draw_tokens(rng: random.Random, max_requests: int):
+def _draw_tokens(rng: random.Random, max_requests: int, long: bool = False):
     """Requests of token ids built as a random trie (up to six nodes deep, 1 to 3 children a node,
     runs of 1 to 40 tokens, a request ending at an inner node now and then, continuations of 1 to
     3 tokens). Ids are given in the order the trie is grown, so its depth-first order is the order
@@ -83,6 +85,7 @@ def _draw_tokens(rng: random.Random, max_requests: int):
     next branch's shared nodes over several batches, and a third slot waits or copies what lies
     before them (what text requests seldom build)."""
     nxt = iter(range(100, 40_000))
+    runs = [1, 3, 8, 21, 40, 300] if long else [1, 2, 3, 5, 8, 13, 21, 40]
     reqs: list[tuple[list[int], list[int]]] = []
 
     def cont() -> list[int]:
@@ -92,7 +95,7 @@ def _draw_tokens(rng: random.Random, max_requests: int):
         for _ in range(rng.choice([1, 2, 2, 3])):
             if len(reqs) >= max_requests:
                 return
-            path = prefix + [next(nxt) for _ in range(rng.choice([1, 2, 3, 5, 8, 13, 21, 40]))]
+            path = prefix + [next(nxt) for _ in range(rng.choice(runs))]
             if depth < 5 and rng.random() < 0.7:
                 if rng.random() < 0.3:
                     reqs.append((path, cont()))
@@ -101,12 +104,12 @@ def _draw_tokens(rng: random.Random, max_requests: int):
                 reqs.append((path, cont()))
 
     if rng.random() < 0.5:  # a first request apart from the rest, long: a slot busy with it
-        reqs.append(([next(nxt) for _ in range(rng.choice([8, 21, 40]))], cont()))
+        reqs.append(([next(nxt) for _ in range(rng.choice([21, 300] if long else [8, 21, 40]))], cont()))
     while len(reqs) < 2:
         grow([], 0)
     rng.shuffle(reqs)
-    return _settings(rng, reqs, slots=[1, 2, 2, 3, 3, 4, 5], n_batch=[4, 8, 16, 32], n_ctx=[128, 192, 256, 512],
-                     store=[4, 8, 16])  # fmt: skip
+    return _settings(rng, reqs, slots=[1, 2, 2, 3, 3, 4, 5], n_batch=[4, 8, 16, 32],
+                     n_ctx=[512, 1024] if long else [128, 192, 256, 512], store=[4, 8, 16])  # fmt: skip
 
 
 def _named(src: str, functions: set[str]) -> list[tuple[str, str, int, str, str]]:
@@ -156,7 +159,7 @@ def _compare(model, walks: tuple, args: argparse.Namespace, say) -> tuple[int, i
     n_diff = n_run = 0
     for k in range(args.runs):
         if args.tokens:
-            reqs, first, kw, chunk = _draw_tokens(rng, args.max_requests)
+            reqs, first, kw, chunk = _draw_tokens(rng, args.max_requests, args.long)
         else:
             reqs, first, kw, chunk = _draw(rng, args.deep, args.max_requests)
         d = pathlib.Path(tempfile.mkdtemp())
@@ -207,9 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tokens", action="store_true", help="requests of token ids built as a trie, long runs against n_batch"
     )
+    ap.add_argument(
+        "--long", action="store_true", help="with --tokens: nodes of 300 tokens too (counts past 256), n_ctx 512, 1024"
+    )
     args = ap.parse_args(argv)
     if args.named == (args.old is not None and args.new is not None) or (args.old is None) != (args.new is None):
         ap.error("give OLD and NEW, or --named")
+    if args.long and not args.tokens:
+        ap.error("--long goes with --tokens")
     warnings.simplefilter("ignore")
     import pyllamacpp as pl
     from pyllamacpp.evaluation import _walk
