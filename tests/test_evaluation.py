@@ -281,6 +281,14 @@ def _no_ctx_train(folder: str) -> dict:
     del r, part
     data[off : off + 4] = bytes(4)
     (tmp / "no-ctx.gguf").write_bytes(bytes(data))
+    data[off : off + 4] = (1).to_bytes(4, "little")  # says 1: a context of 1, not "does not say"
+    (tmp / "one.gguf").write_bytes(bytes(data))
+    with pl.Model(tmp / "one.gguf") as one:
+        try:
+            pl.loglikelihood(one, [([1, 2, 3], [4, 5])], **T)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
     with pl.Model(tmp / "no-ctx.gguf") as tiny:
         short = pl.loglikelihood(tiny, [([1, 2, 3], [4, 5])], **T)
         long = pl.loglikelihood(tiny, [(list(range(3, 63)) * 80, [7])], **T)  # 4,800 tokens, past 4096
@@ -289,6 +297,7 @@ def _no_ctx_train(folder: str) -> dict:
             "n_ctx_train": tiny.n_ctx_train,
             "n_ctx": [short.n_ctx, long.n_ctx, two.n_ctx],
             "finite": [bool(np.isfinite(x.logprob)) for x in (*long, *two)],
+            "refused": refused,
         }
 
 
@@ -332,9 +341,12 @@ def test_a_model_that_does_not_say_its_n_ctx_train_takes_4096_cells_or_the_longe
     """A GGUF whose context_length is 0 (llama_model_n_ctx_train 0: it does not say): the cells
     are capped at 4096 or the longest request, not at 0 (a cap of n_ctx_train 0 refused every
     request). Two of 2,100 tokens: their trie is more than 4,096, each less: 4,096 cells (4,095
-    passed)."""
+    passed). A model that says 1 gets its 1 cell: a request of 4 is refused (1 read as "does not
+    say" scored it in 4,096)."""
     got = call_in_child(_no_ctx_train, str(tmp_path))
+    refused = got.pop("refused")
     assert got == {"n_ctx_train": 0, "n_ctx": [4, 4800, 4096], "finite": [True, True, True]}
+    assert refused.startswith("request 0 needs 4 tokens in the cache") and refused.endswith("than n_ctx_train=1")
 
 
 @pytest.mark.parametrize("copied", [3, 1])
