@@ -541,6 +541,26 @@ def test_a_shared_node_of_more_than_256_tokens_whole_in_the_cache_lets_a_copy_lo
     assert (again.n_restored, again.n_decoded, again.n_epochs) == (296 + 616, 18, 0)
 
 
+def test_a_load_stops_at_a_node_another_slot_has_not_fed_whole(model, tmp_path):
+    """Four requests of token ids (found by a differential run with long nodes): a shared node of
+    69 tokens and branches of 1, 3 and 29 more, and one of 300 apart; the first run stores three
+    of them (chunks of 4), the rerun restores 436 tokens and decodes 43, bit for bit as without a
+    store. A node held by a slot that has fed only part of it is not whole in the cache: a load
+    that took it for whole (``n_dec <= n_feed``) gave other log-probabilities, its counts the same."""
+    shared = list(range(402, 471))
+    a = (shared + [471], [472])
+    b = (shared + list(range(473, 479)), [479, 480, 481])
+    c = (shared + list(range(473, 476)) + list(range(482, 490)) + list(range(513, 534)), [534, 535, 536])
+    d = (list(range(100, 400)), [400, 401])
+    args = dict(n_threads=1, n_seq_max=3, n_batch=8, flash_attn="on", n_ctx=512)
+    base = pl.loglikelihood(model, [a, b, c, d], **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=4)
+    pl.loglikelihood(model, [c, a, d], prefix_store=store, **args)
+    again = pl.loglikelihood(model, [a, b, c, d], prefix_store=store, **args)
+    _same(again, base)
+    assert (again.n_restored, again.n_decoded, again.n_epochs) == (436, 43, 0)
+
+
 def test_a_path_of_exactly_one_chunk_is_stored(model, tmp_path):
     """A node fed whole stores its path's whole chunks: 15 tokens to feed store none, 16 one (the
     first chunk ends at the node's end; a store that skipped an end of exactly one chunk lost it),
