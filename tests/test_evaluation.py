@@ -317,6 +317,16 @@ def test_a_path_of_exactly_n_ctx_cells_fits_the_next_epoch():
     assert got == {"n_epochs": 1, "finite": [True, True]}
 
 
+def test_more_than_256_requests_end_the_walk(model):
+    """300 requests of token ids, each its own leaf: the walk ends when the next leaf is past the
+    last (a leaf count compared with ``is`` holds only below 257: the walk went on into an empty
+    epoch and raised)."""
+    reqs = [([100 + k % 50, 200 + k], [600 + k]) for k in range(300)]
+    res = pl.loglikelihood(model, reqs, n_ctx=512, n_seq_max=4, flash_attn="on", **T)
+    assert len(res) == res.n_requests == res.n_unique == 300 and res.n_epochs == 0
+    assert all(np.isfinite(r.logprob) for r in res)
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "mamba", "lfm2"])
 def test_a_memory_that_cannot_be_cut_back_to_a_prefix_is_refused(tmp_path, arch):
     """A sliding window (gemma3's, n_swa 8), a recurrent state (mamba) or a hybrid of both kinds
