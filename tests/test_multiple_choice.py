@@ -1014,6 +1014,11 @@ def test_refusals_before_any_decode(model):
             mc.hellaswag(ctx, None, 1)
         with pytest.raises(ValueError, match="context keywords are for a Model"):
             mc.winogrande(ctx, None, 1, n_threads=1)
+    with model.context(n_ctx=512, n_seq_max=3, kv_unified=True, **T) as ctx:  # one short: this message, not _groups'
+        with pytest.raises(ValueError, match="HellaSwag needs 4 sequences per task; this Context has n_seq_max 3"):
+            mc.hellaswag(ctx, None, 1)
+    with model.context(n_ctx=512, n_seq_max=4, kv_unified=True, **T) as ctx:  # 4 is enough
+        assert mc.hellaswag(ctx, None, 1).n_seq_max == 4
     five = mc.write_multiple_choice([mc.MultipleChoiceTask("Pick one:", ("a", "b", "c", "d", "e"), (0, 1, 0, 0, 0))])
     with pytest.raises(ValueError, match=r"has 5 endings, more than the 4 sequences.*at least 5"):
         mc.multiple_choice(model, five, **T)

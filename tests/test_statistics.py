@@ -232,7 +232,8 @@ def logit_rows(draw):
 def test_log_softmax_is_a_float64_numpy_log_softmax(data):
     """The C rows (exp in float, sums in double) against numpy in float64: log-sum-exp and the
     targets' log-probabilities within 2e-6 (masked -inf logits give -inf), the first argmax, the
-    top-k most likely first with equal logits in index order; rows split over threads alike."""
+    top-k most likely first with equal logits in index order; rows split over threads give each
+    row's values bit for bit as one thread does."""
     x, targets, k, n_threads = data
     r = scoring.log_softmax(x, targets, top_k=k, argmax=True, n_threads=n_threads)
     d = x.astype(np.float64)
@@ -243,6 +244,8 @@ def test_log_softmax_is_a_float64_numpy_log_softmax(data):
     assert np.allclose(r.lse, lse[:, 0], rtol=0, atol=2e-6)
     assert np.allclose(r.target, ref[np.arange(x.shape[0]), targets], rtol=0, atol=2e-6)
     assert np.array_equal(r.argmax, np.argmax(x, axis=1))
+    one = scoring.log_softmax(x, targets, top_k=k, argmax=True, n_threads=1)  # rows split over threads:
+    assert np.array_equal(r.lse, one.lse) and np.array_equal(r.target, one.target)  # each row bit for bit
     if k:
         assert r.top_ids is not None and r.top_logprobs is not None
         order = np.argsort(-x, axis=1, kind="stable")[:, :k]
