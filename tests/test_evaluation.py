@@ -404,6 +404,35 @@ def test_a_context_of_the_callers(model, reference):
         assert res.n_seq == 1 and all(r is not None for r in res)
 
 
+def test_a_model_closed_during_a_run_on_the_callers_context_raises_closed_error(model_path, monkeypatch):
+    """The caller closes the Model between two decodes of a run on its own Context (a callback, a
+    second thread): the run raises ClosedError, no crash, and the Context is closed with its Model;
+    the run's end does not clear the closed Context (whose error would hide the run's)."""
+    from pyllamacpp import packing
+    from pyllamacpp.evaluation import llama_perplexity as mc
+
+    real = packing.WorkOrder.decode
+    for run in (
+        lambda ctx: pl.loglikelihood(ctx, [("The sky on a clear day is", " blue"), ("Snow in the hills is", " cold")]),
+        lambda ctx: mc.winogrande(ctx, None, 3),
+    ):
+        m = pl.Model(model_path)
+        calls = []
+
+        def decode(self, *a, _m=m, _calls=calls, **kw):
+            _calls.append(1)
+            if len(_calls) == 2:
+                _m.close()
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(packing.WorkOrder, "decode", decode)
+        ctx = m.context(n_ctx=512, n_batch=8, n_seq_max=4, kv_unified=True, **T)
+        with pytest.raises(pl.ClosedError) as e:
+            run(ctx)
+        assert e.value.__context__ is None and ctx.closed and m.closed and len(calls) == 2
+        monkeypatch.setattr(packing.WorkOrder, "decode", real)
+
+
 @pytest.fixture
 def sigint_raises():
     """Python's own SIGINT handler for the test: a job started in a shell's background inherits
