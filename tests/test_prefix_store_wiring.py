@@ -635,3 +635,41 @@ def test_a_stored_leaf_whose_one_continuation_token_ends_it_is_restored_up_to_it
     args = dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=256)
     second, base = _rerun(model, tmp_path, reqs, **args)
     assert second.n_restored == 48
+
+
+MORE = "Grass is green. Fire is hot. Ice is cold and hard. The night sky is dark and full of stars. Lemons are sour. "
+
+
+@pytest.mark.parametrize(
+    ("more", "n_ctx", "extra", "restored"),
+    [("", 228, 1, 256), (MORE + "Sugar is sweet. ", 316, 1000, 512)],
+    ids=["one-cell-short", "past-256-cells"],
+)
+def test_an_epoch_that_runs_out_of_cells_with_a_path_in_flight_starts_another(
+    model, tmp_path, monkeypatch, more, n_ctx, extra, restored
+):
+    """The walk's safety net, reached by a planted fault: each load counted as freeing ``extra``
+    cells of the epoch. At 228 cells (the copies test, one cell short of the second copy) the
+    third branch loads its copy of the header into a cell a path in flight needs; with a header
+    of 73 tokens at 316 cells every copy is loaded. The walk finds every cell taken with a path not
+    fed, starts a new epoch, and the numbers stay bit for bit as without a store (the first epoch
+    scored something: not a path too long, which the walk raises for)."""
+    from pyllamacpp.evaluation._walk import _Walk
+
+    reqs = [(HEADER + more + d + "Where? ", " home") for d in LONG_DOCS]
+    args = dict(n_threads=1, n_seq_max=3, flash_attn="on", n_ctx=n_ctx)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    real = _Walk._restore
+
+    def restore(self, s):
+        used = self.used
+        real(self, s)
+        if self.used > used:
+            self.spare += extra
+
+    monkeypatch.setattr(_Walk, "_restore", restore)
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(second, base)
+    assert (second.n_restored, second.n_epochs, base.n_epochs) == (restored, 1, 0)
