@@ -1288,6 +1288,28 @@ def test_the_modes_leave_a_callers_context_open_and_its_memory_cleared(model):
         del ctx.decode
 
 
+def test_a_vocabulary_that_adds_bos_has_it_before_each_task_as_llama_perplexity_tokenizes(model, monkeypatch):
+    """llama-perplexity tokenizes each task's texts with add_special (common_tokenize(..., true)):
+    a vocabulary that adds BOS puts it at the head of the shared part, one token more per task in
+    every mode. The default model adds no BOS, so the tokenizer is made to add one here."""
+    tokenize = type(model).tokenize
+    mcq = mc.write_multiple_choice([mc.MultipleChoiceTask("The sky is", ("blue", "green"), (1, 0))])
+    runs = {
+        "hellaswag": lambda: mc.hellaswag(model, None, 2, **T),
+        "winogrande": lambda: mc.winogrande(model, None, 2, **T),
+        "multiple_choice": lambda: mc.multiple_choice(model, mcq, **T),
+    }
+    plain = {k: [t.n_tokens for t in run().tasks] for k, run in runs.items()}
+
+    def adds_bos(self, text, add_special=True, parse_special=False):
+        t = tokenize(self, text, False, parse_special)
+        return np.concatenate([[self.bos], t]).astype(np.int32) if add_special else t
+
+    monkeypatch.setattr(type(model), "tokenize", adds_bos)
+    for k, run in runs.items():
+        assert [t.n_tokens for t in run().tasks] == [n + 1 for n in plain[k]], k
+
+
 def test_the_modes_refuse_settings_they_cannot_run(model):
     for kw in ({"n_ctx": 0}, {"n_ctx": -1}, {"n_batch": 0}, {"n_batch": -1}, {"n_parallel": 0}, {"n_parallel": -1}):
         with pytest.raises(ValueError, match=r"n_ctx \(.*\), n_batch \(.*\) and n_parallel \(.*\) must be positive"):
