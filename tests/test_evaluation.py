@@ -263,6 +263,22 @@ def test_bad_input_is_refused_before_any_decode(model):
     assert len(pl.loglikelihood(model, [(list(range(5, 13)), [7])], n_ctx=8, **T)) == 1  # 8 fit 8: no refusal
 
 
+def test_sizes_below_1_are_refused_and_n_batch_1_decodes_one_sequence(model, reference):
+    """A size below 1 is refused by name (n_batch 0 was "n_seq_max 2 is more than the 0 outputs",
+    n_seq_max 0 ran with 1). n_batch 1 leaves llama.cpp one output row, room for one sequence: one
+    slot without a graveyard, bit for bit as the default (n_batch 2 has the graveyard)."""
+    for name in ("n_ctx", "n_batch", "n_seq_max", "n_threads"):
+        for v in (0, -1):
+            with pytest.raises(ValueError, match=f"loglikelihood: {name} must be positive, not {v}"):
+                pl.loglikelihood(model, [("a", " b")], **{**T, name: v})
+    reqs, ref = reference
+    for n_batch in (1, 2):
+        res = pl.loglikelihood(model, reqs[:6], n_batch=n_batch, **T)
+        assert res.n_seq == 1 and res.n_decodes >= res.n_decoded / n_batch  # at most n_batch tokens a decode
+        for r, (lps, _) in zip(res, ref):
+            assert np.array_equal(r.logprobs, lps)
+
+
 def _no_ctx_train(folder: str) -> dict:
     """In a child process (call_in_child): a tiny GGUF with its context_length patched to 0, loaded
     and scored. A llama.cpp that asserts on n_ctx_train 0 then ends that child, not the run."""

@@ -244,7 +244,9 @@ def loglikelihood(
             64 flash attention's CPU kernel keeps the results bit-identical to each request
             decoded alone, see the module docstring).
         n_seq_max: Branches decoded at once, one sequence each (with a Model; default 16; the
-            context gets one more, the graveyard).
+            context gets one more, the graveyard). At most ``n_batch - 1`` (llama.cpp reserves an
+            output row per sequence); ``n_batch`` 1 decodes one branch in one sequence, without
+            a graveyard.
         n_threads: ``n_threads`` and ``n_threads_batch`` of the context made (default: the
             physical cores).
         progress: A tqdm bar on stderr over the tokens to decode, the requests scored beside it,
@@ -264,8 +266,9 @@ def loglikelihood(
 
     Raises:
         TypeError: ``requests`` is not a list of pairs, or a pair mixes text and tokens.
-        ValueError: Before any decode: an empty continuation (or one that has no tokens after the
-            context's), a context without tokens, a token outside the vocabulary, a request longer
+        ValueError: Before any decode: ``n_ctx``, ``n_batch``, ``n_seq_max`` or ``n_threads``
+            below 1, an empty continuation (or one that has no tokens after the context's), a
+            context without tokens, a token outside the vocabulary, a request longer
             than ``n_ctx`` (by how many tokens), context keywords with a Context, or a model whose
             memory cannot be cut at a position (recurrent, hybrid, sliding window).
         KeyboardInterrupt: Ctrl-C (:class:`DecodeInterrupted` during a decode), with ``results``:
@@ -278,6 +281,9 @@ def loglikelihood(
     model, ctx = model_and_context(model_or_ctx)
     if ctx is not None and (any(v is not None for v in (n_ctx, n_batch, n_seq_max, n_threads)) or ctx_kwargs):
         raise ValueError("loglikelihood: n_ctx, n_batch, n_seq_max, n_threads and context keywords are for a Model")
+    for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_seq_max", n_seq_max), ("n_threads", n_threads)):
+        if v is not None and int(v) < 1:
+            raise ValueError(f"loglikelihood: {name} must be positive, not {v}")
     if model.n_swa or lib.llama_model_is_recurrent(model.ptr) or lib.llama_model_is_hybrid(model.ptr):
         raise ValueError(
             "loglikelihood needs a plain KV cache: a sliding window or a recurrent state cannot be cut "
@@ -334,17 +340,17 @@ def loglikelihood(
     own = ctx is None
     if ctx is None:
         n_b = 63 if n_batch is None else int(n_batch)
-        n_s = max(1, min(16 if n_seq_max is None else int(n_seq_max), len(leaves), n_b - 1))
-        # one more sequence than slots: the graveyard that keeps finished branches' cells
-        # n_ctx at least n_seq_max: llama.cpp reserves an output row per sequence, min(n_ctx, n_batch) of them
-        kw: dict[str, Any] = {"n_ctx": max(cells, n_s + 1), "n_batch": n_b, "n_ubatch": n_b, "n_seq_max": n_s + 1}
+        # a sequence per slot and one more, the graveyard that keeps finished branches' cells;
+        # llama.cpp reserves an output row per sequence (min(n_ctx, n_batch) of them), so with
+        # n_batch 1 the one sequence is the slot, without a graveyard (as a Context of one sequence)
+        n_seq = 1 + min(16 if n_seq_max is None else int(n_seq_max), len(leaves), n_b - 1)
+        kw: dict[str, Any] = {"n_ctx": max(cells, n_seq), "n_batch": n_b, "n_ubatch": n_b, "n_seq_max": n_seq}
         kw["kv_unified"] = True
         if n_threads is not None:
             kw["n_threads"] = kw["n_threads_batch"] = int(n_threads)
         kw.update(ctx_kwargs)
         ctx = model.context(**kw)
-        n_slots, grave = ctx.n_seq_max - 1, ctx.n_seq_max - 1
-    elif ctx.n_seq_max > 1 and ctx.params.kv_unified:
+    if ctx.n_seq_max > 1 and ctx.params.kv_unified:
         n_slots, grave = min(ctx.n_seq_max - 1, len(leaves)), ctx.n_seq_max - 1
     else:  # one sequence, or one stream per sequence (no cells to share between them)
         n_slots, grave = 1, -1
