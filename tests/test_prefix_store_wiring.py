@@ -673,3 +673,16 @@ def test_an_epoch_that_runs_out_of_cells_with_a_path_in_flight_starts_another(
     second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
     _same(second, base)
     assert (second.n_restored, second.n_epochs, base.n_epochs) == (restored, 1, 0)
+
+
+def test_a_load_that_ends_at_the_end_of_a_node_of_more_than_256_tokens_takes_it_whole(model, tmp_path):
+    """A shared context of 320 token ids (20 chunks of 16), then two branches of 5 more and a
+    continuation each: the rerun restores the shared node whole, 320 tokens ending exactly at its
+    end, and decodes both branches in one decode, bit for bit as without a store. A load whose
+    end a count past 256 compared with ``is`` took for short of the node left it to its slot to
+    feed (nothing): the other branch waited a decode for it."""
+    shared = list(range(1000, 1320))
+    reqs = [(shared + list(range(2000, 2005)), [2100]), (shared + list(range(3000, 3005)), [3100])]
+    args = dict(n_threads=1, n_seq_max=2, n_batch=32, flash_attn="on", n_ctx=512)
+    second, base = _rerun(model, tmp_path, reqs, **args)
+    assert (second.n_restored, second.n_decoded, second.n_decodes, second.n_epochs) == (320, 10, 1, 0)
