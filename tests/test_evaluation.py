@@ -263,6 +263,18 @@ def test_bad_input_is_refused_before_any_decode(model):
     assert len(pl.loglikelihood(model, [(list(range(5, 13)), [7])], n_ctx=8, **T)) == 1  # 8 fit 8: no refusal
 
 
+def test_the_same_300_tokens_split_at_two_context_lengths_keep_both_continuations(model):
+    """One node of 300 tokens holds two requests' continuations (split after token 10 and after
+    token 200): the rows of both are marked, each request as scored alone (a node longer than 256
+    tokens whose marks a size compared with ``is`` reset lost the first request's rows)."""
+    seq = list(range(1000, 1300))
+    reqs = [(seq[:10], seq[10:]), (seq[:200], seq[200:])]
+    both = pl.loglikelihood(model, reqs, **T)
+    for r, req in zip(both, reqs):
+        alone = pl.loglikelihood(model, [req], **T)[0]
+        assert r.n_tokens == alone.n_tokens and np.array_equal(r.logprobs, alone.logprobs)
+
+
 def test_sizes_below_1_are_refused_and_n_batch_1_decodes_one_sequence(model, reference):
     """A size below 1 is refused by name (n_batch 0 was "n_seq_max 2 is more than the 0 outputs",
     n_seq_max 0 ran with 1). n_batch 1 leaves llama.cpp one output row, room for one sequence: one
