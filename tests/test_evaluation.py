@@ -585,6 +585,11 @@ def test_the_bar_counts_every_request_scored_by_one_shared_row(model, monkeypatc
     assert [model.tokenize(x, False).size for _, x in reqs] == [1, 2, 3, 4]
     pl.loglikelihood(model, reqs, progress=True, **T)
     assert said == ["4/4 requests"]
+    # a continuation whose node has 300 tokens: reported at its last, index 299 (an index compared
+    # with ``is``, which holds below 257 only, never reported it)
+    said.clear()
+    pl.loglikelihood(model, [(list(range(100, 110)), list(range(200, 490)))], progress=True, **T)
+    assert said == ["1/1 requests"]
 
 
 def test_the_bar_is_cleared_when_the_run_ends(model, capsys):
@@ -1668,3 +1673,24 @@ def test_a_node_past_256_tokens_fed_over_several_batches_is_copied_to_the_slot_t
     assert res[0].n_context == 300 and res.n_seq == 2 and (0, 1, 0, 300) in copies
     for r, (lps, _) in zip(res, alone(model, pairs_of(model, reqs))):
         assert np.array_equal(r.logprobs, lps)
+
+
+def test_a_model_gets_batches_of_63_tokens_by_default(model):
+    """The default ``n_batch`` (and ``n_ubatch``) of a run on a Model is 63, below flash attention's
+    64-row tile: 126 tokens to feed go in two decodes, 127 in three."""
+    for n, decodes in [(126, 2), (127, 3)]:
+        res = pl.loglikelihood(model, [(list(range(100, 100 + n)), [7])], **T)
+        assert (res.n_decoded, res.n_decodes) == (n, decodes)
+
+
+def test_a_node_of_more_than_256_tokens_fed_whole_lets_its_branches_into_the_same_decode(model):
+    """A shared context of 300 token ids and two branches, in batches of 512: the node goes whole
+    into the first batch, the other slot joins it, and both branches follow in the same decode (a
+    count past 256 compared with ``is`` took the node for unfinished: the branches waited a decode)."""
+    shared = list(range(1000, 1300))
+    reqs = [(shared + list(range(2000, 2005)), [2100]), (shared + list(range(3000, 3005)), [3100])]
+    res = pl.loglikelihood(model, reqs, n_batch=512, n_seq_max=2, **T)
+    assert (res.n_decoded, res.n_decodes, res.n_epochs) == (310, 1, 0)
+    for r, seq in zip(res, [np.array(s + c, np.int32) for s, c in reqs]):
+        ((lp, _),) = alone(model, [(seq, 305)], n_batch=512)
+        np.testing.assert_allclose(r.logprobs, lp, atol=1e-4)  # past one tile: not bit for bit

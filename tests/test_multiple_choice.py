@@ -719,6 +719,20 @@ def test_winogrande_refuses_a_choice_whose_first_part_would_index_outside_the_lo
         mc._winogrande_pairs(p)
 
 
+def test_winogrande_scores_after_the_choice_word_from_4_tokens_past_the_shared_ones():
+    # llama-perplexity's skip_choice: more than k_min_trailing_ctx (3) tokens after the shared part
+    # in both sentences, 4 and 4 here: each choice is scored from its first part's end (n_base 7,
+    # without the last token), not from the shared part's (a threshold of 4 took 3 rows each)
+    seqs = [np.arange(9, dtype=np.int32), np.concatenate([np.arange(5), np.arange(20, 24)]).astype(np.int32)]
+    p = mc._Prep(seqs, 5, 13, "Winogrande task 0 (line 1)", (7, 7))
+    assert mc._winogrande_pairs(p) == [([2], [7]), ([6], [22])]
+    # a choice word longer than the shared part (a blank that opens the sentence, after BOS): the
+    # second choice's rows start after all of the first's and its own choice word (li = 7 + 3)
+    seqs = [np.arange(9, dtype=np.int32), np.concatenate([np.arange(2), np.arange(20, 27)]).astype(np.int32)]
+    p = mc._Prep(seqs, 2, 16, "Winogrande task 0 (line 1)", (5, 5))
+    assert mc._winogrande_pairs(p) == [([3, 4, 5], [5, 6, 7]), ([10, 11, 12], [23, 24, 25])]
+
+
 def test_winogrande_picks_the_second_choice_on_a_tie():
     # llama-perplexity: 'score_1st > score_2nd ? 1 : 2'. No two choices a tokenizer gives score the
     # same, so by hand: both choices' last three tokens read from the same logits
@@ -1026,6 +1040,10 @@ def test_refusals_before_any_decode(model):
     same = "Q: A man. He\n0\nruns.\nruns. Fast\nruns.\nruns.\n"
     with pytest.raises(ValueError, match="ending 0 adds no token"):
         mc.hellaswag(model, same, **T)
+    # the same past 256 shared tokens (a count compared with ``is`` holds below 257 only)
+    long = same.replace("Q: A man. He", "Q: " + "A man. " * 100 + "He")
+    with pytest.raises(ValueError, match=r"ending 0 adds no token to what all endings share \(30\d tokens\)"):
+        mc.hellaswag(model, long, **T)
     # the default model adds no BOS: a blank that opens the sentence leaves the choices no shared
     # token, where llama-perplexity's flag of the shared part's last token would land before the batch
     with pytest.raises(ValueError, match=r"task 0 \(line 1\): its endings share no token"):
@@ -1288,6 +1306,20 @@ def test_the_modes_leave_a_callers_context_open_and_its_memory_cleared(model):
         del ctx.decode
 
 
+def test_the_modes_read_a_special_token_s_text_as_text(model):
+    """llama-perplexity tokenizes the tasks without parse_special (common_tokenize's default): an
+    ending with "<|im_end|>" in it has 7 tokens of text there, not the special token."""
+    from pyllamacpp.packing import common_prefix
+
+    endings = ("runs.<|im_end|>", "walks.", "sits.", "stands.")
+    r = mc.hellaswag(model, "Q: A man. He\n0\n" + "\n".join(endings) + "\n", **T)
+    seqs = [model.tokenize("Q: A man. He " + e, True, False) for e in endings]
+    cp = common_prefix(*seqs)
+    assert r.tasks[0].n_tokens == cp + sum(s.size - cp for s in seqs)
+    # what it is not: "runs", "." and the special token
+    assert model.tokenize("Q: A man. He " + endings[0], True, True)[cp:].size == 3 < seqs[0].size - cp
+
+
 def test_a_vocabulary_that_adds_bos_has_it_before_each_task_as_llama_perplexity_tokenizes(model, monkeypatch):
     """llama-perplexity tokenizes each task's texts with add_special (common_tokenize(..., true)):
     a vocabulary that adds BOS puts it at the head of the shared part, one token more per task in
@@ -1314,6 +1346,8 @@ def test_the_modes_refuse_settings_they_cannot_run(model):
     for kw in ({"n_ctx": 0}, {"n_ctx": -1}, {"n_batch": 0}, {"n_batch": -1}, {"n_parallel": 0}, {"n_parallel": -1}):
         with pytest.raises(ValueError, match=r"n_ctx \(.*\), n_batch \(.*\) and n_parallel \(.*\) must be positive"):
             mc.winogrande(model, WG, **kw, **T)
+    # the smallest -c runs, on the context llama.cpp makes of it: 4 sequences of 1 cell, padded to 256
+    assert mc.winogrande(model, WG, n_ctx=1, **T).n_ctx == 256
     with model.context(n_ctx=256, n_seq_max=1, **T) as ctx:
         with pytest.raises(ValueError, match="Winogrande needs 2 sequences per task; this Context has n_seq_max 1"):
             mc.winogrande(ctx, WG)

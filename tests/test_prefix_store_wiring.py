@@ -574,6 +574,38 @@ def test_a_path_of_exactly_one_chunk_is_stored(model, tmp_path):
         assert res.n_decoded == n and len(list(store.backend.chunks())) == chunks
 
 
+def test_a_load_of_exactly_one_chunk_into_an_empty_cache_is_taken(model, tmp_path):
+    """17 context tokens and one continuation token: the first run stores a chunk (16 tokens), the
+    rerun loads exactly that chunk, up to the row at token 16 it needs, and decodes one token (a
+    walk that counted a load with nothing in the cache as starting past one cell found it a
+    token short of a chunk and loaded nothing)."""
+    req = [(list(range(100, 117)), [200])]
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    first = pl.loglikelihood(model, req, prefix_store=store, n_threads=1)
+    second = pl.loglikelihood(model, req, prefix_store=store, n_threads=1)
+    _same(second, first)
+    assert (first.n_restored, second.n_restored, second.n_decoded) == (0, 16, 1)
+
+
+def test_a_store_that_holds_only_what_the_cache_holds_is_not_loaded(model, tmp_path):
+    """A 48-token node (3 chunks) that slot 1 feeds and stores in the first decode; slot 0 then
+    starts a leaf below it. The store holds the node's 3 chunks and nothing of the leaf: no more
+    than the cache holds, so the slot copies the node (``seq_cp``) and loads nothing (a walk that
+    loaded when the store held exactly what the cache does took 48 cells for a copy it let go)."""
+    head = list(range(100, 148))
+    reqs = [
+        ([50, 51, 52], [53]),  # slot 0's first leaf, done in the first decode
+        (head + list(range(300, 360)), [501]),  # slot 1: the head, then a leaf it feeds over two decodes
+        (head + list(range(400, 417)), [502]),  # slot 0's second: 16 tokens past the head to load
+    ]
+    args = dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=256)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    res = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(res, base)
+    assert (res.n_restored, res.n_decoded, res.n_decodes) == (0, base.n_decoded, base.n_decodes)
+
+
 def test_the_progress_bar_counts_each_token_once_decoded_or_restored(model, tmp_path, monkeypatch):
     """The bar's total is the trie's tokens to feed; a token restored for a node not scored yet is
     work done, a copy of a node scored already is not: the bar ends at its total, not past it."""
@@ -686,3 +718,28 @@ def test_a_load_that_ends_at_the_end_of_a_node_of_more_than_256_tokens_takes_it_
     args = dict(n_threads=1, n_seq_max=2, n_batch=32, flash_attn="on", n_ctx=512)
     second, base = _rerun(model, tmp_path, reqs, **args)
     assert (second.n_restored, second.n_decoded, second.n_decodes, second.n_epochs) == (320, 10, 1, 0)
+
+
+def test_a_load_into_a_leaf_stops_before_the_row_of_its_last_fed_token(model, tmp_path):
+    """A leaf of 17 context tokens and one continuation token below a 47-token node another slot
+    holds: the store holds the leaf's path to its end (64 tokens, 4 chunks, stored by a run of that
+    request alone), but the row that predicts the continuation is the leaf's last fed token's, so
+    the load stops before it (48 restored) and the slot decodes the rest, bit for bit as without a
+    store. A load that read the leaf's wanted rows one short (``want[1 : n | 1]``: at an odd
+    n_feed, 17, the last row is not looked at) took all 64 tokens and marked the leaf scored with
+    no log-probability for its continuation."""
+    head = list(range(100, 147))  # 47 tokens: the node the two longer requests share
+    reqs = [
+        ([50, 51, 52], [53]),  # slot 0's first leaf, done in the first decode
+        (head + list(range(300, 360)), [501]),  # slot 1: the head, then a leaf it feeds over two decodes
+        (head + list(range(400, 417)), [502]),  # slot 0's second: the head in the cache, 17 more
+    ]
+    args = dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=256)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, reqs[2:], prefix_store=store, **args)
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(second, base)
+    # the second request loads the head's first 2 chunks (its own past them are not stored); the
+    # third's 48 are the head, which the run without a store copied, and its leaf's first token
+    assert second.n_restored == 32 + 48 and second.n_decoded == base.n_decoded - 32 - 1
