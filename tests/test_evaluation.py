@@ -1694,3 +1694,12 @@ def test_a_node_of_more_than_256_tokens_fed_whole_lets_its_branches_into_the_sam
     for r, seq in zip(res, [np.array(s + c, np.int32) for s, c in reqs]):
         ((lp, _),) = alone(model, [(seq, 305)], n_batch=512)
         np.testing.assert_allclose(r.logprobs, lp, atol=1e-4)  # past one tile: not bit for bit
+
+
+def test_a_leaf_of_300_tokens_let_go_owes_no_cells_to_the_epoch(model):
+    """One slot: a leaf of 300 tokens to feed, then two of 10 in 400 cells. The first leaf is let
+    go when the second starts; the third fits the epoch (320 cells in all), no new epoch (a count
+    past 256 compared with ``is not`` kept the let-go leaf reserved and owed its 300 cells again)."""
+    reqs = [(list(range(100, 400)), [400]), (list(range(2000, 2010)), [2010]), (list(range(3000, 3010)), [3010])]
+    res = pl.loglikelihood(model, reqs, n_ctx=400, n_seq_max=1, **T)
+    assert (res.n_decoded, res.n_epochs, res.n_seq) == (320, 0, 1)
