@@ -674,7 +674,7 @@ MORE = "Grass is green. Fire is hot. Ice is cold and hard. The night sky is dark
 
 @pytest.mark.parametrize(
     ("more", "n_ctx", "extra", "restored"),
-    [("", 228, 1, 256), (MORE + "Sugar is sweet. ", 316, 1000, 512)],
+    [("", 228, 1, 256), (MORE + "Sugar is sweet. ", 320, 1000, 512)],
     ids=["one-cell-short", "past-256-cells"],
 )
 def test_an_epoch_that_runs_out_of_cells_with_a_path_in_flight_starts_another(
@@ -683,9 +683,10 @@ def test_an_epoch_that_runs_out_of_cells_with_a_path_in_flight_starts_another(
     """The walk's safety net, reached by a planted fault: each load counted as freeing ``extra``
     cells of the epoch. At 228 cells (the copies test, one cell short of the second copy) the
     third branch loads its copy of the header into a cell a path in flight needs; with a header
-    of 73 tokens at 316 cells every copy is loaded. The walk finds every cell taken with a path not
+    of 73 tokens at 320 cells every copy is loaded. The walk finds every cell taken with a path not
     fed, starts a new epoch, and the numbers stay bit for bit as without a store (the first epoch
-    scored something: not a path too long, which the walk raises for)."""
+    scored something: not a path too long, which the walk raises for). The batch's cap, the cells
+    left, binds: 36 of 228 and 16 of 320 (320 - 304; 320 ^ 304 would be 112)."""
     from pyllamacpp.evaluation._walk import _Walk
 
     reqs = [(HEADER + more + d + "Where? ", " home") for d in LONG_DOCS]
