@@ -926,13 +926,15 @@ def test_winogrande_puts_up_to_128_tasks_in_a_batch(model):
 
 def test_multiple_choice_puts_up_to_128_sequences_in_a_batch_and_takes_all_tasks_past_the_count(model):
     # llama-perplexity's max_seq, 4 * 32 sequences: with 160, 33 tasks of 4 answers take two decodes
-    # (32 tasks, then 1; a cap of 36 took four, of 160 one)
-    labels = [tuple(int(k == i % 4) for k in range(4)) for i in range(33)]
-    raw = mc.write_multiple_choice(
-        [mc.MultipleChoiceTask(f"Q{i}: which?", tuple("abcd"), labels[i]) for i in range(33)]
-    )
+    # (32 tasks, then 1; a cap of 36 took four, of 160 one), and 64 tasks two (a cap of 124 or 96
+    # sequences, 31 or 24 tasks, took three)
+    labels = [tuple(int(k == i % 4) for k in range(4)) for i in range(64)]
+    tasks = [mc.MultipleChoiceTask(f"Q{i}: which?", tuple("abcd"), labels[i]) for i in range(64)]
+    raw = mc.write_multiple_choice(tasks[:33])
     r = mc.multiple_choice(model, raw, n_ctx=768, n_batch=768, n_parallel=160, **T)
     assert len(r.tasks) == 33 and r.n_seq_max == 160 and r.n_decodes == 2
+    r = mc.multiple_choice(model, mc.write_multiple_choice(tasks), n_ctx=768, n_batch=768, n_parallel=160, **T)
+    assert len(r.tasks) == 64 and r.n_decodes == 2
     # --multiple-choice-tasks past the file's count: all of them, in order (as 0 does)
     r = mc.multiple_choice(model, raw, 50, n_ctx=768, n_batch=768, n_parallel=160, **T)
     assert [t.task for t in r.tasks] == [*range(33)]
