@@ -84,7 +84,10 @@ def _key(text_lines: list[str], spans, rel: str, op: str, r0: int, c0: int, r1: 
 
 
 def _rel(module_path: str) -> str:
-    return str(module_path).rsplit("/src/", 1)[-1]
+    """A mutated module's path in the package (``pyllamacpp/...``), from the copy's: absolute, or
+    relative to the copy (``src/...``)."""
+    p = str(module_path)
+    return p.rsplit("/src/", 1)[-1] if "/src/" in p else p.removeprefix("src/")
 
 
 SKIPPED = ("annotation", "outside", "unsampled")  # not run: the filters' marks (run.py), decided afresh

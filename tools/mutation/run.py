@@ -27,6 +27,11 @@ one, the group's ledger: ``--save-ledger`` writes a run's results so far into
 ``tools/mutation/ledger/<target>.jsonl`` (a run that ends writes it too); commit it, and a fresh
 start on any machine goes on from there.
 
+``--workers N`` runs N mutants at a time, each in a copy of its own (``build/mutation/<target>.wK/``
+beside the first), through cosmic-ray's http distributor: one ``cosmic-ray http-worker`` per copy,
+the module paths and the test command relative to the copy it runs in. The tests run one thread
+each, so N up to the cores a machine has.
+
 Needs ``pip install cosmic-ray pytest-cov`` (not test dependencies: too slow for CI on 2 cores;
 pytest-cov for focus.py's coverage pass).
 """
@@ -37,7 +42,9 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -123,25 +130,113 @@ def _refresh_tests(work: Path, target: dict) -> None:
     (work / "TESTS_COMMIT").write_text(_extract(work, "tests"))
 
 
-def _config(work: Path, target: dict, timeout: float, focus: bool) -> Path:
+def _config(work: Path, target: dict, timeout: float, focus: bool, urls: list[str] | None = None) -> Path:
+    """cosmic-ray's configuration. Paths are relative to the copy the test command runs in (its
+    working directory: ``work``, or a worker's copy), made absolute there for the tests' child
+    interpreters (``$PWD``), which may run in another directory."""
     tests = " ".join(target["tests"])
     k = f" -k {target['k']!r}" if target.get("k") else ""
     pytest = f"{sys.executable} -m pytest -x -q -p no:cacheprovider{k}"
     if focus:  # the tests that execute the mutated statement (focus.py), fastest first
-        cmd = f"env PYTHONPATH={work / 'src'} {sys.executable} {work / 'focus.py'} run {work} -- {pytest}"
+        run = f'{sys.executable} "$PWD/focus.py" run "$PWD" -- {pytest}'
     else:
-        cmd = f"env PYTHONPATH={work / 'src'} {pytest} {tests}"
+        run = f"{pytest} {tests}"
+    cmd = "sh -c " + shlex.quote(f'PYTHONPATH="$PWD/src" exec {run}')
     cfg = work / "cosmic-ray.toml"
-    modules = ", ".join(json.dumps(str(work / "src" / m)) for m in target["modules"])
+    modules = ", ".join(json.dumps(f"src/{m}") for m in target["modules"])
+    distributor = (
+        f'[cosmic-ray.distributor]\nname = "http"\n[cosmic-ray.distributor.http]\nworker-urls = {json.dumps(urls)}\n'
+        if urls
+        else '[cosmic-ray.distributor]\nname = "local"\n'
+    )
     cfg.write_text(
         "[cosmic-ray]\n"
         f"module-path = [{modules}]\n"
         f"timeout = {timeout}\n"
         "excluded-modules = []\n"
-        f"test-command = {json.dumps(cmd)}\n"
-        '[cosmic-ray.distributor]\nname = "local"\n'
+        f"test-command = {json.dumps(cmd)}\n" + distributor
     )
     return cfg
+
+
+def _relative_paths(session: Path) -> None:
+    """The session's module paths relative to the copy (``src/...``), as a worker's copy has them
+    (a run begun before the paths were relative has its copy's absolute ones)."""
+    db = sqlite3.connect(session)
+    rows = db.execute("SELECT DISTINCT module_path FROM mutation_specs").fetchall()
+    for (p,) in rows:
+        if "/src/" in p:
+            db.execute("UPDATE mutation_specs SET module_path = ? WHERE module_path = ?",
+                       ("src/" + p.rsplit("/src/", 1)[-1], p))  # fmt: skip
+    db.commit()
+    db.close()
+
+
+# cosmic-ray exec with the http distributor, whose requests aiohttp ends after 5 minutes by default:
+# a survivor's tests may run longer (cosmic-ray's own timeout still ends a mutant that hangs)
+EXEC_HTTP = """\
+import sys
+import aiohttp.client
+aiohttp.client.DEFAULT_TIMEOUT = aiohttp.client.ClientTimeout(total=None, sock_connect=30)
+from cosmic_ray.cli import main
+sys.argv = ["cosmic-ray", "exec", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_workers(work: Path, n: int) -> tuple[list[subprocess.Popen], list[str]]:
+    """``n`` http workers: one in ``work``, the others in fresh copies of it beside it."""
+    dirs = [work]
+    for k in range(2, n + 1):
+        d = work.parent / f"{work.name}.w{k}"
+        if d.exists():
+            shutil.rmtree(d)
+        shutil.copytree(work, d, symlinks=True, ignore=shutil.ignore_patterns("session.sqlite*", "report.json"))
+        dirs.append(d)
+    procs, urls = [], []
+    for d in dirs:
+        port = _free_port()
+        log = open(d / "worker.log", "w")  # noqa: SIM115 (the worker's, closed with it)
+        procs.append(subprocess.Popen(["cosmic-ray", "http-worker", "--port", str(port)], cwd=d,
+                                      stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+        urls.append(f"http://127.0.0.1:{port}")
+    for url, proc in zip(urls, procs):
+        port = int(url.rsplit(":", 1)[1])
+        for _ in range(600):
+            if proc.poll() is not None:
+                sys.exit(f"the http worker at {url} ended: see its worker.log")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+    return procs, urls
+
+
+def _exec(work: Path, target: dict, args, session: Path) -> None:
+    """cosmic-ray exec, here or through ``args.workers`` http workers."""
+    _relative_paths(session)
+    if args.workers <= 1:
+        cfg = _config(work, target, args.timeout, not args.no_focus)
+        subprocess.run(["cosmic-ray", "exec", str(cfg), str(session)], check=True, cwd=work)
+        return
+    _config(work, target, args.timeout, not args.no_focus)  # the copies' own (local) configuration
+    procs, urls = _start_workers(work, args.workers)
+    try:
+        cfg = _config(work, target, args.timeout, not args.no_focus, urls)
+        subprocess.run([sys.executable, "-c", EXEC_HTTP, str(cfg), str(session)], check=True, cwd=work)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+        _config(work, target, args.timeout, not args.no_focus)
 
 
 def _focus_map(work: Path, target: dict) -> None:
@@ -313,6 +408,12 @@ def main() -> int:
         "which a fresh start where this machine has no run carries from; commit it",
     )
     ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="mutants run at a time, each in a copy of its own (cosmic-ray's http workers; default: 1)",
+    )
+    ap.add_argument(
         "--no-focus",
         action="store_true",
         help="run every test of the target against each mutant (default: only the "
@@ -406,7 +507,7 @@ def main() -> int:
             and ((work / "focus.py").read_bytes() != _git("show", "HEAD:tools/mutation/focus.py"))
         ):
             _focus_map(work, target)  # HEAD's focus.py changed since the run began: the rest goes by its map
-        subprocess.run(["cosmic-ray", "exec", str(cfg), str(session)], check=True, cwd=work)
+        _exec(work, target, args, session)
         _save_ledger(work, ledger)
         print(f"{args.target}: {time.perf_counter() - t0:.0f} s", flush=True)
     import carry  # beside this file

@@ -16,6 +16,7 @@ import argparse
 import random
 import sys
 
+from carry import _rel  # beside this file
 from cosmic_ray.work_db import WorkDB, use_db
 from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
@@ -27,8 +28,7 @@ def _skip(db: WorkDB, job_id: str, why: str) -> None:
 def _what(item) -> list:
     """A mutant's identity across runs: job ids are drawn anew by each ``cosmic-ray init``, so the
     sample is drawn in this order, and a seed names the same sample of the same code."""
-    return [(str(m.module_path).rsplit("/src/", 1)[-1], tuple(m.start_pos), m.operator_name, m.occurrence)
-            for m in item.mutations]  # fmt: skip
+    return [(_rel(m.module_path), tuple(m.start_pos), m.operator_name, m.occurrence) for m in item.mutations]
 
 
 def main(argv: list[str] | None = None) -> int:
