@@ -206,6 +206,15 @@ def _rerun(model, tmp_path, reqs, **args):
     return second, base
 
 
+def _two_slots_below_a_head(n_head):
+    """Three requests for two slots, and their settings: slot 0's first leaf (3 tokens, done in the
+    first decode); slot 1's, a head of ``n_head`` tokens then 60 more it feeds over two decodes;
+    slot 0's second, the same head then 17 tokens of its own."""
+    head = list(range(100, 100 + n_head))
+    reqs = [([50, 51, 52], [53]), (head + list(range(300, 360)), [501]), (head + list(range(400, 417)), [502])]
+    return reqs, dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=256)
+
+
 @pytest.mark.parametrize(
     "kw",
     [{"flash_attn": "on"}, {"flash_attn": "on", "n_ctx": 64}, {"flash_attn": "off", "n_seq_max": 1}],
@@ -592,13 +601,7 @@ def test_a_store_that_holds_only_what_the_cache_holds_is_not_loaded(model, tmp_p
     starts a leaf below it. The store holds the node's 3 chunks and nothing of the leaf: no more
     than the cache holds, so the slot copies the node (``seq_cp``) and loads nothing (a walk that
     loaded when the store held exactly what the cache does took 48 cells for a copy it let go)."""
-    head = list(range(100, 148))
-    reqs = [
-        ([50, 51, 52], [53]),  # slot 0's first leaf, done in the first decode
-        (head + list(range(300, 360)), [501]),  # slot 1: the head, then a leaf it feeds over two decodes
-        (head + list(range(400, 417)), [502]),  # slot 0's second: 16 tokens past the head to load
-    ]
-    args = dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=256)
+    reqs, args = _two_slots_below_a_head(48)  # slot 0's second: 16 tokens past the head to load
     base = pl.loglikelihood(model, reqs, **args)
     store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
     res = pl.loglikelihood(model, reqs, prefix_store=store, **args)
@@ -729,13 +732,7 @@ def test_a_load_into_a_leaf_stops_before_the_row_of_its_last_fed_token(model, tm
     store. A load that read the leaf's wanted rows one short (``want[1 : n | 1]``: at an odd
     n_feed, 17, the last row is not looked at) took all 64 tokens and marked the leaf scored with
     no log-probability for its continuation."""
-    head = list(range(100, 147))  # 47 tokens: the node the two longer requests share
-    reqs = [
-        ([50, 51, 52], [53]),  # slot 0's first leaf, done in the first decode
-        (head + list(range(300, 360)), [501]),  # slot 1: the head, then a leaf it feeds over two decodes
-        (head + list(range(400, 417)), [502]),  # slot 0's second: the head in the cache, 17 more
-    ]
-    args = dict(n_threads=1, n_seq_max=2, flash_attn="on", n_ctx=256)
+    reqs, args = _two_slots_below_a_head(47)  # slot 0's second: the head in the cache, 17 more
     base = pl.loglikelihood(model, reqs, **args)
     store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
     pl.loglikelihood(model, reqs[2:], prefix_store=store, **args)
