@@ -1282,6 +1282,17 @@ def test_the_modes_default_n_ctx_is_512_per_sequence(model):
     ] == [2048] * 3
 
 
+def test_the_modes_close_the_context_they_make_from_a_model(model, monkeypatch):
+    """Given a Model, a mode makes its own context (n_parallel sequences of n_ctx cells) and closes
+    it when the run ends: left open, it held its KV cache until the garbage collector took it."""
+    made = []
+    real = type(model).context
+    monkeypatch.setattr(type(model), "context", lambda self, **kw: made.append(real(self, **kw)) or made[-1])
+    for mode in (mc.hellaswag, mc.winogrande, mc.multiple_choice):
+        assert len(mode(model, None, 1, **T).tasks) == 1
+        assert len(made) == 1 and made.pop().closed, mode.__name__
+
+
 def test_the_modes_leave_a_callers_context_open_and_its_memory_cleared(model):
     """A Context passed in stays the caller's: open after each mode, its memory cleared as before
     the run (the last batch's cells left in it made the caller's next prefill of sequence 0 start
