@@ -778,6 +778,8 @@ def test_batches_take_tasks_while_their_tokens_fit_n_ctx():
     assert mc._groups(mixed, 100, 6, None) == [(0, 1), (1, 2), (2, 4)]
     with pytest.raises(ValueError, match="has 4 endings, more than the 3 sequences"):
         mc._groups(_preps([1]), 100, 3, 4)
+    # 6 + 6 is past 11 (6 | 6, 6, is not)
+    assert mc._groups(_preps([6, 6]), 11, 100, 4) == [(0, 1), (1, 2)]
     # past 256 tasks (counts compared with `is` hold only for Python's small ints)
     assert mc._groups(_preps([1] * 300), 100, 1000, 4) == [(0, 100), (100, 200), (200, 300)]
 
@@ -916,12 +918,13 @@ def test_winogrande_selection_and_final_score(model):
 
 
 def test_winogrande_puts_up_to_128_tasks_in_a_batch(model):
-    # llama-perplexity's max_tasks_per_batch (128, two sequences each): with 256 sequences, 100 short
-    # tasks go in one decode (a cap of 130 sequences took two); their pieces are over 256, and each
-    # task's rows are found in them (a loop over the pieces that compared with 'is not' ran past them)
-    lines = [f"{i},{'AB'[i % 2]} met _ today.,{'xyzw'[i % 4]},{'pqrs'[i % 3]},{1 + i % 2}" for i in range(100)]
-    r = mc.winogrande(model, "\n".join(lines) + "\n\n", n_ctx=1024, n_batch=1024, n_parallel=256, **T)
-    assert len(r.tasks) == 100 and r.n_seq_max == 256 and r.n_decodes == 1
+    # llama-perplexity's max_tasks_per_batch (128, two sequences each): with 256 sequences, 128 short
+    # tasks go in one decode (a cap of 130 sequences took two, of 254 two); their pieces are over
+    # 256, and each task's rows are found in them (a loop over the pieces that compared with 'is
+    # not' ran past them)
+    lines = [f"{i},{'AB'[i % 2]} met _ today.,{'xyzw'[i % 4]},{'pqrs'[i % 3]},{1 + i % 2}" for i in range(128)]
+    r = mc.winogrande(model, "\n".join(lines) + "\n\n", n_ctx=8, n_batch=2048, n_parallel=256, **T)
+    assert len(r.tasks) == 128 and r.n_seq_max == 256 and r.n_decodes == 1, r
 
 
 def test_multiple_choice_puts_up_to_128_sequences_in_a_batch_and_takes_all_tasks_past_the_count(model):
@@ -931,14 +934,14 @@ def test_multiple_choice_puts_up_to_128_sequences_in_a_batch_and_takes_all_tasks
     labels = [tuple(int(k == i % 4) for k in range(4)) for i in range(64)]
     tasks = [mc.MultipleChoiceTask(f"Q{i}: which?", tuple("abcd"), labels[i]) for i in range(64)]
     raw = mc.write_multiple_choice(tasks[:33])
-    r = mc.multiple_choice(model, raw, n_ctx=768, n_batch=768, n_parallel=160, **T)
+    r = mc.multiple_choice(model, raw, n_ctx=8, n_batch=768, n_parallel=160, **T)
     assert len(r.tasks) == 33 and r.n_seq_max == 160 and r.n_decodes == 2
-    r = mc.multiple_choice(model, mc.write_multiple_choice(tasks), n_ctx=768, n_batch=768, n_parallel=160, **T)
+    r = mc.multiple_choice(model, mc.write_multiple_choice(tasks), n_ctx=8, n_batch=768, n_parallel=160, **T)
     assert len(r.tasks) == 64 and r.n_decodes == 2
     # --multiple-choice-tasks past the file's count: all of them, in order (as 0 does)
-    r = mc.multiple_choice(model, raw, 50, n_ctx=768, n_batch=768, n_parallel=160, **T)
+    r = mc.multiple_choice(model, raw, 50, n_ctx=8, n_batch=768, n_parallel=160, **T)
     assert [t.task for t in r.tasks] == [*range(33)]
-    r = mc.multiple_choice(model, raw, 33, n_ctx=768, n_batch=768, n_parallel=160, **T)  # and at it
+    r = mc.multiple_choice(model, raw, 33, n_ctx=8, n_batch=768, n_parallel=160, **T)  # and at it
     assert [t.task for t in r.tasks] == [*range(33)]
 
 
