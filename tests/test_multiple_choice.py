@@ -827,19 +827,21 @@ WG = (
 )
 
 
-# and 2 after the shared part in the first, 4 in the second: not skipped (the first's count
-# compared with != 3, not > 3, skipped it)
-WG7 = WG.rstrip("\n") + "\n6,The cat chased the _.,dog,big brown mouse,2\n\n"
+# and 2 after the shared part in the first, 4 in the second, then 4 and 2: not skipped (a count
+# compared with != 3, not > 3, skipped them)
+WG8 = WG.rstrip("\n") + (
+    "\n6,The cat chased the _.,dog,big brown mouse,2\n7,The cat chased the _.,big brown mouse,dog,1\n\n"
+)
 
 
 def test_winogrande_partial_scores_as_winogrande_score(model):
-    r = mc.winogrande(model, WG7, **ON)
-    tasks, _ = mc.read_winogrande(WG7)
-    assert len(r.tasks) == 7 and all(t.exact for t in r.tasks)
-    # a task count past the file's (8 of 7), or equal to it, takes all of them in order, as
-    # --winogrande-tasks does (n <= 7 drew the 7 at random)
-    assert mc.winogrande(model, WG7, 8, **ON).report() == r.report()
-    assert mc.winogrande(model, WG7, 7, **ON).report() == r.report()
+    r = mc.winogrande(model, WG8, **ON)
+    tasks, _ = mc.read_winogrande(WG8)
+    assert len(r.tasks) == 8 and all(t.exact for t in r.tasks)
+    # a task count past the file's (9 of 8), or equal to it, takes all of them in order, as
+    # --winogrande-tasks does (n <= 8 drew the 8 at random)
+    assert mc.winogrande(model, WG8, 9, **ON).report() == r.report()
+    assert mc.winogrande(model, WG8, 8, **ON).report() == r.report()
     with model.context(n_ctx=256, **ON) as ctx:
         for t in r.tasks:
             w = tasks[t.task]
@@ -850,8 +852,8 @@ def test_winogrande_partial_scores_as_winogrande_score(model):
             skip = all(len(s) - cp > 3 for s in seqs)
             if t.task in (4, 5):  # the edge of llama-perplexity's k_min_trailing_ctx (3) in one choice only
                 assert [len(s) - cp for s in seqs] == ([3, 4] if t.task == 4 else [4, 3]) and cp == 5
-            if t.task == 6:
-                assert [len(s) - cp for s in seqs] == [2, 4]
+            if t.task in (6, 7):
+                assert [len(s) - cp for s in seqs] == ([2, 4] if t.task == 6 else [4, 2])
             ref = []
             for k, (s, lp) in enumerate(zip(seqs, lps)):
                 nb = n_base[k] if skip else cp
