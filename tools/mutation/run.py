@@ -44,6 +44,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -227,6 +228,8 @@ def _exec(work: Path, target: dict, args, session: Path) -> None:
         subprocess.run(["cosmic-ray", "exec", str(cfg), str(session)], check=True, cwd=work)
         return
     _config(work, target, args.timeout, not args.no_focus)  # the copies' own (local) configuration
+    # a stop (SIGTERM) ends the workers too: the default handler would leave them serving
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     procs, urls = _start_workers(work, args.workers)
     try:
         cfg = _config(work, target, args.timeout, not args.no_focus, urls)
