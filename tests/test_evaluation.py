@@ -260,8 +260,9 @@ def test_bad_input_is_refused_before_any_decode(model):
     with pytest.raises(ValueError, match=r"request 0 needs 11 tokens in the cache \(9 of context, 3 of continuation, "
                        r"less the last\), 3 more than n_ctx=8"):  # fmt: skip
         pl.loglikelihood(model, [(list(range(5, 14)), [7, 8, 9])], n_ctx=8)
-    with pytest.raises(ValueError, match=r"needs 11 tokens in the cache \(5 of context, 7 of continuation, "):
-        pl.loglikelihood(model, [(list(range(5, 10)), list(range(7, 14)))], n_ctx=8)  # 7, not 12 % 5
+    with pytest.raises(ValueError, match=r"needs 11 tokens in the cache \(5 of context, 7 of continuation, "
+                       r"less the last\), 5 more than n_ctx=6"):  # fmt: skip
+        pl.loglikelihood(model, [(list(range(5, 10)), list(range(7, 14)))], n_ctx=6)  # 7, not 12 % 5; 5, not 11 ^ 6
     assert len(pl.loglikelihood(model, [(list(range(5, 13)), [7])], n_ctx=8, **T)) == 1  # 8 fit 8: no refusal
 
 
