@@ -741,3 +741,21 @@ def test_a_load_into_a_leaf_stops_before_the_row_of_its_last_fed_token(model, tm
     # the second request loads the head's first 2 chunks (its own past them are not stored); the
     # third's 48 are the head, which the run without a store copied, and its leaf's first token
     assert second.n_restored == 32 + 48 and second.n_decoded == base.n_decoded - 32 - 1
+
+
+def test_a_copy_below_three_cached_nodes_counts_the_cells_of_all_three(model, tmp_path):
+    """Nodes of 16, 8 and 24 tokens (the branch points of four requests, one a slot): the rerun's
+    slot 0 loads its path, the three nodes and 16 tokens of its own (64); slot 1 finds all three
+    in the cache, 48 cells, and 8 tokens of its own before the row it needs: less than a chunk past
+    the cache, so it copies them (seq_cp) and loads nothing. A walk that took the cache's end from
+    the second node's length (24 + 8) saw a chunk past it and loaded the 48 tokens it had (112)."""
+    h = list(range(100, 148))  # the nodes end at 16, 24 and 48
+    reqs = [
+        (h[:16] + [300, 301, 302, 303], [501]),
+        (h[:24] + [310, 311, 312, 313], [502]),
+        (h + list(range(320, 340)), [503]),
+        (h + list(range(350, 359)), [504]),
+    ]
+    args = dict(n_threads=1, n_seq_max=4, flash_attn="on", n_ctx=256)
+    second, base = _rerun(model, tmp_path, reqs, **args)
+    assert second.n_restored == 64
