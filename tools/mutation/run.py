@@ -220,9 +220,34 @@ def _start_workers(work: Path, n: int) -> tuple[list[subprocess.Popen], list[str
     return procs, urls
 
 
+UNREACHED = "Cannot connect to host"  # aiohttp's error for a worker gone: cosmic-ray records it as ABNORMAL
+
+
+def _unreached(session: Path) -> int:
+    """Put back, as not run, the mutants a stop cut off: those an http worker never got (gone
+    before the run ended: cosmic-ray records each as an abnormal result), and those whose tests
+    were killed with the run (a kill with no word from pytest, only focus.py's first line; a
+    mutant that crashes the interpreter leaves Python's fatal error). Returns how many."""
+    db = sqlite3.connect(session)
+    n = db.execute("DELETE FROM work_results WHERE worker_outcome = 'ABNORMAL' AND output LIKE ?",
+                   (UNREACHED + "%",)).rowcount  # fmt: skip
+    cut = [
+        (job,)
+        for job, output in db.execute("SELECT job_id, output FROM work_results WHERE test_outcome = 'KILLED'")
+        if all(not line.strip() or line.startswith("focus: ") for line in (output or "").splitlines())
+        and TIMED_OUT not in (output or "")
+        and output != "timeout"
+    ]
+    db.executemany("DELETE FROM work_results WHERE job_id = ?", cut)
+    db.commit()
+    db.close()
+    return n + len(cut)
+
+
 def _exec(work: Path, target: dict, args, session: Path) -> None:
     """cosmic-ray exec, here or through ``args.workers`` http workers."""
     _relative_paths(session)
+    _unreached(session)
     if args.workers <= 1:
         cfg = _config(work, target, args.timeout, not args.no_focus)
         subprocess.run(["cosmic-ray", "exec", str(cfg), str(session)], check=True, cwd=work)
@@ -240,6 +265,9 @@ def _exec(work: Path, target: dict, args, session: Path) -> None:
         for p in procs:
             p.wait()
         _config(work, target, args.timeout, not args.no_focus)
+        n = _unreached(session)
+        if n:
+            print(f"{n} mutants no worker got are left to run", flush=True)
 
 
 def _focus_map(work: Path, target: dict) -> None:
@@ -440,6 +468,7 @@ def main() -> int:
     if args.save_ledger:
         if not session.exists():
             sys.exit(f"no run of {args.target} in {work}")
+        _unreached(session)  # a run stopped with its workers gone first
         n = _save_ledger(work, ledger)
         print(f"{args.target}: {n} results of the run at {(work / 'COMMIT').read_text()[:10]} written to "
               f"{ledger.relative_to(ROOT)}")  # fmt: skip
