@@ -230,3 +230,35 @@ def test_report_only_reads_from_the_ledger_what_the_run_reported(tmp_path, monke
     assert "-- survived: mod.py:" in here
     shutil.rmtree(root / "build")
     assert main("--report-only") == "(from tools/mutation/ledger/g.jsonl)\n" + here
+
+
+def test_a_stop_puts_back_the_mutants_it_cut_off_and_keeps_every_result(tmp_path, monkeypatch):
+    """run.py: a stop's cut-off mutants go back to not run (an http worker gone: cosmic-ray's
+    abnormal "Cannot connect to host"; a test run killed with the run: nothing but focus.py's first
+    line), while a kill, a crash, a timeout and a survivor stay; the session's module paths become
+    relative to the copy (``src/...``), which carry reads as the absolute ones."""
+    monkeypatch.syspath_prepend(str(CARRY.parent))
+    run = load_tool(REPO / "tools" / "mutation" / "run.py", "mutation_run")
+    carry = load_tool(CARRY, "mutation_carry")
+    path = tmp_path / "session.sqlite"
+    _session(path, OLD, MUTANTS[:6], {j: "KILLED" for j, *_ in MUTANTS[:6]})
+    head = "focus: 3 of 9 tests for line 5 of a in pyllamacpp/mod.py\n"
+    outputs = {
+        "a+": ("NORMAL", "KILLED", head + "F\nFAILED tests/test_mod.py::t - assert 1 == 2\n"),
+        "b*": ("NORMAL", "KILLED", head),  # killed with the run
+        "c-": ("ABNORMAL", None, "Cannot connect to host 127.0.0.1:9 ssl:default [Connect call failed]"),
+        "c3+": ("NORMAL", "KILLED", head + "Fatal Python error: Segmentation fault\n"),
+        "c3-": ("NORMAL", "KILLED", head + "focus: timed out: tests/test_mod.py::t ran past its limit of 20 s\n"),
+        "cy": ("NORMAL", "SURVIVED", head + ".\n1 passed\n"),
+    }
+    db = sqlite3.connect(path)
+    for job, (worker, test, out) in outputs.items():
+        db.execute("UPDATE work_results SET worker_outcome = ?, test_outcome = ?, output = ? WHERE job_id = ?",
+                   (worker, test, out, job))  # fmt: skip
+    db.commit()
+    assert run._unreached(path) == 2
+    run._relative_paths(path)
+    assert {j for (j,) in db.execute("SELECT job_id FROM work_results")} == {"a+", "c3+", "c3-", "cy"}
+    assert {p for (p,) in db.execute("SELECT module_path FROM mutation_specs")} == {f"src/{REL}"}
+    db.close()
+    assert carry._rel(f"src/{REL}") == carry._rel(f"/w/src/{REL}") == REL
