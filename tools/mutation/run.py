@@ -163,12 +163,13 @@ def _config(work: Path, target: dict, timeout: float, focus: bool, urls: list[st
 def _relative_paths(session: Path) -> None:
     """The session's module paths relative to the copy (``src/...``), as a worker's copy has them
     (a run begun before the paths were relative has its copy's absolute ones)."""
+    import carry  # beside this file
+
     db = sqlite3.connect(session)
     rows = db.execute("SELECT DISTINCT module_path FROM mutation_specs").fetchall()
     for (p,) in rows:
         if "/src/" in p:
-            db.execute("UPDATE mutation_specs SET module_path = ? WHERE module_path = ?",
-                       ("src/" + p.rsplit("/src/", 1)[-1], p))  # fmt: skip
+            db.execute("UPDATE mutation_specs SET module_path = ? WHERE module_path = ?", ("src/" + carry._rel(p), p))
     db.commit()
     db.close()
 
