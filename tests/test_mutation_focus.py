@@ -288,3 +288,55 @@ def test_a_mutant_that_loops_ends_at_its_tests_limit(tmp_path):
     src.write_text(MODULE.replace("        return 1", "        return 1  # unchanged"))  # passes
     r = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and "1 passed" in r.stdout
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # dead, not yet reaped
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child subreaper is Linux's")
+def test_a_child_the_tests_leave_running_ends_with_the_run(tmp_path):
+    """A test that starts a process and ends without it, by the watchdog while the mutant loops
+    (a test's ``subprocess.run(timeout=...)`` child is not ended when pytest is) or by passing:
+    the child holds pytest's stdout and sleeps for 300 s; ``run`` returns at once, and the child is gone."""
+    f = _focus()
+    work, fmap = _work(tmp_path, f, {"get": ["tests/test_loop.py::test_get"]})
+    (work / "src" / "pkg" / "__init__.py").write_text("")
+    (work / "tests").mkdir()
+    (work / "tests" / "test_loop.py").write_text(
+        "import subprocess, sys\nfrom pathlib import Path\nfrom pkg import m\n\n"
+        "def test_get():\n"
+        "    p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        "    Path('child.pid').write_text(str(p.pid))\n"
+        "    assert m.Box().get() == 1\n"
+    )
+    fmap.update(every=["tests/test_loop.py::test_get"], spawned=[], limit_base=2.0,
+                durations={"tests/test_loop.py::test_get": 0.1})  # fmt: skip
+    (work / "focus.json").write_text(json.dumps(fmap))
+    run = [sys.executable, str(FOCUS), "run", str(work), "--", sys.executable, "-m", "pytest", "-x", "-q",
+           "-p", "no:cacheprovider"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(work / "src")}
+    src = work / "src" / "pkg" / "m.py"
+    for body, rc, said in (
+        ("while True:\n            pass", 1, "focus: timed out:"),
+        ("return 1  # unchanged", 0, "1 passed"),
+    ):
+        src.write_text(MODULE.replace("return 1", body, 1))
+        (work / "child.pid").unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+        finally:
+            pid = int((work / "child.pid").read_text()) if (work / "child.pid").exists() else None
+            alive = pid is not None and not _gone(pid)
+            if alive:  # the failure below says so; do not leave it to the machine
+                os.kill(pid, 9)
+        assert pid is not None and not alive, r.stdout
+        assert (
+            r.returncode == rc and said in r.stdout and "focus: ended 1 process(es) the tests left running" in r.stdout
+        )
+        assert time.perf_counter() - t0 < 60

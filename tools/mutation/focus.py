@@ -29,7 +29,11 @@ report names. Each test runs under a watchdog (the plugin, ``faulthandler``): a 
 loops ends at its test's limit (``limits``), not at cosmic-ray's timeout for the whole run, and
 ``focus: timed out:`` says which test. The tests that killed earlier mutants of the same function go first (most kills
 first; ``WORK/focus-kills.json``): a mutant is most often caught by the test that caught its
-neighbours, and a kill costs the tests run before it.
+neighbours, and a kill costs the tests run before it. A process a test started and left running
+(the test ended by the watchdog while its child loops on the mutant, a server it forgot) is
+ended when pytest returns: ``run`` adopts its descendants' orphans (Linux's child subreaper) and
+kills every process left under it, and says how many (``focus: ended``), so no mutant's child
+goes on eating the cores the next mutants run on.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ import ast
 import difflib
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,6 +53,7 @@ MAP = "focus.json"
 KILLS = "focus-kills.json"  # per function, how many of its mutants each test killed
 NO_TEST = "focus: no test executes"
 TIMED_OUT = "focus: timed out:"
+ENDED = "focus: ended"
 
 
 # -- the pytest plugin of the coverage pass (loaded with -p focus) ------------------------------
@@ -292,6 +299,53 @@ def _failed(stdout: str, tests: list[str]) -> str | None:
     return None
 
 
+def _adopt_orphans() -> bool:
+    """Make this process the one its descendants' orphans are given to (Linux's
+    ``PR_SET_CHILD_SUBREAPER``), so that what pytest's tests started stays findable under it after
+    pytest is gone. False where the system has no such thing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+
+
+def _children() -> list[int]:
+    """The processes whose parent is this one (``/proc/PID/stat``'s fourth field)."""
+    me, kids = os.getpid(), []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path("/proc", d, "stat").read_text()
+            except OSError:  # gone since the listing
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # the name in parentheses may hold blanks
+                kids.append(int(d))
+    return kids
+
+
+def end_descendants() -> int:
+    """SIGKILL every process left under this one, reap it, and go on with the orphans each one
+    leaves (given to this process, ``_adopt_orphans``) until none is left; how many were ended."""
+    ended = 0
+    for _ in range(1000):
+        kids = _children()
+        if not kids:
+            break
+        for pid in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in kids:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        ended += len(kids)
+    return ended
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[0] == "map":
         work = Path(argv[1])
@@ -324,9 +378,19 @@ def main(argv: list[str]) -> int:
             pytest_args = [*pytest_args, "-p", "focus"]
         running = Path(str(watch) + ".running")
         running.unlink(missing_ok=True)
-        r = subprocess.run([*pytest_args, *tests], cwd=work, capture_output=True, text=True, env=env)
-        sys.stdout.write(r.stdout)
-        sys.stderr.write(r.stderr)
+        adopted = _adopt_orphans()
+        # Files, not pipes: a child the tests left holding pytest's stdout would keep a pipe open
+        # past pytest's exit, and reading it to its end would wait on that child.
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            r = subprocess.run([*pytest_args, *tests], cwd=work, stdout=out, stderr=err, text=True, env=env)
+            n = end_descendants() if adopted else 0
+            out.seek(0)
+            err.seek(0)
+            r.stdout = out.read()
+            sys.stdout.write(r.stdout)
+            sys.stderr.write(err.read())
+        if n:
+            print(f"{ENDED} {n} process(es) the tests left running", flush=True)
         if r.returncode == 1 and running.exists():  # the watchdog ended it (a test failing ends the session)
             test, limit = running.read_text().split("\n")
             print(f"{TIMED_OUT} {test} ran past its limit of {limit} s", flush=True)
