@@ -302,7 +302,7 @@ def _gone(pid: int) -> bool:
 def test_a_child_the_tests_leave_running_ends_with_the_run(tmp_path):
     """A test that starts a process and ends without it, by the watchdog while the mutant loops
     (a test's ``subprocess.run(timeout=...)`` child is not ended when pytest is) or by passing:
-    the child holds pytest's stdout and sleeps for 300 s; ``run`` returns at once, and the child is gone."""
+    the child holds pytest's stdout (``-s``) and sleeps for 300 s; ``run`` returns at once, and the child is gone."""
     f = _focus()
     work, fmap = _work(tmp_path, f, {"get": ["tests/test_loop.py::test_get"]})
     (work / "src" / "pkg" / "__init__.py").write_text("")
@@ -317,7 +317,8 @@ def test_a_child_the_tests_leave_running_ends_with_the_run(tmp_path):
     fmap.update(every=["tests/test_loop.py::test_get"], spawned=[], limit_base=2.0,
                 durations={"tests/test_loop.py::test_get": 0.1})  # fmt: skip
     (work / "focus.json").write_text(json.dumps(fmap))
-    run = [sys.executable, str(FOCUS), "run", str(work), "--", sys.executable, "-m", "pytest", "-x", "-q",
+    # -s: the child inherits pytest's own stdout, the pipe or file run reads pytest's output from
+    run = [sys.executable, str(FOCUS), "run", str(work), "--", sys.executable, "-m", "pytest", "-x", "-q", "-s",
            "-p", "no:cacheprovider"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(work / "src")}
     src = work / "src" / "pkg" / "m.py"
