@@ -1699,6 +1699,27 @@ def test_a_node_of_more_than_256_tokens_fed_whole_lets_its_branches_into_the_sam
         np.testing.assert_allclose(r.logprobs, lp, atol=1e-4)  # past one tile: not bit for bit
 
 
+def test_a_slot_past_256_nodes_whose_leaf_another_slot_scored_copies_the_node_it_never_held(model, copies):
+    """A path of 265 one-token nodes (a request ends at each token), then a node of 40 fed by slot 0
+    over several batches of 16, and six leaves after it: three of one token, which the node's last
+    row scores as slot 0 feeds it, and three of two; four slots. Slots 1 to 3 join the 265 small
+    nodes and wait for the long one; its last row scores the one-token leaves of slots 1 and 2, so
+    these are done holding 265 of their path's 267 nodes. Given a two-token leaf next, slot 1 holds
+    265 nodes of it, not the long node: it copies that node from slot 0 (``llama_memory_seq_cp`` of
+    [265, 305)), and each token is decoded once. (Counting the nodes held with ``is not``, which
+    holds for Python's small ints only, went past 265 into the long node: slot 1 fed its leaf at
+    position 305 with its sequence ending at 264, and llama_decode refused the batch.)"""
+    chain, node = list(range(100, 365)), list(range(1000, 1040))
+    reqs = [(chain[:i], [chain[i]]) for i in range(1, 265)] + [(chain + node[:-1], [node[-1]])]
+    reqs += [(chain + node, [2000 + j]) for j in range(3)] + [(chain + node, [3000 + j, 3100 + j]) for j in range(3)]
+    res = pl.loglikelihood(model, reqs, n_ctx=1024, n_batch=16, n_seq_max=4, **T)
+    assert (res.n_seq, res.n_decoded, res.n_epochs) == (4, 308, 0)
+    assert (0, 1, 265, 305) in copies
+    one = pl.loglikelihood(model, reqs, n_ctx=1024, n_batch=16, n_seq_max=1, **T)  # one slot, no copies
+    for r, o in zip(res, one):
+        assert np.array_equal(r.logprobs, o.logprobs)
+
+
 def test_a_leaf_of_300_tokens_let_go_owes_no_cells_to_the_epoch(model):
     """One slot: a leaf of 300 tokens to feed, then two of 10 in 400 cells. The first leaf is let
     go when the second starts; the third fits the epoch (320 cells in all), no new epoch (a count
