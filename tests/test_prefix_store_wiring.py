@@ -759,3 +759,22 @@ def test_a_copy_below_three_cached_nodes_counts_the_cells_of_all_three(model, tm
     args = dict(n_threads=1, n_seq_max=4, flash_attn="on", n_ctx=256)
     second, base = _rerun(model, tmp_path, reqs, **args)
     assert second.n_restored == 64
+
+
+def test_a_slot_in_flight_loads_nothing_past_the_node_it_fed(model, tmp_path):
+    """One slot; a store that holds a 32-token head, a 16-token node and a 40-token leaf below it.
+    The slot's first path takes the head from the store; its second keeps the head, feeds the node
+    in one decode of 16 and stops there (the batch is full), its leaf not begun. The slot is in
+    flight with cells of its own: a load would go into a sequence that holds cells, so it loads only
+    when it starts a path with none (or in flight into a new epoch); it decodes the leaf, and the
+    numbers are those of a run without a store (a walk that loaded for every slot in flight raised
+    the store's "restore into an empty sequence")."""
+    head, node, leaf = list(range(100, 132)), list(range(300, 316)), list(range(400, 440))
+    reqs = [(head + list(range(200, 208)), [208]), (head + node, [900]), (head + node + leaf, [441])]
+    args = dict(n_threads=1, n_seq_max=1, n_batch=16, flash_attn="on", n_ctx=256)
+    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    pl.loglikelihood(model, reqs[2:], prefix_store=store, **args)
+    base = pl.loglikelihood(model, reqs, **args)
+    res = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(res, base)
+    assert (res.n_restored, res.n_decoded) == (32, 8 + 16 + 40)
