@@ -262,3 +262,20 @@ def test_a_stop_puts_back_the_mutants_it_cut_off_and_keeps_every_result(tmp_path
     assert {p for (p,) in db.execute("SELECT module_path FROM mutation_specs")} == {f"src/{REL}"}
     db.close()
     assert carry._rel(f"src/{REL}") == carry._rel(f"/w/src/{REL}") == REL
+
+
+def test_a_name_tells_two_lines_that_mutate_to_the_same_text_apart_by_what_they_were():
+    """``to`` is matched in a mutant's + lines and ``from`` in its - lines: two loops of one
+    function that both become ``for k in []:`` are one name's with ``from``, both without it."""
+    run = load_tool(REPO / "tools" / "mutation" / "run.py", "mutation_run")
+    op = "core/ZeroIterationForLoop"
+    first = "--- a\n+++ b\n@@ -1 +1 @@\n-    for k in order:\n+    for k in []:\n"
+    last = "--- a\n+++ b\n@@ -1 +1 @@\n-    for k in range(len(uniq)):\n+    for k in []:\n"
+    name = {"function": "loglikelihood", "operator": op, "to": "+    for k in []:"}
+    narrow = {**name, "from": "-    for k in range(len(uniq)):"}
+    assert run._is_equivalent([name], 328, op, "loglikelihood", first)
+    assert run._is_equivalent([name], 442, op, "loglikelihood", last)
+    assert not run._is_equivalent([narrow], 328, op, "loglikelihood", first)
+    assert run._is_equivalent([narrow], 442, op, "loglikelihood", last)
+    assert not run._is_equivalent([narrow], 442, op, "_walk", last)  # another function's
+    assert not run._is_equivalent([narrow], 442, "core/NumberReplacer", "loglikelihood", last)

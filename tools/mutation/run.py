@@ -309,10 +309,15 @@ def _save_ledger(work: Path, ledger: Path) -> int:
 
 def _is_equivalent(named: list[dict], line: int, op: str, where: str, diff: str | None) -> bool:
     """Whether ``targets.toml`` names this mutant equivalent: by line, or by function (which
-    survives the module being split or edited above it), its operator, and ``to`` in its + lines."""
-    plus = "\n".join(ln for ln in (diff or "").splitlines() if ln.startswith("+") and not ln.startswith("+++"))
+    survives the module being split or edited above it), its operator, ``to`` in its + lines, and
+    ``from`` (where given) in its - lines: two lines of a function that mutate to the same text
+    (``for k in order:`` and ``for k in range(n):`` both to ``for k in []:``) are told apart by
+    what they were."""
+    lines = (diff or "").splitlines()
+    plus = "\n".join(ln for ln in lines if ln.startswith("+") and not ln.startswith("+++"))
+    minus = "\n".join(ln for ln in lines if ln.startswith("-") and not ln.startswith("---"))
     return any((e.get("line") == line or e.get("function") == where) and e["operator"] == op
-               and e.get("to", "") in plus for e in named)  # fmt: skip
+               and e.get("to", "") in plus and e.get("from", "") in minus for e in named)  # fmt: skip
 
 
 def _wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
