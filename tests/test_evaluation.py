@@ -264,6 +264,7 @@ def test_bad_input_is_refused_before_any_decode(model):
                        r"less the last\), 5 more than n_ctx=6"):  # fmt: skip
         pl.loglikelihood(model, [(list(range(5, 10)), list(range(7, 14)))], n_ctx=6)  # 7, not 12 % 5; 5, not 11 ^ 6
     assert len(pl.loglikelihood(model, [(list(range(5, 13)), [7])], n_ctx=8, **T)) == 1  # 8 fit 8: no refusal
+    assert len(pl.loglikelihood(model, [(list(range(5, 14)), [7])], n_ctx=9, **T)) == 1  # 10 tokens: 9 fit 9
 
 
 def test_the_same_300_tokens_split_at_two_context_lengths_keep_both_continuations(model):
