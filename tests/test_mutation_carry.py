@@ -279,3 +279,28 @@ def test_a_name_tells_two_lines_that_mutate_to_the_same_text_apart_by_what_they_
     assert run._is_equivalent([narrow], 442, op, "loglikelihood", last)
     assert not run._is_equivalent([narrow], 442, op, "_walk", last)  # another function's
     assert not run._is_equivalent([narrow], 442, "core/NumberReplacer", "loglikelihood", last)
+
+
+def test_mutants_of_one_text_carry_only_where_each_of_them_has_its_result(tmp_path):
+    """Two methods of a class with the same line (one unit, one text): where the last run has a
+    result for the second one only, neither carries (paired in order, the first got the second's);
+    where it has both, they pair in order."""
+    carry = _load()
+    text = (
+        "class K:\n    def f(self, x):\n        y = x * 2\n        return x + 1\n\n"
+        "    def g(self, x):\n        y = x * 2\n        return x + 1\n"
+    )
+    rows = [
+        ("f+", "core/ReplaceBinaryOperator_Add_Sub", 0, "return x + 1", "+", 0),
+        ("g+", "core/ReplaceBinaryOperator_Add_Sub", 1, "return x + 1", "+", 1),
+        ("f*", "core/ReplaceBinaryOperator_Mul_Add", 0, "y = x * 2", "*", 0),
+        ("g*", "core/ReplaceBinaryOperator_Mul_Add", 1, "y = x * 2", "*", 1),
+    ]
+    old, new = tmp_path / "old.sqlite", tmp_path / "new.sqlite"
+    _session(old, text, rows, {"g+": "KILLED", "f*": "KILLED", "g*": "KILLED"})  # f+ not run
+    _session(new, text, [(f"new-{j}", *rest) for j, *rest in rows], {})
+    assert carry.carry(carry.old_results(old), {REL: text}, new, {REL: text}) == (2, 0)
+    db = sqlite3.connect(new)
+    outputs = dict(db.execute("SELECT job_id, output FROM work_results").fetchall())
+    db.close()
+    assert outputs == {"new-f*": "out f*", "new-g*": "out g*"}  # f+ and g+ run again

@@ -9,7 +9,10 @@ run, the result of each mutant that is the same mutant of the same code:
 - inside a top-level ``def`` or ``class`` whose code is the same at both commits (its ``ast`` with
   the docstrings left out, so an edited docstring or a moved function keeps its results, and any
   other edit in it runs all its mutants again); module-level code counts as one unit;
-- several such mutants (one number replaced two ways, one line written twice) pair in order.
+- several such mutants (one number replaced two ways, one line written twice, in one function or
+  in two methods of a class) pair in order, and only where the last run has a result for each of
+  them: where some of them were not run, which result was whose is not known (pairing in order
+  gave one mutant the result of another line's), and all of them run again.
 
 The last run is its session (``build/mutation/<target>/session.sqlite``) where this machine has
 one, else the group's ledger (``tools/mutation/ledger/<target>.jsonl``, :func:`write_ledger`): its
@@ -146,14 +149,19 @@ def carry(
             "m.end_pos_row, m.end_pos_col FROM mutation_specs m LEFT JOIN work_results r ON r.job_id = m.job_id "
             "WHERE r.job_id IS NULL ORDER BY m.module_path, m.operator_name, m.occurrence"
         ).fetchall()
-        out = []
+        keyed = []
         for job, path, op, _occ, r0, c0, r1, c1 in pending:
             rel = _rel(path)
-            if rel not in parsed:
-                continue
-            spans = parsed[rel][1][0]
-            key = _key(new_texts[rel].splitlines(), spans, rel, op, r0, c0, r1, c1)
-            if olds.get(key):
+            if rel in parsed:
+                spans = parsed[rel][1][0]
+                keyed.append((job, op, r0, _key(new_texts[rel].splitlines(), spans, rel, op, r0, c0, r1, c1)))
+        n_new: dict[tuple, int] = defaultdict(int)
+        for *_, key in keyed:
+            n_new[key] += 1
+        whole = {key for key, n in n_new.items() if len(olds.get(key, ())) == n}  # each has its result
+        out = []
+        for job, op, r0, key in keyed:
+            if key in whole:  # paired in order
                 *_, worker, output, test, diff, where = olds[key].pop(0)
                 if test == "SURVIVED" and not equivalent(r0, op, where, diff):
                     continue  # runs again, against HEAD's tests
