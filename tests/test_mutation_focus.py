@@ -261,21 +261,26 @@ def test_failed_is_the_whole_test_id_of_the_summary_line():
     assert f._failed("1 passed\n", ["t::a"]) is None
 
 
-def test_a_mutant_that_loops_ends_at_its_tests_limit(tmp_path):
-    f = _focus()
+def _one_test_work(tmp_path: Path, f, body: str, *pytest_flags: str) -> tuple[Path, dict, list[str], dict]:
+    """A copy with one test file, ``tests/test_loop.py`` whose ``test_get`` is ``body`` (after
+    ``from pkg import m``), mapped onto ``get`` with a watchdog of 2 s plus: the copy, its map,
+    focus's run command (pytest ``-x -q`` and ``pytest_flags``) and the environment it runs in."""
     work, fmap = _work(tmp_path, f, {"get": ["tests/test_loop.py::test_get"]})
     (work / "src" / "pkg" / "__init__.py").write_text("")
     (work / "tests").mkdir()
-    (work / "tests" / "test_loop.py").write_text(
-        "from pkg import m\n\ndef test_get():\n    assert m.Box().get() == 1\n"
-    )
+    (work / "tests" / "test_loop.py").write_text(f"from pkg import m\n\ndef test_get():\n{body}")
     fmap.update(every=["tests/test_loop.py::test_get"], spawned=[], limit_base=2.0,
                 durations={"tests/test_loop.py::test_get": 0.1})  # fmt: skip
     (work / "focus.json").write_text(json.dumps(fmap))
-    assert f.limits(fmap["durations"], fmap["every"], 2.0) == {"tests/test_loop.py::test_get": 2.0 + 0.5 + 0.1}
     run = [sys.executable, str(FOCUS), "run", str(work), "--", sys.executable, "-m", "pytest", "-x", "-q",
-           "-p", "no:cacheprovider"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(work / "src")}
+           *pytest_flags, "-p", "no:cacheprovider"]  # fmt: skip
+    return work, fmap, run, {**os.environ, "PYTHONPATH": str(work / "src")}
+
+
+def test_a_mutant_that_loops_ends_at_its_tests_limit(tmp_path):
+    f = _focus()
+    work, fmap, run, env = _one_test_work(tmp_path, f, "    assert m.Box().get() == 1\n")
+    assert f.limits(fmap["durations"], fmap["every"], 2.0) == {"tests/test_loop.py::test_get": 2.0 + 0.5 + 0.1}
     src = work / "src" / "pkg" / "m.py"
     src.write_text(MODULE.replace("        return 1", "        while True:\n            pass"))
     t0 = time.perf_counter()
@@ -304,23 +309,15 @@ def test_a_child_the_tests_leave_running_ends_with_the_run(tmp_path):
     (a test's ``subprocess.run(timeout=...)`` child is not ended when pytest is) or by passing:
     the child holds pytest's stdout (``-s``) and sleeps for 300 s; ``run`` returns at once, and the child is gone."""
     f = _focus()
-    work, fmap = _work(tmp_path, f, {"get": ["tests/test_loop.py::test_get"]})
-    (work / "src" / "pkg" / "__init__.py").write_text("")
-    (work / "tests").mkdir()
-    (work / "tests" / "test_loop.py").write_text(
-        "import subprocess, sys\nfrom pathlib import Path\nfrom pkg import m\n\n"
-        "def test_get():\n"
+    body = (
+        "    import subprocess, sys\n"
+        "    from pathlib import Path\n"
         "    p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
         "    Path('child.pid').write_text(str(p.pid))\n"
         "    assert m.Box().get() == 1\n"
     )
-    fmap.update(every=["tests/test_loop.py::test_get"], spawned=[], limit_base=2.0,
-                durations={"tests/test_loop.py::test_get": 0.1})  # fmt: skip
-    (work / "focus.json").write_text(json.dumps(fmap))
     # -s: the child inherits pytest's own stdout, the pipe or file run reads pytest's output from
-    run = [sys.executable, str(FOCUS), "run", str(work), "--", sys.executable, "-m", "pytest", "-x", "-q", "-s",
-           "-p", "no:cacheprovider"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(work / "src")}
+    work, _, run, env = _one_test_work(tmp_path, f, body, "-s")
     src = work / "src" / "pkg" / "m.py"
     for body, rc, said in (
         ("while True:\n            pass", 1, "focus: timed out:"),
