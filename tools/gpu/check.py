@@ -29,6 +29,7 @@ CPU, to try the script without a GPU (the offload checks are then skipped).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -45,6 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-only", action="store_true", help="both contexts on the CPU (a dry run)")
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     args = ap.parse_args(argv)
+    # a crash in C prints the Python line it came from (the first device run died with a bare
+    # 'Segmentation fault' between the device checks and the buffers check)
+    faulthandler.enable()
 
     import pyllamacpp as pl
     from pyllamacpp import lib, state
@@ -76,6 +80,7 @@ def main(argv=None) -> int:
         if failed:
             return finish(args, results, failed)
 
+    stage("a synthetic model")
     tmp = Path(tempfile.mkdtemp(prefix="pyl-gpu-"))
     # big enough that a GPU decode is not all launch overhead, small enough to make in seconds
     path = make_model(
@@ -83,8 +88,10 @@ def main(argv=None) -> int:
     )
     toks = (np.arange(48, dtype=np.int32) * 37 + 11) % 2048
     kw = dict(n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=4, n_threads_batch=4, flash_attn="on")
+    stage("two models (CPU, GPU) and a context on each")
     with (
-        pl.Model(path) as m_cpu,
+        # n_gpu_layers=0: llama.cpp's default (-1) offloads every layer where a GPU is registered
+        pl.Model(path, n_gpu_layers=0) as m_cpu,
         pl.Model(path, n_gpu_layers=99 if gpu else 0) as m_gpu,
         m_cpu.context(**kw) as c_cpu,
         m_gpu.context(**kw) as c_gpu,
@@ -185,7 +192,10 @@ def main(argv=None) -> int:
         # 8 sequences: generate_parallel and the Scheduler against the same step loop in raw lib calls
         # (issue #15's GPU goal: Python-driven decode at least 0.95x native)
         n_par = 8
-        with m_gpu.context(**{**kw, "n_seq_max": n_par, "kv_unified": True}) as c_par:
+        # cells: the prompt once (every sequence's) and n_predict - 1 decoded tokens per sequence
+        n_ctx_par = max(kw["n_ctx"], -(-(toks.size + n_par * args.n_predict) // 256) * 256)
+        stage(f"{n_par} sequences, n_ctx {n_ctx_par}")
+        with m_gpu.context(**{**kw, "n_ctx": n_ctx_par, "n_seq_max": n_par, "kv_unified": True}) as c_par:
             par_rates: dict[str, list[float]] = {}
             for side in ("raw", "generate_parallel", "scheduler", "scheduler", "generate_parallel", "raw") * 2:
                 c_par.memory.clear()
@@ -311,8 +321,9 @@ def raw_parallel_loop(pl, lib, ctx, toks, n_seq, n):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, i, n_seq, i == toks.size - 1
             for s in range(n_seq):
                 b.seq_id[i][s] = s
-        if lib.llama_decode(ptr, b) != 0:
-            raise RuntimeError("prompt decode failed")
+        rc = lib.llama_decode(ptr, b)
+        if rc != 0:
+            raise RuntimeError(f"prompt decode failed: llama_decode returned {rc}")
         idx, pos, n_tok = [int(toks.size) - 1] * n_seq, int(toks.size), 0
         for step in range(n):
             toks_now = [lib.llama_sampler_sample(chains[s].ptr, ptr, idx[s]) for s in range(n_seq)]
@@ -322,12 +333,18 @@ def raw_parallel_loop(pl, lib, ctx, toks, n_seq, n):
             b.n_tokens = n_seq
             for s, t in enumerate(toks_now):
                 b.token[s], b.pos[s], b.n_seq_id[s], b.seq_id[s][0], b.logits[s] = t, pos, 1, s, 1
-            if lib.llama_decode(ptr, b) != 0:
-                raise RuntimeError("decode failed")
+            rc = lib.llama_decode(ptr, b)
+            if rc != 0:
+                raise RuntimeError(f"decode failed at step {step}: llama_decode returned {rc}")
             idx, pos = list(range(n_seq)), pos + 1
         return n_tok
     finally:
         lib.llama_batch_free(b)
+
+
+def stage(what: str) -> None:
+    """A line before each part that calls into llama.cpp: where a crash leaves no other trace."""
+    print(f"[stage] {what}", flush=True)
 
 
 def pl_generate(pl, ctx, toks, n):
@@ -354,8 +371,9 @@ def raw_loop(pl, lib, ctx, toks, n):
         for i in range(n):  # what generate does after its first token: n decodes, n - 1 samples
             b.n_tokens = 1
             b.token[0], b.pos[0], b.n_seq_id[0], b.seq_id[0][0], b.logits[0] = tok, pos, 1, 0, 1
-            if lib.llama_decode(ptr, b) != 0:
-                raise RuntimeError("decode failed")
+            rc = lib.llama_decode(ptr, b)
+            if rc != 0:
+                raise RuntimeError(f"decode failed at step {i}: llama_decode returned {rc}")
             if i < n - 1:
                 tok = lib.llama_sampler_sample(smpl.ptr, ptr, -1)
             pos += 1

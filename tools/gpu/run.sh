@@ -54,4 +54,4 @@ fi
 export PYTHONPATH=/tmp/pl:/tmp/site
 cd /tmp  # not the repo root: its pyllamacpp/ folder would shadow the installed package
 $PY -c "import pyllamacpp._lib as l; i = l.build_info(); print('installed:', i['pyllamacpp_version'], i.get('profile'), i['backends'], 'CPU variant', i['cpu_variant_loaded'], [d['name'] for d in i['devices']])"
-$PY "$REPO/tools/gpu/check.py" --out "$OUT" "${ARGS[@]}"
+$PY -X faulthandler "$REPO/tools/gpu/check.py" --out "$OUT" "${ARGS[@]}"
