@@ -421,6 +421,43 @@ def test_a_copy_cut_short_by_a_corrupt_chunk_is_let_go(model, tmp_path, monkeypa
     assert all(calls[i - 1] == ("seq_cp", (calls[i][1][0], 3, *calls[i][1][1:])) for i in cuts), calls
 
 
+@pytest.mark.parametrize(("n_ctx", "restored"), [(200, 65 + 39), (256, 65 + 39 + 78)])
+def test_a_load_let_go_at_the_end_of_the_cached_nodes_keeps_its_cells_out_of_the_spare(
+    model, tmp_path, monkeypatch, n_ctx, restored
+):
+    """Chunks of 13 tokens: the header node (39 tokens, the request's tokenization of HEADER) is
+    3 of them. The first branch's chunk past the header fails its checksum: it restores the
+    header, the second branch's load of the header's copy (its lookup found its chunks past it)
+    reads exactly the 39 cells the cache holds and is let go, as a load that ends inside them
+    is, so the branch copies the header from the cache. Those 39 cells stay taken until the
+    epoch ends: the third branch loads its copy only where the epoch has them spare besides (256
+    cells, not 200; counting them as spare, a load took that copy at 200 and overran the epoch
+    into a second one, every branch restored twice)."""
+    reqs = [(HEADER + d + "Where? ", " home") for d in LONG_DOCS]
+    args = dict(n_threads=1, n_seq_max=3, flash_attn="on", n_ctx=n_ctx)
+    base = pl.loglikelihood(model, reqs, **args)
+    store = PrefixStore(tmp_path / "store", chunk_size=13)
+    pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    with _ctx(model, flash_attn="on") as ctx:
+        key = store.keys(ctx, model.tokenize(HEADER + LONG_DOCS[0]))[3]  # positions 39-51
+    f = store.backend.find(key)
+    raw = bytearray(f.path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.path.write_bytes(bytes(raw))
+    from pyllamacpp.memory import Memory
+
+    calls: list[tuple[str, tuple]] = []
+    for name in ("seq_cp", "seq_rm"):
+        real = getattr(Memory, name)
+        monkeypatch.setattr(Memory, name, lambda self, *a, _n=name, _r=real: (calls.append((_n, a)), _r(self, *a))[1])
+    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    _same(second, base)
+    assert store.stats.corrupt == 1 and second.n_epochs == base.n_epochs == 0
+    assert second.n_restored == restored
+    # slot 1's copy to the graveyard (3) and cut, then the header from slot 0, before any other
+    assert calls[:3] == [("seq_cp", (1, 3, 0, -1)), ("seq_rm", (1, 0, -1)), ("seq_cp", (0, 1, 0, 39))], calls
+
+
 def test_a_stored_context_of_more_than_256_tokens_stops_before_its_last_row(model, tmp_path):
     """A context of 272 tokens (17 chunks) whose last token's row predicts both continuations: the
     store holds all of it, and the rerun restores 16 chunks and decodes the last one, whose last

@@ -190,13 +190,13 @@ class _Walk:
             return
         self.used += got
         self.stats.n_restored = (self.stats.n_restored or 0) + got
+        self.spare -= min(got, mem_end)  # the copy's cells; a load let go keeps them till the epoch ends
         if got <= mem_end:  # no more than the cache holds (a chunk gone since): let go of the copy
             mem = self.ctx.memory
             if self.grave >= 0:
                 mem.seq_cp(s, self.grave, 0, -1)
             mem.seq_rm(s, 0, -1)
             return
-        self.spare -= mem_end
         for i, node in enumerate(path):
             n = min(got - node.start, node.n_feed)
             if n <= 0:
