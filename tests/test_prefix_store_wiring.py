@@ -458,6 +458,36 @@ def test_a_load_let_go_at_the_end_of_the_cached_nodes_keeps_its_cells_out_of_the
     assert calls[:3] == [("seq_cp", (1, 3, 0, -1)), ("seq_rm", (1, 0, -1)), ("seq_cp", (0, 1, 0, 39))], calls
 
 
+def test_a_load_below_more_than_256_cached_nodes_stops_at_the_node_another_slot_feeds(model, tmp_path):
+    """The walk's state set by hand: a path of 265 one-token nodes whole in the cache (slot 0 holds
+    them) and a leaf of 45 tokens slot 0 has fed 16 of. Slot 1, given that path, would load past
+    the cached nodes only into cells no slot has or feeds: the leaf is slot 0's, so its load ends
+    where the cache's nodes end, less than a chunk past them, and the store is not asked. (Compared
+    with ``is``, which holds for Python's small ints only, the check at node 265 was skipped: the
+    load reached into the leaf slot 0 feeds.)"""
+    from pyllamacpp.evaluation._engine import Loglikelihoods
+    from pyllamacpp.evaluation._trie import _build, _finish_nodes, _path
+    from pyllamacpp.evaluation._walk import _Walk
+
+    chain = np.arange(100, 410, dtype=np.int32)
+    root, _ends, leaves = _build([chain[:k] for k in range(1, 266)] + [chain])
+    _finish_nodes(root)
+    path = _path(leaves[-1])
+    assert len(path) == 266 and path[-1].tokens.size == 45
+    for node in path[:-1]:
+        node.n_dec, node.holders = node.n_feed, {0}
+    path[-1].n_dec, path[-1].owner = 16, 0
+    store = PrefixStore(tmp_path / "store", chunk_size=16)
+    asked: list[int] = []
+    real = store.stored
+    store.stored = lambda ctx, toks: (asked.append(len(toks)), real(ctx, toks))[1]
+    with _ctx(model, n_seq_max=3, n_ctx=1024) as ctx:
+        walk = _Walk(ctx, leaves, 2, 2, 1024, Loglikelihoods([None]), store=store)
+        walk.paths[1], walk.spare = path, 1024
+        walk._restore(1)
+        assert asked == [] and walk.held[1] == 0 and path[-1].n_dec == 16 and path[-1].owner == 0
+
+
 def test_a_stored_context_of_more_than_256_tokens_stops_before_its_last_row(model, tmp_path):
     """A context of 272 tokens (17 chunks) whose last token's row predicts both continuations: the
     store holds all of it, and the rerun restores 16 chunks and decodes the last one, whose last
