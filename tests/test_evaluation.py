@@ -1721,6 +1721,22 @@ def test_a_slot_past_256_nodes_whose_leaf_another_slot_scored_copies_the_node_it
         assert np.array_equal(r.logprobs, o.logprobs)
 
 
+def test_a_slot_whose_batch_is_full_claims_no_node_for_the_next(model):
+    """Two slots, batches of 16. Slot 0's first leaf feeds 15 tokens, slot 1 starts the shared
+    node X (17 tokens) with the last cell of the batch; slot 0, given the next leaf under X, waits
+    while slot 1 feeds X's other 16, which fill the second batch. In the third, slot 0 copies X and
+    feeds the node after it (Y) and its leaf, slot 1 joins Y and feeds its own: three decodes. (A
+    slot that went on at room 0 claimed Y with an empty piece: slot 0 waited on it a batch more,
+    and a fourth decode fed its leaf.)"""
+    x, y = list(range(100, 117)), list(range(200, 204))
+    reqs = [(list(range(10, 25)), [25]), (x[:-1], [x[-1]]), (x + y + [300], [301]), (x + y + [400], [401])]
+    res = pl.loglikelihood(model, reqs, n_ctx=256, n_batch=16, n_seq_max=2, **T)
+    assert (res.n_seq, res.n_decoded, res.n_decodes, res.n_epochs) == (2, 38, 3, 0)
+    one = pl.loglikelihood(model, reqs, n_ctx=256, n_batch=16, n_seq_max=1, **T)
+    for r, o in zip(res, one):
+        assert np.array_equal(r.logprobs, o.logprobs)
+
+
 def test_a_leaf_of_300_tokens_let_go_owes_no_cells_to_the_epoch(model):
     """One slot: a leaf of 300 tokens to feed, then two of 10 in 400 cells. The first leaf is let
     go when the second starts; the third fits the epoch (320 cells in all), no new epoch (a count
