@@ -121,7 +121,7 @@ def test_kills_and_named_survivors_of_unchanged_code_carry_at_their_new_places_a
     # c's named survivor; b's changed code, the other survivor and the new function run again
     kills = {"new-a+": "KILLED", "new-c-": "KILLED", "new-c3+": "KILLED", "new-c3-": "KILLED"}
     assert got == {**kills, "new-cy": "SURVIVED"}
-    assert outputs["new-c3+"] == "out c3+" and outputs["new-c3-"] == "out c3-"
+    assert outputs["new-c3+"] == f"{carry.CARRIED}\nout c3+" and outputs["new-c3-"] == f"{carry.CARRIED}\nout c3-"
 
 
 def test_a_unit_is_its_code_without_docstrings():
@@ -264,6 +264,37 @@ def test_a_stop_puts_back_the_mutants_it_cut_off_and_keeps_every_result(tmp_path
     assert carry._rel(f"src/{REL}") == carry._rel(f"/w/src/{REL}") == REL
 
 
+def test_the_kills_a_run_carries_from_a_ledger_stay_when_it_starts(tmp_path, monkeypatch):
+    """A ledger keeps no pytest text: a kill's output there is empty or focus.py's line alone, what
+    a stop leaves of a test run it cut off. The run that carries them from the ledger marks each as
+    carried, and the clean-up of its start (``_unreached``) keeps them: it had put back every kill
+    carried from a ledger (a fresh machine ran all of them again, 883 of the trie group's)."""
+    monkeypatch.syspath_prepend(str(CARRY.parent))
+    run = load_tool(REPO / "tools" / "mutation" / "run.py", "mutation_run")
+    carry = load_tool(CARRY, "mutation_carry")
+    old, ledger = tmp_path / "old.sqlite", tmp_path / "g.jsonl"
+    _session(old, OLD, MUTANTS, {"a+": "KILLED", "c-": "KILLED", "c3+": "KILLED", "c3-": "KILLED", "cy": "SURVIVED"})
+    db = sqlite3.connect(old)
+    db.execute("UPDATE work_results SET output = 'focus: 3 of 9 tests for line 5 of a in m.py\nF' WHERE job_id = 'a+'")
+    db.execute("UPDATE work_results SET output = 'timeout' WHERE job_id = 'c-'")
+    db.execute("UPDATE work_results SET output = 'focus: timed out: t1 after 9 s' WHERE job_id = 'c3+'")
+    db.commit()
+    db.close()
+    carry.write_ledger(old, "abc123", ledger, (run.NO_TEST, run.TIMED_OUT))
+    _meta, rows = carry.read_ledger(ledger)
+    assert sorted(r[8] for r in rows) == ["", "", "", "focus: timed out: t1 after 9 s", "timeout"]
+    new = tmp_path / "new.sqlite"
+    _session(new, NEW, [(f"new-{j}", *rest) for j, *rest in MUTANTS], {})
+    assert carry.carry(rows, {REL: OLD}, new, {REL: NEW}) == (4, 0)
+    assert run._unreached(new) == 0
+    db = sqlite3.connect(new)
+    got = dict(db.execute("SELECT job_id, output FROM work_results").fetchall())
+    db.close()
+    assert set(got) == {"new-a+", "new-c-", "new-c3+", "new-c3-"}
+    assert got["new-c-"] == "timeout" and got["new-c3+"] == f"{carry.CARRIED}\nfocus: timed out: t1 after 9 s"
+    assert got["new-a+"] == got["new-c3-"] == f"{carry.CARRIED}\n"
+
+
 def test_a_name_tells_two_lines_that_mutate_to_the_same_text_apart_by_what_they_were():
     """``to`` is matched in a mutant's + lines and ``from`` in its - lines: two loops of one
     function that both become ``for k in []:`` are one name's with ``from``, both without it."""
@@ -303,4 +334,4 @@ def test_mutants_of_one_text_carry_only_where_each_of_them_has_its_result(tmp_pa
     db = sqlite3.connect(new)
     outputs = dict(db.execute("SELECT job_id, output FROM work_results").fetchall())
     db.close()
-    assert outputs == {"new-f*": "out f*", "new-g*": "out g*"}  # f+ and g+ run again
+    assert outputs == {"new-f*": f"{carry.CARRIED}\nout f*", "new-g*": f"{carry.CARRIED}\nout g*"}  # f+, g+ run again

@@ -35,6 +35,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+CARRIED = "carried: the result of the same mutant at the last run"
+
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:
     for node in ast.walk(tree):
@@ -165,7 +167,9 @@ def carry(
                 *_, worker, output, test, diff, where = olds[key].pop(0)
                 if test == "SURVIVED" and not equivalent(r0, op, where, diff):
                     continue  # runs again, against HEAD's tests
-                out.append((worker, output, test, diff, job))
+                # the first line says it was carried: a ledger keeps no pytest text, and a kill with
+                # nothing but focus.py's lines is one a stop cut off (run.py's _unreached drops it)
+                out.append((worker, output if output == "timeout" else f"{CARRIED}\n{output or ''}", test, diff, job))
         db.executemany(
             "INSERT INTO work_results (worker_outcome, output, test_outcome, diff, job_id) VALUES (?, ?, ?, ?, ?)", out
         )
