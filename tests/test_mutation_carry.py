@@ -313,17 +313,17 @@ def test_a_name_tells_two_lines_that_mutate_to_the_same_text_apart_by_what_they_
 
 
 def test_mutants_of_one_text_carry_only_where_each_of_them_has_its_result(tmp_path):
-    """Two methods of a class with the same line (one unit, one text): where the last run has a
+    """A method with two lines written twice (one unit, one text each): where the last run has a
     result for the second one only, neither carries (paired in order, the first got the second's);
     where it has both, they pair in order."""
     carry = _load()
     text = (
-        "class K:\n    def f(self, x):\n        y = x * 2\n        return x + 1\n\n"
-        "    def g(self, x):\n        y = x * 2\n        return x + 1\n"
+        "class K:\n    def f(self, x):\n        y = x * 2\n        x = x + 1\n"
+        "        y = x * 2\n        x = x + 1\n        return x + y\n"
     )
     rows = [
-        ("f+", "core/ReplaceBinaryOperator_Add_Sub", 0, "return x + 1", "+", 0),
-        ("g+", "core/ReplaceBinaryOperator_Add_Sub", 1, "return x + 1", "+", 1),
+        ("f+", "core/ReplaceBinaryOperator_Add_Sub", 0, "x = x + 1", "+", 0),
+        ("g+", "core/ReplaceBinaryOperator_Add_Sub", 1, "x = x + 1", "+", 1),
         ("f*", "core/ReplaceBinaryOperator_Mul_Add", 0, "y = x * 2", "*", 0),
         ("g*", "core/ReplaceBinaryOperator_Mul_Add", 1, "y = x * 2", "*", 1),
     ]
@@ -335,3 +335,35 @@ def test_mutants_of_one_text_carry_only_where_each_of_them_has_its_result(tmp_pa
     outputs = dict(db.execute("SELECT job_id, output FROM work_results").fetchall())
     db.close()
     assert outputs == {"new-f*": f"{carry.CARRIED}\nout f*", "new-g*": f"{carry.CARRIED}\nout g*"}  # f+, g+ run again
+
+
+def test_each_method_of_a_class_is_a_unit_of_its_own(tmp_path):
+    """An edit of one method runs that method's mutants again and carries the other methods' (the
+    trie's ``_Walk`` is one class: a one-line fix in ``_restore`` ran all its methods' again); an
+    edit of the class's own attributes carries every method's."""
+    carry = _load()
+    old = (
+        "class K:\n    size = 2\n\n    def f(self, x):\n        return x + 1\n\n"
+        "    def g(self, x):\n        return x * 2\n"
+    )
+    spans, code = carry.units(old)
+    assert [s[0] for s in spans] == ["K.f", "K.g", "K"] and spans[0][1:] == (4, 5) and spans[2][1:] == (1, 8)
+    assert carry._unit_at(spans, 5) == "K.f" and carry._unit_at(spans, 2) == "K"
+    rows = [
+        ("f+", "core/ReplaceBinaryOperator_Add_Sub", 0, "return x + 1", "+", 0),
+        ("g*", "core/ReplaceBinaryOperator_Mul_Add", 0, "return x * 2", "*", 0),
+    ]
+    edited = [rows[0], ("g*", "core/ReplaceBinaryOperator_Mul_Add", 0, "return x * 2 + 0", "*", 0)]
+    for new_text, new_rows, carried in (
+        (old.replace("x * 2", "x * 2 + 0"), edited, {"new-f+"}),  # g edited
+        (old.replace("size = 2", "size = 3"), rows, {"new-f+", "new-g*"}),  # the class's attribute
+    ):
+        a, b = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+        for p in (a, b):
+            p.unlink(missing_ok=True)
+        _session(a, old, rows, {"f+": "KILLED", "g*": "KILLED"})
+        _session(b, new_text, [(f"new-{j}", *rest) for j, *rest in new_rows], {})
+        assert carry.carry(carry.old_results(a), {REL: old}, b, {REL: new_text}) == (len(carried), 0)
+        db = sqlite3.connect(b)
+        assert {j for (j,) in db.execute("SELECT job_id FROM work_results")} == carried
+        db.close()

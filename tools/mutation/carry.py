@@ -6,13 +6,14 @@ go on at the commit it began. A new run (``cosmic-ray init`` at HEAD) carries ov
 run, the result of each mutant that is the same mutant of the same code:
 
 - the same operator on the same text (the mutated span and its whole line) in the same module;
-- inside a top-level ``def`` or ``class`` whose code is the same at both commits (its ``ast`` with
-  the docstrings left out, so an edited docstring or a moved function keeps its results, and any
-  other edit in it runs all its mutants again); module-level code counts as one unit;
-- several such mutants (one number replaced two ways, one line written twice, in one function or
-  in two methods of a class) pair in order, and only where the last run has a result for each of
-  them: where some of them were not run, which result was whose is not known (pairing in order
-  gave one mutant the result of another line's), and all of them run again.
+- inside a unit whose code is the same at both commits (its ``ast`` with the docstrings left out,
+  so an edited docstring or a moved function keeps its results, and any other edit in it runs all
+  its mutants again): a top-level ``def``, a method of a top-level ``class`` (the rest of the class,
+  its bases, decorators and attributes, is one unit, and module-level code is one);
+- several such mutants (one number replaced two ways, one line written twice in one function)
+  pair in order, and only where the last run has a result for each of them: where some of them
+  were not run, which result was whose is not known (pairing in order gave one mutant the result
+  of another line's), and all of them run again.
 
 The last run is its session (``build/mutation/<target>/session.sqlite``) where this machine has
 one, else the group's ledger (``tools/mutation/ledger/<target>.jsonl``, :func:`write_ledger`): its
@@ -29,6 +30,7 @@ functions, unsampled) are decided afresh by the new run's filters.
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import sqlite3
 from collections import defaultdict
@@ -53,17 +55,37 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
 
 
 def units(text: str) -> tuple[list[tuple[str, int, int]], dict[str, str]]:
-    """The module's top-level units: ``[(name, first line, last line)]`` of its ``def``s and
-    ``class``es (decorators included), and per name (``<module>`` for the rest) its code as
-    ``ast.dump`` without docstrings or line numbers."""
+    """The module's units: ``[(name, first line, last line)]`` of its top-level ``def``s, of each
+    method of its top-level ``class``es (``Class.method``), and of the classes (decorators
+    included; a method's span comes before its class's, which holds the rest of the class), and
+    per name (``<module>`` for the rest) its code as ``ast.dump`` without docstrings or line
+    numbers."""
     tree = ast.parse(text)
     spans, rest = [], []
     code: dict[str, str] = {}
+
+    def add(name: str, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> None:
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        spans.append((name, first, node.end_lineno or node.lineno))
+
+    def dump(node: ast.AST) -> str:
+        return ast.dump(_strip_docstrings(ast.parse(ast.unparse(node))))
+
     for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            spans.append((node.name, first, node.end_lineno or node.lineno))
-            code[node.name] = ast.dump(_strip_docstrings(ast.parse(ast.unparse(node))))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            add(node.name, node)
+            code[node.name] = dump(node)
+        elif isinstance(node, ast.ClassDef):
+            # each method a unit of its own: an edit of one method runs its mutants again, not the
+            # class's (the trie's _Walk is most of its group's mutants)
+            methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            for m in methods:
+                add(f"{node.name}.{m.name}", m)
+                code[f"{node.name}.{m.name}"] = dump(m)
+            add(node.name, node)
+            shell = copy.copy(node)  # the class less its methods: its bases, decorators and attributes
+            shell.body = [n for n in node.body if n not in methods] or [ast.Pass()]
+            code[node.name] = dump(shell)
         else:
             rest.append(node)
     code["<module>"] = ast.dump(_strip_docstrings(ast.Module(body=rest, type_ignores=[])))
