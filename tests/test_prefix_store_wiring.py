@@ -387,18 +387,16 @@ def test_copies_of_cached_nodes_take_only_the_cells_the_epoch_has_spare(model, t
     assert second.n_epochs == base.n_epochs == 0 and second.n_restored == 64 + 64 * copies
 
 
-def test_a_copy_cut_short_by_a_corrupt_chunk_is_let_go(model, tmp_path, monkeypatch):
-    """The lookup found a branch's chunks, but one fails its checksum when read: the load ends
-    inside the header the cache holds, so the branch lets go of its partial copy and copies the
-    header from the cache; the numbers stay bit-identical."""
-    reqs = [(HEADER + d + "Where? ", " home") for d in LONG_DOCS]
-    args = dict(n_threads=1, n_seq_max=3, flash_attn="on", n_ctx=256)
+def _rerun_with_corrupt_chunks(model, tmp_path, monkeypatch, reqs, args, chunk_size, k, docs):
+    """``reqs`` without a store, then stored, then again with the ``k``-th chunk of HEADER + each
+    of ``docs`` corrupt (one byte flipped), the memory's seq_cp and seq_rm calls recorded: (the
+    first results, the last, the store, the calls)."""
     base = pl.loglikelihood(model, reqs, **args)
-    store = PrefixStore(tmp_path / "store", chunk_size=LL_CHUNK)
+    store = PrefixStore(tmp_path / "store", chunk_size=chunk_size)
     pl.loglikelihood(model, reqs, prefix_store=store, **args)
     with _ctx(model, flash_attn="on") as ctx:  # loglikelihood's identity: flash attention on, one stream
-        keys = [store.keys(ctx, model.tokenize(HEADER + d))[2] for d in LONG_DOCS]  # positions 32-47
-    for key in keys:  # each document's chunk across the header's end (40 tokens)
+        keys = [store.keys(ctx, model.tokenize(HEADER + d))[k] for d in docs]
+    for key in keys:
         f = store.backend.find(key)
         raw = bytearray(f.path.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
@@ -409,7 +407,19 @@ def test_a_copy_cut_short_by_a_corrupt_chunk_is_let_go(model, tmp_path, monkeypa
     for name in ("seq_cp", "seq_rm"):
         real = getattr(Memory, name)
         monkeypatch.setattr(Memory, name, lambda self, *a, _n=name, _r=real: (calls.append((_n, a)), _r(self, *a))[1])
-    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    return base, pl.loglikelihood(model, reqs, prefix_store=store, **args), store, calls
+
+
+def test_a_copy_cut_short_by_a_corrupt_chunk_is_let_go(model, tmp_path, monkeypatch):
+    """The lookup found a branch's chunks, but one fails its checksum when read: the load ends
+    inside the header the cache holds, so the branch lets go of its partial copy and copies the
+    header from the cache; the numbers stay bit-identical."""
+    reqs = [(HEADER + d + "Where? ", " home") for d in LONG_DOCS]
+    args = dict(n_threads=1, n_seq_max=3, flash_attn="on", n_ctx=256)
+    # each document's chunk across the header's end (40 tokens): positions 32-47
+    base, second, store, calls = _rerun_with_corrupt_chunks(
+        model, tmp_path, monkeypatch, reqs, args, LL_CHUNK, 2, LONG_DOCS
+    )
     _same(second, base)
     # the first branch restores 32 tokens and decodes the header's end; each other one finds its
     # 4 chunks by lookup but reads 2 before the corrupt one: 32 loaded, let go
@@ -435,22 +445,10 @@ def test_a_load_let_go_at_the_end_of_the_cached_nodes_keeps_its_cells_out_of_the
     into a second one, every branch restored twice)."""
     reqs = [(HEADER + d + "Where? ", " home") for d in LONG_DOCS]
     args = dict(n_threads=1, n_seq_max=3, flash_attn="on", n_ctx=n_ctx)
-    base = pl.loglikelihood(model, reqs, **args)
-    store = PrefixStore(tmp_path / "store", chunk_size=13)
-    pl.loglikelihood(model, reqs, prefix_store=store, **args)
-    with _ctx(model, flash_attn="on") as ctx:
-        key = store.keys(ctx, model.tokenize(HEADER + LONG_DOCS[0]))[3]  # positions 39-51
-    f = store.backend.find(key)
-    raw = bytearray(f.path.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    f.path.write_bytes(bytes(raw))
-    from pyllamacpp.memory import Memory
-
-    calls: list[tuple[str, tuple]] = []
-    for name in ("seq_cp", "seq_rm"):
-        real = getattr(Memory, name)
-        monkeypatch.setattr(Memory, name, lambda self, *a, _n=name, _r=real: (calls.append((_n, a)), _r(self, *a))[1])
-    second = pl.loglikelihood(model, reqs, prefix_store=store, **args)
+    # the first document's chunk past the header: positions 39-51
+    base, second, store, calls = _rerun_with_corrupt_chunks(
+        model, tmp_path, monkeypatch, reqs, args, 13, 3, LONG_DOCS[:1]
+    )
     _same(second, base)
     assert store.stats.corrupt == 1 and second.n_epochs == base.n_epochs == 0
     assert second.n_restored == restored
