@@ -293,6 +293,13 @@ def test_the_kills_a_run_carries_from_a_ledger_stay_when_it_starts(tmp_path, mon
     assert set(got) == {"new-a+", "new-c-", "new-c3+", "new-c3-"}
     assert got["new-c-"] == "timeout" and got["new-c3+"] == f"{carry.CARRIED}\nfocus: timed out: t1 after 9 s"
     assert got["new-a+"] == got["new-c3-"] == f"{carry.CARRIED}\n"
+    # carried again from that session (the same machine's next run): marked once
+    again = tmp_path / "again.sqlite"
+    _session(again, NEW, [(f"again-{j}", *rest) for j, *rest in MUTANTS], {})
+    assert carry.carry(carry.old_results(new), {REL: NEW}, again, {REL: NEW}) == (4, 0)
+    db = sqlite3.connect(again)
+    assert db.execute("SELECT output FROM work_results WHERE job_id = 'again-a+'").fetchone() == (f"{carry.CARRIED}\n",)
+    db.close()
 
 
 def test_a_name_tells_two_lines_that_mutate_to_the_same_text_apart_by_what_they_were():

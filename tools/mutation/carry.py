@@ -191,7 +191,9 @@ def carry(
                     continue  # runs again, against HEAD's tests
                 # the first line says it was carried: a ledger keeps no pytest text, and a kill with
                 # nothing but focus.py's lines is one a stop cut off (run.py's _unreached drops it)
-                out.append((worker, output if output == "timeout" else f"{CARRIED}\n{output or ''}", test, diff, job))
+                if output != "timeout" and not (output or "").startswith(CARRIED):
+                    output = f"{CARRIED}\n{output or ''}"
+                out.append((worker, output, test, diff, job))
         db.executemany(
             "INSERT INTO work_results (worker_outcome, output, test_outcome, diff, job_id) VALUES (?, ?, ?, ?, ?)", out
         )
