@@ -453,6 +453,8 @@ def test_a_load_let_go_at_the_end_of_the_cached_nodes_keeps_its_cells_out_of_the
     assert store.stats.corrupt == 1 and second.n_epochs == base.n_epochs == 0
     assert second.n_restored == restored
     # slot 1's copy to the graveyard (3) and cut, then the header from slot 0, before any other
+    # (a copy of a sequence into itself, which llama.cpp returns from at once, left out)
+    calls = [c for c in calls if not (c[0] == "seq_cp" and c[1][0] == c[1][1])]
     assert calls[:3] == [("seq_cp", (1, 3, 0, -1)), ("seq_rm", (1, 0, -1)), ("seq_cp", (0, 1, 0, 39))], calls
 
 
