@@ -1646,6 +1646,22 @@ def test_a_leaf_goes_to_the_free_slot_that_holds_most_of_its_path(model, copies)
     assert sum(p1 - p0 for _, _, p0, p1 in between) == 8 and res.n_decoded == 91
 
 
+def test_a_leaf_goes_to_the_free_slot_that_holds_one_node_of_its_path(model, copies):
+    """Two slots: slot 0 scores a leaf of its own, slot 1 a node of 4 tokens and a leaf under it.
+    Both free, the next leaf (under that node) goes to slot 1, which holds the node, not to slot 0
+    with a copy of it (a best count that began at 1, not -1, passed over a slot holding one node:
+    slot 0 took the leaf and copied [0, 4) from slot 1)."""
+    a = [100, 101, 102, 103]
+    reqs = [([5], [6]), (a + [200], [201]), (a + [300], [301])]
+    res = pl.loglikelihood(model, reqs, n_seq_max=2, **T)
+    grave = 2  # the graveyard sequence, after the 2 slots
+    assert res.n_seq == 2 and res.n_decoded == 7 and copies
+    assert [c for c in copies if grave not in c[:2]] == []
+    one = pl.loglikelihood(model, reqs, n_seq_max=1, **T)
+    for r, o in zip(res, one):
+        assert np.array_equal(r.logprobs, o.logprobs)
+
+
 def test_a_context_of_two_unified_sequences_gives_one_slot_and_the_graveyard(model, reference, copies):
     """n_seq_max 2 with kv_unified: one slot walks the trie and sequence 1 keeps the cells of the
     branches it cuts (llama_memory_seq_cp there first), so no cell is free again in the epoch."""
