@@ -531,6 +531,41 @@ def test_ctrl_c_while_results_are_reported_keeps_those_not_reported_yet(model, m
         assert np.array_equal(a.logprobs, b.logprobs)
 
 
+@pytest.mark.parametrize("end", ["whole", "ctrl-c"])
+def test_seconds_is_the_clocks_difference_even_on_a_clock_started_just_before(model, monkeypatch, end):
+    """`seconds` is end - start of perf_counter, whatever the clock's origin: here one at 0.25 s
+    that moves 1.5 s a reading, as a machine booted just before the run has (start % end would
+    pass for a difference while the run is shorter than the uptime at its start)."""
+    import types
+
+    from pyllamacpp.evaluation import _engine
+
+    reads: list[float] = []
+
+    def perf_counter() -> float:
+        reads.append(0.25 + 1.5 * len(reads))
+        return reads[-1]
+
+    monkeypatch.setattr(_engine, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    reqs = few_shot()[:4]
+    if end == "whole":
+        res = pl.loglikelihood(model, reqs, **T)
+        assert len(reads) == 2 and res.seconds == reads[1] - reads[0] == 1.5
+        return
+    real, calls = _engine._result, []
+
+    def result(*a):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(_engine, "_result", result)
+    with pytest.raises(KeyboardInterrupt) as e:
+        pl.loglikelihood(model, reqs, **T)
+    assert len(reads) == 3 and e.value.results.seconds == reads[1] - reads[0] == 1.5  # read at the interrupt
+
+
 def test_progress_bar_on_stderr(model, capsys):
     reqs = few_shot()[:4]
     pl.loglikelihood(model, reqs, progress=True, **T)
