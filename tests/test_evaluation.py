@@ -599,6 +599,30 @@ def test_progress_by_tokens_for_one_long_request(model, monkeypatch):
     assert short.getvalue() == ""
 
 
+def test_the_bar_comes_at_exactly_the_threshold_of_tokens(model, monkeypatch):
+    """Work of exactly `_PROGRESS_TOKENS` tokens to decode shows the bar on a terminal; one token
+    fewer than the threshold does not."""
+    from pyllamacpp.evaluation import _engine
+
+    real, n_feed = _engine._trie_tokens, []
+
+    def count(root):
+        n_feed.append(real(root))
+        return n_feed[-1]
+
+    monkeypatch.setattr(_engine, "_trie_tokens", count)
+    reqs = [("The sky is", " blue")]
+    said = []
+    for threshold in (None, "n", "n + 1"):
+        if threshold is not None:
+            monkeypatch.setattr(_engine, "_PROGRESS_TOKENS", n_feed[0] + (threshold == "n + 1"))
+        err = _Terminal()
+        monkeypatch.setattr(sys, "stderr", err)
+        pl.loglikelihood(model, reqs, **T)
+        said.append("loglikelihood" in err.getvalue())
+    assert 2 < n_feed[0] < 2048 and said == [False, True, False]
+
+
 def test_the_bar_counts_every_request_scored_by_one_shared_row(model, monkeypatch):
     """Three one-token continuations of one context are scored by its last row, the first as the
     row's target, the others from the same row again: the bar says 3/3 requests before it closes."""
