@@ -389,8 +389,9 @@ def test_copies_of_cached_nodes_take_only_the_cells_the_epoch_has_spare(model, t
 
 def _rerun_with_corrupt_chunks(model, tmp_path, monkeypatch, reqs, args, chunk_size, k, docs):
     """``reqs`` without a store, then stored, then again with the ``k``-th chunk of HEADER + each
-    of ``docs`` corrupt (one byte flipped), the memory's seq_cp and seq_rm calls recorded: (the
-    first results, the last, the store, the calls)."""
+    of ``docs`` corrupt (one byte flipped), the memory's seq_cp and seq_rm calls recorded with
+    their range as llama.cpp reads it (p0 below 0 is 0, p1 below 0 is -1, to the end): (the first
+    results, the last, the store, the calls)."""
     base = pl.loglikelihood(model, reqs, **args)
     store = PrefixStore(tmp_path / "store", chunk_size=chunk_size)
     pl.loglikelihood(model, reqs, prefix_store=store, **args)
@@ -404,9 +405,16 @@ def _rerun_with_corrupt_chunks(model, tmp_path, monkeypatch, reqs, args, chunk_s
     from pyllamacpp.memory import Memory
 
     calls: list[tuple[str, tuple]] = []
+
+    def read(a: tuple) -> tuple:
+        *seqs, p0, p1 = a
+        return (*seqs, max(p0, 0), p1 if p1 >= 0 else -1)
+
     for name in ("seq_cp", "seq_rm"):
         real = getattr(Memory, name)
-        monkeypatch.setattr(Memory, name, lambda self, *a, _n=name, _r=real: (calls.append((_n, a)), _r(self, *a))[1])
+        monkeypatch.setattr(
+            Memory, name, lambda self, *a, _n=name, _r=real: (calls.append((_n, read(a))), _r(self, *a))[1]
+        )
     return base, pl.loglikelihood(model, reqs, prefix_store=store, **args), store, calls
 
 
