@@ -101,6 +101,22 @@ def test_epochs_when_the_cells_run_out_keep_the_results(model, reference):
         assert np.array_equal(r.logprobs, lps)
 
 
+def test_a_new_epoch_has_exactly_n_ctx_cells(model):
+    """Three requests of token ids, nothing shared: 200, 129 and 128 tokens to feed in 256 cells.
+    The first fills its epoch; the second and third need 257 together, one cell more than an
+    epoch has, so each gets an epoch of its own (a new epoch counting from -1 took both into one
+    and fed 257 tokens into 256 cells)."""
+    rng = np.random.default_rng(7)
+    reqs = [
+        (np.concatenate([[first], rng.integers(100, 5000, n - 1)]).astype(np.int32), np.array([42], np.int32))
+        for first, n in ((10, 200), (20, 129), (30, 128))
+    ]
+    res = pl.loglikelihood(model, reqs, n_ctx=256, n_seq_max=3, **T)
+    assert res.n_ctx == 256 and res.n_decoded == 200 + 129 + 128 and res.n_epochs == 2
+    for r, (lps, _) in zip(res, alone(model, [(np.concatenate(q), q[0].size) for q in reqs])):
+        assert np.array_equal(r.logprobs, lps)
+
+
 def test_a_continuation_scored_against_another_prefix_would_be_seen(model, reference):
     # the comparison above is sharp enough: the same endings after another question differ by far
     # more than 0 (they would, if the trie mixed up two branches of one node)
