@@ -519,22 +519,29 @@ def test_ctrl_c_keeps_what_was_scored(model, sigint_raises):
         assert 0 < counts["n_decoded"] < full.n_decoded and counts["n_decodes"] == 3 and counts["seconds"] > 0
 
 
-def test_ctrl_c_while_results_are_reported_keeps_those_not_reported_yet(model, monkeypatch):
-    """Ctrl-C after a decode whose rows completed every request, while the second of them is
-    being reported: the part holds all of them, reported or not (their log-probabilities are in)."""
+def _ctrl_c_at_result(monkeypatch, n: int) -> None:
+    """The engine's ``_result`` raises KeyboardInterrupt at its ``n``-th call (a Ctrl-C while a
+    result is reported), and works at the others."""
     from pyllamacpp.evaluation import _engine
 
-    reqs = few_shot()[:4]
-    full = pl.loglikelihood(model, reqs, **T)
     real, calls = _engine._result, []
 
     def result(*a):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == n:
             raise KeyboardInterrupt
         return real(*a)
 
     monkeypatch.setattr(_engine, "_result", result)
+
+
+def test_ctrl_c_while_results_are_reported_keeps_those_not_reported_yet(model, monkeypatch):
+    """Ctrl-C after a decode whose rows completed every request, while the second of them is
+    being reported: the part holds all of them, reported or not (their log-probabilities are in)."""
+
+    reqs = few_shot()[:4]
+    full = pl.loglikelihood(model, reqs, **T)
+    _ctrl_c_at_result(monkeypatch, 2)
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt) as e:
         pl.loglikelihood(model, reqs, **T)
@@ -550,7 +557,7 @@ def test_ctrl_c_while_results_are_reported_keeps_those_not_reported_yet(model, m
 @pytest.mark.parametrize("end", ["whole", "ctrl-c"])
 def test_seconds_is_the_clocks_difference_even_on_a_clock_started_just_before(model, monkeypatch, end):
     """`seconds` is end - start of perf_counter, whatever the clock's origin: here one at 0.25 s
-    that moves 1.5 s a reading, as a machine booted just before the run has (start % end would
+    that moves 1.5 s a reading, as a machine booted just before the run has (end % start would
     pass for a difference while the run is shorter than the uptime at its start)."""
     import types
 
@@ -568,15 +575,7 @@ def test_seconds_is_the_clocks_difference_even_on_a_clock_started_just_before(mo
         res = pl.loglikelihood(model, reqs, **T)
         assert len(reads) == 2 and res.seconds == reads[1] - reads[0] == 1.5
         return
-    real, calls = _engine._result, []
-
-    def result(*a):
-        calls.append(1)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        return real(*a)
-
-    monkeypatch.setattr(_engine, "_result", result)
+    _ctrl_c_at_result(monkeypatch, 1)
     with pytest.raises(KeyboardInterrupt) as e:
         pl.loglikelihood(model, reqs, **T)
     assert len(reads) == 3 and e.value.results.seconds == reads[1] - reads[0] == 1.5  # read at the interrupt
